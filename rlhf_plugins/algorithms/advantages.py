@@ -1,0 +1,119 @@
+"""Advantage estimators: rewards (and values) -> per-token advantages and returns.
+
+Samples of one prompt are contiguous in the batch (``B = prompts * group_size``),
+completions are right-padded and ``action_mask`` marks their tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .numerics import masked_whiten
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator sees. ``scores`` is the combined sequence reward ``[B]``;
+    ``kl_penalty`` (``[B, T]``, already scaled by the KL coefficient) is set when KL
+    is applied in the reward; ``values`` (``[B, T]``) when a critic runs."""
+
+    scores: torch.Tensor
+    action_mask: torch.Tensor
+    group_size: int = 1
+    gamma: float = 1.0
+    lam: float = 0.95
+    values: torch.Tensor | None = None
+    kl_penalty: torch.Tensor | None = None
+
+    def token_rewards(self) -> torch.Tensor:
+        """The sequence score on each completion's last token, minus the KL penalty."""
+        mask = self.action_mask.to(self.scores.dtype)
+        rewards = torch.zeros_like(mask)
+        last = (mask.sum(-1).long() - 1).clamp(min=0)
+        rewards.scatter_(1, last[:, None], self.scores[:, None].to(rewards.dtype))
+        if self.kl_penalty is not None:
+            rewards = rewards - self.kl_penalty * mask
+        return rewards * mask
+
+    def sequence_scores(self) -> torch.Tensor:
+        """Scores minus the summed KL penalty: what sequence-level estimators use."""
+        if self.kl_penalty is None:
+            return self.scores
+        return self.scores - (self.kl_penalty * self.action_mask).sum(-1)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % self.group_size:
+            raise ValueError(f"batch of {x.shape[0]} is not a multiple of the group size {self.group_size}")
+        return x.view(-1, self.group_size)
+
+    def broadcast(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        return per_sequence[:, None] * self.action_mask.to(per_sequence.dtype)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, zero past each completion's end."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (PPO with a critic); advantages whitened over the batch."""
+    if x.values is None:
+        raise ValueError("gae needs critic values")
+    mask = x.action_mask.to(x.values.dtype)
+    rewards = x.token_rewards()
+    values = x.values * mask
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    T = rewards.shape[1]
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + x.gamma * next_value - values[:, t]
+        last = (delta + x.gamma * x.lam * last) * mask[:, t]
+        advantages[:, t] = last
+    returns = (advantages + values) * mask
+    return masked_whiten(advantages, mask), returns
+
+
+def reinforce(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: token-level discounted returns (KL in the reward), globally whitened."""
+    mask = x.action_mask.to(x.scores.dtype)
+    returns = discounted_returns(x.token_rewards(), mask, x.gamma)
+    return masked_whiten(returns, mask), returns
+
+
+def reinforce_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group-mean score, then as REINFORCE++."""
+    scores = x.grouped(x.scores)
+    centred = (scores - scores.mean(-1, keepdim=True)).reshape(-1)
+    inputs = AdvantageInputs(centred, x.action_mask, x.group_size, x.gamma, x.lam, None, x.kl_penalty)
+    return reinforce(inputs)
+
+
+def group_norm(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (score - group mean) / (group std + eps), the same for every token."""
+    scores = x.grouped(x.sequence_scores())
+    adv = (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6)
+    adv = x.broadcast(adv.reshape(-1))
+    return adv, adv
+
+
+def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO: score minus group mean, no std division (pair with seq-mean-token-sum-norm)."""
+    scores = x.grouped(x.sequence_scores())
+    adv = x.broadcast((scores - scores.mean(-1, keepdim=True)).reshape(-1))
+    return adv, adv
+
+
+def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: score minus the mean of the *other* samples of the same prompt."""
+    scores = x.grouped(x.sequence_scores())
+    g = scores.shape[-1]
+    baseline = (scores.sum(-1, keepdim=True) - scores) / (g - 1)
+    adv = x.broadcast((scores - baseline).reshape(-1))
+    return adv, adv

@@ -1,0 +1,59 @@
+"""Masked reductions shared by every estimator and loss."""
+from __future__ import annotations
+
+import torch
+
+from . import AGGREGATIONS
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    x = x * mask
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise the masked entries of ``x`` to zero mean, unit (unbiased) variance."""
+    mean = masked_mean(x, mask)
+    n = mask.sum().clamp(min=2)
+    var = masked_sum((x - mean) ** 2, mask) / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar.
+
+    token-mean: every token of the batch weighs the same (DAPO).
+    seq-mean-token-mean: mean over each sequence's tokens, then over sequences (GRPO paper).
+    seq-mean-token-sum: sum over each sequence's tokens, then mean over sequences.
+    seq-mean-token-sum-norm: token sum divided by the generation budget ``T`` (Dr. GRPO).
+    """
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (masked_sum(loss, mask, dim=-1) / loss.shape[-1]).mean()
+    raise ValueError(f"unknown loss aggregation '{mode}'; choose one of: {', '.join(AGGREGATIONS)}")
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: str) -> float:
+    """Share of a micro batch in its mini batch, so that accumulated gradients equal
+    the gradient of the mini batch aggregated at once."""
+    if mode == "token-mean":
+        return float(micro_mask.sum()) / max(float(mini_mask.sum()), 1.0)
+    return micro_mask.shape[0] / mini_mask.shape[0]
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last unmasked token of each row (0 for an empty row)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=-1).values

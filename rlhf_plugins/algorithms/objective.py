@@ -1,0 +1,70 @@
+"""The training objective: policy loss + KL term - entropy bonus, aggregated.
+
+Built once before the first step from resolved components (plain functions), so
+the learner calls it without touching the plugin manager. It is a picklable
+dataclass: Ray learner workers receive it as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .numerics import aggregate, masked_mean, micro_batch_weight
+from .policy_losses import PolicyLossInputs
+
+
+@dataclass
+class Objective:
+    policy_loss: Callable[..., tuple[torch.Tensor, dict]]
+    options: Any  # PolicyLossConfig
+    kl_estimator: Callable[..., torch.Tensor] | None = None
+    #: KL coefficient of the loss term (0 when KL is applied in the reward)
+    kl_coef: float = 0.0
+
+    @property
+    def aggregation(self) -> str:
+        return self.options.aggregation
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.options.entropy_coef != 0.0
+
+    def weight(self, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
+        return micro_batch_weight(micro_mask, mini_mask, self.aggregation)
+
+    def __call__(
+        self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``outputs`` holds the learner's forward (``logprobs``, maybe ``entropy``)."""
+        logprobs = outputs["logprobs"]
+        entropy = outputs.get("entropy")
+        mask = batch["action_mask"].to(logprobs.dtype)
+        old = batch.get("old_logprobs")
+        inputs = PolicyLossInputs(
+            logprobs=logprobs,
+            old_logprobs=logprobs.detach() if old is None else old,
+            advantages=batch["advantages"],
+            action_mask=mask,
+            rollout_logprobs=batch.get("rollout_logprobs"),
+        )
+        per_token, metrics = self.policy_loss(inputs, self.options)
+        policy = aggregate(per_token, mask, self.aggregation)
+        loss = policy
+        metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+        metrics["loss/policy"] = policy.detach()
+        ref = batch.get("ref_logprobs")
+        if ref is not None and self.kl_estimator is not None:
+            kl = self.kl_estimator(logprobs, ref)
+            if self.kl_coef:
+                kl_loss = aggregate(kl, mask, self.aggregation)
+                loss = loss + self.kl_coef * kl_loss
+            metrics["kl"] = masked_mean(kl.detach(), mask)
+        if entropy is not None:
+            ent = aggregate(entropy, mask, self.aggregation)
+            if self.options.entropy_coef:
+                loss = loss - self.options.entropy_coef * ent
+            metrics["entropy"] = ent.detach()
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics

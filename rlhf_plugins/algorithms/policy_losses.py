@@ -1,0 +1,56 @@
+"""Policy-gradient surrogates. Each returns a per-token loss ``[B, T]`` and metrics;
+the objective aggregates it, so every loss supports every aggregation mode."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .numerics import masked_mean
+
+
+@dataclass
+class PolicyLossInputs:
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    action_mask: torch.Tensor
+    #: log-probs the generation engine reported while sampling (mismatch correction)
+    rollout_logprobs: torch.Tensor | None = None
+
+
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any) -> tuple[torch.Tensor, dict]:
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - o.clip_low, 1 + o.clip_high) * adv
+    loss = -torch.min(surr1, surr2)
+    clipped = (surr2 < surr1).float()
+    metrics = {}
+    if o.dual_clip is not None:
+        bound = -o.dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(adv < 0, torch.min(loss, bound), loss)
+        metrics["loss/dual_clip_frac"] = masked_mean(dual.float(), mask)
+    metrics["loss/clip_frac"] = masked_mean(clipped, mask)
+    return loss, metrics
+
+
+def ppo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate, asymmetric clip ``[1 - clip_low, 1 + clip_high]``,
+    optional dual clip bounding the loss of negative advantages by ``-c * A``."""
+    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    loss, metrics = _clipped(ratio, x.advantages, x.action_mask, o)
+    metrics["loss/ratio_mean"] = masked_mean(ratio.detach(), x.action_mask)
+    return loss, metrics
+
+
+def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """GSPO: one importance ratio per sequence (the geometric mean of token ratios),
+    clipped as in PPO; gradients flow through every token (GSPO-token form)."""
+    mask = x.action_mask
+    seq_log_ratio = masked_mean(x.logprobs - x.old_logprobs, mask, dim=-1)
+    log_ratio = seq_log_ratio.detach()[:, None] + x.logprobs - x.logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    loss, metrics = _clipped(ratio, x.advantages, mask, o)
+    metrics["loss/ratio_mean"] = seq_log_ratio.detach().exp().mean()
+    return loss, metrics

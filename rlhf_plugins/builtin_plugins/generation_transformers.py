@@ -1,0 +1,18 @@
+"""Builtin generation backend ``transformers``: a KV-cached sampling loop in the engine's process."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .._lazy import Lazy
+from .._markers import hookimpl
+from ..types import GenerationBackend
+
+
+@hookimpl
+def rlhf_generation_backends() -> Iterable[GenerationBackend]:
+    yield GenerationBackend(
+        "transformers",
+        factory=Lazy("rlhf_plugins.engines.transformers_engine:TransformersEngine"),
+        description="sampling with the transformers model itself; no extra install",
+        requires=("transformers",),
+    )

@@ -1,0 +1,17 @@
+"""Builtin learner ``torch``: plain torch AdamW in one process."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .._lazy import Lazy
+from .._markers import hookimpl
+from ..types import LearnerBackend
+
+
+@hookimpl
+def rlhf_learner_backends() -> Iterable[LearnerBackend]:
+    yield LearnerBackend(
+        "torch",
+        factory=Lazy("rlhf_plugins.learners.torch_learner:TorchLearner"),
+        description="plain torch AdamW, one process, gradient accumulation",
+    )

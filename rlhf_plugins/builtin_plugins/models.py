@@ -1,0 +1,21 @@
+"""Builtin model loading: ``transformers`` ``AutoModelForCausalLM`` from a local folder.
+
+``trylast``, so any plugin may answer first or wrap it."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .._markers import hookimpl
+
+
+@hookimpl(trylast=True)
+def rlhf_load_model(role: str, path: str, config: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling import DTYPES
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype])
+    except OSError as exc:
+        raise ConfigError(f"cannot load the {role} model from '{path}': {str(exc).splitlines()[0]}") from exc

@@ -1,0 +1,16 @@
+"""Builtin policy losses (``--algo.policy_loss.name``)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .._lazy import Lazy
+from .._markers import hookimpl
+from ..types import PolicyLoss
+
+_M = "rlhf_plugins.algorithms.policy_losses"
+
+
+@hookimpl
+def rlhf_policy_losses() -> Iterable[PolicyLoss]:
+    yield PolicyLoss("ppo", Lazy(f"{_M}:ppo"), description="PPO clipped surrogate, asymmetric and dual clip")
+    yield PolicyLoss("gspo", Lazy(f"{_M}:gspo"), description="GSPO: clipped sequence-level importance ratio")

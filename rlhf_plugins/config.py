@@ -1,0 +1,427 @@
+"""Typed run configuration: dataclasses, loaded from YAML, overridden by dotted flags.
+
+``rlhf train --config ppo.yaml --algo.advantage.estimator gae`` reads the YAML,
+applies each ``--section.field value`` on top, and checks every key and type
+before any process, model or GPU is taken. Plugins add their own sections through
+the ``rlhf_add_options`` hook; those are typed and checked the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import ConfigError, PluginError
+
+
+@dataclass
+class ModelConfig:
+    #: a local ``save_pretrained`` folder; empty means the embedded tiny Llama (built once, cached)
+    path: str | None = None
+    #: float32 | bfloat16 | float16 -- weights of every role
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class DataConfig:
+    #: JSONL / JSON / parquet file or a folder of them; empty means the built-in addition task
+    path: str | None = None
+    prompt_key: str = "prompt"
+    #: column passed to reward functions as ``label`` (other columns are passed under their own names)
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    #: longer prompts are dropped (with a warning)
+    max_prompt_tokens: int = 256
+    shuffle: bool = True
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = "transformers"
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: 0 disables top-k
+    top_k: int = 0
+
+
+@dataclass
+class RewardConfig:
+    #: reward functions by name; empty picks the only one a --plugin provides, else the task's default
+    functions: list[str] = field(default_factory=list)
+    #: one weight per function (default 1.0 each); the combined score is the weighted sum
+    weights: list[float] = field(default_factory=list)
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "group_norm"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+
+@dataclass
+class PolicyLossConfig:
+    name: str = "ppo"
+    #: ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    #: dual-clip bound c > 1 for negative advantages; empty disables it
+    dual_clip: float | None = None
+    aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class KLConfig:
+    estimator: str = "k3"
+    #: 0 disables the reference model entirely
+    coef: float = 0.001
+    #: apply KL as a token-level penalty in the reward instead of a loss term
+    in_reward: bool = False
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class LearnerConfig:
+    backend: str = "torch"
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    #: passes over each rollout
+    epochs: int = 1
+    #: samples per optimizer step; 0 means the whole rollout (one step per rollout per epoch)
+    mini_batch_size: int = 0
+    #: samples per forward/backward (gradient accumulation); 0 means the mini batch
+    micro_batch_size: int = 0
+
+
+@dataclass
+class PlacementConfig:
+    strategy: str = "local"
+
+
+@dataclass
+class SyncConfig:
+    method: str = "inprocess"
+    #: after every sync compare the engine's log-probs with the learner's on a fixed probe
+    verify: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 120
+    prompts_per_step: int = 16
+    seed: int = 0
+    output_dir: str = "runs"
+    #: empty means ``<estimator>-<date>-<time>``
+    run_name: str | None = None
+    save_final: bool = True
+    progress: bool = True
+    #: threads for torch on this process (0 leaves torch's default)
+    num_threads: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: plugins to load, as with ``--plugin`` (entry-point names, modules, .py paths, no:NAME)
+    plugins: list[str] = field(default_factory=list)
+    #: sections added by plugins through ``rlhf_add_options``
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def section(self, name: str) -> Any:
+        """A plugin's config section (added with ``options.add_section``)."""
+        if name in self.extra:
+            return self.extra[name]
+        value = getattr(self, name, None)
+        if dataclasses.is_dataclass(value):
+            return value
+        raise KeyError(f"no config section '{name}'")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update({k: _plain(v) for k, v in self.extra.items()})
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class OptionRegistry:
+    """The config schema: the core sections plus those plugins add in ``rlhf_add_options``."""
+
+    def __init__(self) -> None:
+        self.sections: dict[str, type] = {}
+        self.providers: dict[str, str] = {}
+
+    def add_section(self, name: str, cls: type, *, provider: str | None = None) -> None:
+        if not dataclasses.is_dataclass(cls):
+            raise PluginError(f"config section '{name}' must be a dataclass type, got {cls!r}")
+        core = {f.name for f in dataclasses.fields(Config)}
+        if name in core or name in self.sections:
+            raise PluginError(f"config section '{name}' is already defined; pick another name")
+        self.sections[name] = cls
+        if provider:
+            self.providers[name] = provider
+
+
+# --- loading -------------------------------------------------------------------
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``['--algo.kl.coef', '0.1', '--train.steps=5']`` -> nested dict; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument '{arg}'; config flags look like --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
+                raise ConfigError(f"flag '--{key}' needs a value, e.g. --{key} VALUE")
+            raw = args[i + 1]
+            i += 2
+        set_dotted(out, key, _parse_scalar(raw))
+    return out
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            nxt = node[part] = {}
+        node = nxt
+    node[parts[-1]] = value
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def build_config(raw: dict[str, Any], options: OptionRegistry | None = None) -> Config:
+    """Check every key and value of ``raw`` against the schema and build the config."""
+    options = options or OptionRegistry()
+    known = _all_keys(options)
+    core = {f.name for f in dataclasses.fields(Config) if f.name != "extra"}
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in core:
+            tp = _hints(Config)[key]
+            kwargs[key] = _coerce(value, tp, key, known)
+        elif key in options.sections:
+            extra[key] = _coerce(value, options.sections[key], key, known)
+        else:
+            raise ConfigError(_unknown(key, known))
+    for name, cls in options.sections.items():
+        extra.setdefault(name, cls())
+    return Config(**kwargs, extra=extra)
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+        close = same_leaf[:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+def _all_keys(options: OptionRegistry) -> list[str]:
+    keys: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            if name == "extra" and cls is Config:
+                continue
+            path = f"{prefix}{name}"
+            keys.append(path)
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                walk(tp, path + ".")
+
+    walk(Config, "")
+    for name, cls in options.sections.items():
+        keys.append(name)
+        walk(cls, name + ".")
+    return keys
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        names = {f.name for f in dataclasses.fields(cls)}
+        _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+    return _HINTS[cls]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_name(arg)}"
+    if tp is type(None):
+        return "null"
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
+    def bad() -> ConfigError:
+        return ConfigError(f"config key '{path}' expects {_type_name(tp)}, got {value!r}")
+
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path, known)
+            except ConfigError:
+                continue
+        raise bad()
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{path}' must be one of {_type_name(tp)}; got {value!r}")
+        return value
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif not isinstance(value, list):
+            value = [value]
+        return [_coerce(v, arg, f"{path}[{i}]", known) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad()
+        return dict(value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if value is None:
+            return tp()
+        if not isinstance(value, dict):
+            raise bad()
+        hints = _hints(tp)
+        kwargs = {}
+        for k, v in value.items():
+            sub = f"{path}.{k}"
+            if k not in hints:
+                raise ConfigError(_unknown(sub, known))
+            kwargs[k] = _coerce(v, hints[k], sub, known)
+        return tp(**kwargs)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-3" as a string
+            except ValueError:
+                pass
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad()
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise bad()

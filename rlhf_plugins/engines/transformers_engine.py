@@ -1,0 +1,115 @@
+"""Generation with a transformers model in the engine's process.
+
+A lean sampling loop over the model's KV cache (no ``generate()`` machinery):
+left-padded prompts, temperature / top-k / top-p, per-token log-probs, early exit
+when every sample has finished.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..manager import PluginSpec, get_manager
+from ..modeling import DTYPES, position_ids
+from ..weights import load_named_weights
+from . import SamplingParams, Samples
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class TransformersEngine:
+    """Engine of the ``transformers`` generation backend."""
+
+    def __init__(self, model_path: str, config: Any, plugin_spec: PluginSpec) -> None:
+        from transformers import AutoTokenizer
+
+        pm = get_manager(plugin_spec)
+        self.model = pm.load_model("generation", model_path, config)
+        self.model.eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
+        self.dtype = DTYPES[config.model.dtype]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        n = params.n
+        prompts = [p for p in prompt_ids for _ in range(n)]
+        B, P = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, P - len(p) :] = torch.tensor(p)
+            attention[i, P - len(p) :] = 1
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        pos = position_ids(attention)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True, logits_to_keep=1
+        )
+        next_pos = pos[:, -1:] + 1
+        tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long)
+        logps = torch.zeros((B, params.max_new_tokens))
+        lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long)
+        done = torch.zeros(B, dtype=torch.bool)
+        for t in range(params.max_new_tokens):
+            logits = out.logits[:, -1, :].float()
+            if params.temperature != 1.0:
+                logits = logits / params.temperature
+            logprobs_all = torch.log_softmax(logits, dim=-1)
+            sample_logits = filter_logits(logits, params.top_k, params.top_p)
+            token = torch.multinomial(torch.softmax(sample_logits, dim=-1), 1, generator=gen).squeeze(-1)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            tokens[:, t] = token
+            logps[:, t] = logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0)
+            finished_now = ~done & torch.isin(token, self.eos_ids)
+            lengths = torch.where(finished_now, torch.full_like(lengths, t + 1), lengths)
+            done = done | finished_now
+            if bool(done.all()) or t + 1 == params.max_new_tokens:
+                break
+            attention = torch.cat([attention, torch.ones((B, 1), dtype=attention.dtype)], dim=1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=next_pos,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+        samples = Samples()
+        for i in range(B):
+            L = int(lengths[i])
+            samples.prompt_index.append(i // n)
+            samples.completion_ids.append(tokens[i, :L].tolist())
+            samples.logprobs.append(logps[i, :L].tolist())
+            samples.finish_reasons.append("stop" if bool(done[i]) else "length")
+        return samples
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        return load_named_weights(self.model, named_tensors)
+
+    def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.model.state_dict().items()}
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probs of given completions under the engine's weights (sync parity probe)."""
+        from ..modeling import policy_forward
+
+        with torch.no_grad():
+            return policy_forward(self.model, batch)["logprobs"]
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,36 @@
+"""Decision hooks: one answer wins (``firstresult``).
+
+The builtin implementation is ``trylast``, so any plugin may answer first or wrap
+it with a new-style wrapper (``@hookimpl(wrapper=True)``), as the PEFT
+integration does to add LoRA adapters to whatever model was loaded.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._markers import hookspec
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+
+@hookspec(firstresult=True)
+def rlhf_load_model(role: str, path: str, config: Config) -> Any:
+    """Load the model of one role.
+
+    Called once per role and process, inside the process that owns the role
+    (this process under local placement, the role's worker under Ray);
+    first-result. ``role`` is one of ``"actor"``, ``"reference"``, ``"critic"``,
+    ``"generation"``; ``path`` is a local ``save_pretrained`` directory. Return a
+    ``torch.nn.Module`` (a critic returns one whose forward gives per-token
+    values), or ``None`` to let the next implementation decide.
+
+    Example (wrap whatever is loaded)::
+
+        @hookimpl(wrapper=True)
+        def rlhf_load_model(role, path, config):
+            model = yield
+            if role == "actor":
+                model.gradient_checkpointing_enable()
+            return model
+    """

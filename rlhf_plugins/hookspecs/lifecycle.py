@@ -1,0 +1,88 @@
+"""Lifecycle hooks: observers of a run.
+
+All are collecting and return ``None``. An observer must not break the run: the
+manager calls each implementation on its own and turns an exception into a
+warning naming the plugin. ``rlhf_on_error`` tells every observer, then the
+error is re-raised.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .._markers import hookspec
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..rollout import Rollout
+
+
+@hookspec
+def rlhf_before_train(config: Config, run_dir: Path) -> None:
+    """Called once, after every role is placed and loaded, before the first step.
+
+    ``run_dir`` already holds ``config.yaml``. Example::
+
+        @hookimpl
+        def rlhf_before_train(config, run_dir):
+            print("training", config.model.path, "into", run_dir)
+    """
+
+
+@hookspec
+def rlhf_after_rollout(step: int, rollout: Rollout) -> None:
+    """Called every step after generation and scoring, before advantages.
+
+    ``rollout`` holds the prompts, completions (text and token ids), scores per
+    reward function and the combined score. Read it; do not modify it. Example::
+
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            if step % 10 == 0:
+                print(rollout.completions[0])
+    """
+
+
+@hookspec
+def rlhf_after_step(step: int, metrics: Mapping[str, float]) -> None:
+    """Called every step after the optimizer step and weight sync, with the
+    step's metrics (``reward/mean``, ``loss/policy``, ``kl``, ``time/step`` ...).
+    Example::
+
+        @hookimpl
+        def rlhf_after_step(step, metrics):
+            wandb.log(dict(metrics), step=step)
+    """
+
+
+@hookspec
+def rlhf_after_weight_sync(step: int, info: Mapping[str, Any]) -> None:
+    """Called after new weights reached the generation engine. ``info`` says
+    what moved (``method``, ``tensors``, ``bytes``, ``rpcs``, ``seconds``). Example::
+
+        @hookimpl
+        def rlhf_after_weight_sync(step, info):
+            assert info["tensors"] > 0
+    """
+
+
+@hookspec
+def rlhf_on_error(step: int | None, error: BaseException) -> None:
+    """Called when the run fails, before the error propagates. ``step`` is the
+    step that failed (``None`` before the first). Example::
+
+        @hookimpl
+        def rlhf_on_error(step, error):
+            alert(f"run failed at step {step}: {error}")
+    """
+
+
+@hookspec
+def rlhf_after_train(run_dir: Path, metrics: Mapping[str, float]) -> None:
+    """Called once after the final policy is saved, with the run's summary
+    metrics. Example::
+
+        @hookimpl
+        def rlhf_after_train(run_dir, metrics):
+            upload(run_dir / "final")
+    """

@@ -1,0 +1,1 @@
+"""Learner backends: a trainable model, its optimizer, and the update loop."""

@@ -1,0 +1,88 @@
+"""The plain torch learner: one process, AdamW, gradient accumulation.
+
+One rollout is cut into mini batches (one optimizer step each) and those into
+micro batches (one forward/backward each); micro-batch losses are weighted so
+the accumulated gradient equals that of the whole mini batch.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..modeling import policy_forward, split_batch
+
+
+class TorchLearner:
+    def __init__(self, model: torch.nn.Module, config: Any, role: str = "actor") -> None:
+        self.model = model
+        self.role = role
+        self.cfg = config.learner
+        self.temperature = config.generation.temperature
+        self.forward: Callable[..., dict[str, torch.Tensor]] = policy_forward
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.updates = 0
+        self.generator = torch.Generator().manual_seed(config.train.seed)
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(self.model, batch, self.temperature)["logprobs"]
+
+    def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
+        self.model.train()
+        n = batch["sequences"].shape[0]
+        mini = self.cfg.mini_batch_size or n
+        micro = self.cfg.micro_batch_size or mini
+        totals: dict[str, float] = defaultdict(float)
+        count = 0
+        for _ in range(self.cfg.epochs):
+            order = torch.randperm(n, generator=self.generator) if self.cfg.epochs > 1 or mini < n else None
+            shuffled = batch if order is None else {k: v[order] if torch.is_tensor(v) else v for k, v in batch.items()}
+            for mini_batch in split_batch(shuffled, mini):
+                for key, value in self._update(mini_batch, micro, objective).items():
+                    totals[key] += value
+                count += 1
+        self.model.eval()
+        return {k: v / count for k, v in totals.items()}
+
+    def _update(self, mini_batch: dict[str, torch.Tensor], micro: int, objective: Any) -> dict[str, float]:
+        metrics: dict[str, float] = defaultdict(float)
+        mini_mask = mini_batch["action_mask"]
+        for part in split_batch(mini_batch, micro):
+            outputs = self.forward(self.model, part, self.temperature, with_entropy=objective.needs_entropy)
+            loss, m = objective(outputs, part)
+            w = objective.weight(part["action_mask"], mini_mask)
+            (loss * w).backward()
+            for key, value in m.items():
+                metrics[key] += float(value) * w
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def save(self, path: str) -> None:
+        self.model.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = state["updates"]
+        self.generator.set_state(state["generator"])

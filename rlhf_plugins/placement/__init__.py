@@ -1,0 +1,1 @@
+"""Placement strategies: where each role of the loop lives."""

@@ -1,0 +1,137 @@
+"""The roles of the RL loop as ordinary classes.
+
+A placement plugin decides where each one lives: constructed right here (local
+placement) or inside Ray actors; the training loop calls the same methods either
+way. Each role rebuilds the plugin manager from a :class:`PluginSpec` in its own
+process, so model-loading hooks (PEFT, custom architectures) apply everywhere.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+
+from ._lazy import resolve
+from .errors import RewardError, UsageError
+from .manager import PluginSpec, get_manager
+from .types import GenerationBackend, LearnerBackend, RewardFunction
+
+
+class PolicyRole:
+    """The actor: a trainable policy behind a learner backend."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, role: str = "actor") -> None:
+        pm = get_manager(plugin_spec)
+        model = pm.load_model(role, model_path, config)
+        backend = pm.components.get(LearnerBackend, config.learner.backend)
+        self.learner = resolve(backend.factory)(model, config, role)
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.learner.logprobs(batch)
+
+    def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
+        return self.learner.train(batch, objective)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.learner.named_weights()
+
+    def save(self, path: str) -> None:
+        self.learner.save(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load_state_dict(state)
+
+
+class ReferenceRole:
+    """The frozen initial policy, for KL."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
+        from .modeling import policy_forward
+
+        self.model = get_manager(plugin_spec).load_model("reference", model_path, config)
+        self.model.eval().requires_grad_(False)
+        self.temperature = config.generation.temperature
+        self._forward = policy_forward
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._forward(self.model, batch, self.temperature)["logprobs"]
+
+
+class GenerationRole:
+    """The generation engine of the configured backend."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
+        backend = get_manager(plugin_spec).components.get(GenerationBackend, config.generation.backend)
+        self.engine = resolve(backend.factory)(model_path, config, plugin_spec)
+
+    def generate(self, prompt_ids: list[list[int]], params: Any) -> Any:
+        return self.engine.generate(prompt_ids, params)
+
+    def load_weights(self, named_tensors: Any) -> dict[str, Any]:
+        return self.engine.load_weights(named_tensors)
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.engine.logprobs(batch)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class RewardRole:
+    """Runs the chosen reward functions, checks their output, combines them by weight."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, names: list[str], weights: list[float]) -> None:
+        pm = get_manager(plugin_spec)
+        self.functions = []
+        for name, weight in zip(names, weights):
+            comp = pm.components.get(RewardFunction, name)
+            provider = pm.components.provider(RewardFunction, name)
+            self.functions.append((name, provider, comp.build(config), weight))
+
+    def score(
+        self,
+        prompts: list[Any],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        columns: dict[str, list[Any]],
+        step: int,
+    ) -> tuple[list[float], dict[str, list[float | None]]]:
+        n = len(completions)
+        combined = [0.0] * n
+        parts: dict[str, list[float | None]] = {}
+        for name, provider, fn, weight in self.functions:
+            where = f"reward '{name}' (plugin '{provider}') at step {step}"
+            try:
+                out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except UsageError:
+                raise
+            except Exception as exc:
+                raise RewardError(f"{where} raised {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+            values = _as_list(out, where)
+            if len(values) != n:
+                raise RewardError(f"{where} returned {len(values)} scores for {n} completions")
+            for i, v in enumerate(values):
+                if v is None:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise RewardError(f"{where} returned {type(v).__name__} {v!r} for sample {i}; expected a number")
+                if not math.isfinite(v):
+                    raise RewardError(f"{where} returned {v} for sample {i}; scores must be finite numbers")
+                combined[i] += weight * float(v)
+            parts[name] = [None if v is None else float(v) for v in values]
+        return combined, parts
+
+
+def _as_list(out: Any, where: str) -> list[Any]:
+    if torch.is_tensor(out):
+        return out.detach().float().reshape(-1).tolist()
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
+        return list(out.tolist())
+    if isinstance(out, (list, tuple)):
+        return [v.item() if torch.is_tensor(v) else v for v in out]
+    raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")

@@ -1,0 +1,54 @@
+"""A rollout: what one step generated and how it was scored, and its tensor batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """Per-sample lists (``n`` consecutive samples per prompt)."""
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list[str]
+    finish_reasons: list[str]
+    rollout_logprobs: list[list[float]]
+    columns: dict[str, list[Any]]
+    group_size: int
+    #: combined score per sample (weighted sum over reward functions)
+    scores: list[float] = field(default_factory=list)
+    #: each reward function's scores, by name (None where a function abstained)
+    reward_components: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad prompts, right-pad completions: ``sequences = [prompt | completion]``."""
+    B = len(rollout)
+    P = max(len(p) for p in rollout.prompt_ids)
+    T = max(max(len(c) for c in rollout.completion_ids), 1)
+    sequences = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    action = torch.zeros((B, T), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids)):
+        sequences[i, P - len(p) : P] = torch.tensor(p)
+        attention[i, P - len(p) : P] = 1
+        if c:
+            sequences[i, P : P + len(c)] = torch.tensor(c)
+            attention[i, P : P + len(c)] = 1
+            action[i, : len(c)] = 1
+            rollout_lp[i, : len(c)] = torch.tensor(rollout.rollout_logprobs[i][: len(c)])
+    return {
+        "sequences": sequences,
+        "attention_mask": attention,
+        "action_mask": action,
+        "rollout_logprobs": rollout_lp,
+        "scores": torch.tensor(rollout.scores, dtype=torch.float32),
+    }

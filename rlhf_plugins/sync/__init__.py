@@ -1,0 +1,25 @@
+"""Weight sync: moving the actor's new weights into the generation engine."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+
+
+class SyncParityError(UsageError):
+    """The engine's log-probs disagree with the learner's after a sync."""
+
+
+def verify_parity(actor: Any, engine: Any, probe: dict[str, torch.Tensor], tol: float = 1e-4) -> float:
+    """Max |engine log-prob - learner log-prob| over the probe's completion tokens."""
+    mask = probe["action_mask"].bool()
+    a = actor.logprobs(probe)
+    e = engine.logprobs(probe)
+    diff = float((a - e).abs()[mask].max()) if mask.any() else 0.0
+    if diff > tol:
+        raise SyncParityError(
+            f"weight sync parity failed: engine and learner log-probs differ by {diff:.2e} (> {tol:.0e})"
+        )
+    return diff

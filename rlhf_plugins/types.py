@@ -1,0 +1,205 @@
+"""Registration dataclasses: what a plugin yields from a registration hook.
+
+Every area of the RL loop has one frozen dataclass. A plugin describes a component
+(its name, what it needs, and the callable or factory that builds it); the manager
+collects them once at start-up and the config picks components by name.
+
+Heavy libraries are never imported here: factories import them when called.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+
+@dataclass(frozen=True)
+class Component:
+    """Base of every registration dataclass.
+
+    ``requires`` lists importable module names the component needs at run time;
+    ``extra`` names the ``rlhf-plugins[...]`` extra that installs them, so an
+    unavailable component can tell the user exactly what to install.
+    """
+
+    area: ClassVar[str] = "component"
+
+    name: str
+    description: str = field(default="", kw_only=True)
+    requires: tuple[str, ...] = field(default=(), kw_only=True)
+    extra: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"invalid {self.area} name {self.name!r}: use lowercase letters, digits, '_' or '-', "
+                "starting with a letter"
+            )
+        if isinstance(self.requires, str):
+            object.__setattr__(self, "requires", (self.requires,))
+
+    def missing(self) -> list[str]:
+        """Required modules that cannot be imported here (empty when available)."""
+        out = []
+        for mod in self.requires:
+            try:
+                if importlib.util.find_spec(mod) is None:
+                    out.append(mod)
+            except (ImportError, ValueError):
+                out.append(mod)
+        return out
+
+    @property
+    def available(self) -> bool:
+        return not self.missing()
+
+    def install_hint(self) -> str:
+        if self.extra:
+            return f"pip install 'rlhf-plugins[{self.extra}]'"
+        return "pip install " + " ".join(self.missing() or self.requires)
+
+
+def _check_callable(obj: Component, attr: str) -> None:
+    if not callable(getattr(obj, attr)):
+        raise TypeError(f"{obj.area} {obj.name!r}: '{attr}' must be callable")
+
+
+@dataclass(frozen=True)
+class PlacementStrategy(Component):
+    """Where every role lives. ``factory(config, plugin_spec)`` returns a placement
+    object with ``create_role(role, cls, *args, num_workers=1, **kwargs)``,
+    ``colocated(role_a, role_b)`` and ``shutdown()``."""
+
+    area: ClassVar[str] = "placement strategy"
+    factory: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "factory")
+
+
+@dataclass(frozen=True)
+class GenerationBackend(Component):
+    """Turns prompts into samples. ``factory(model_path, config, plugin_spec)``
+    returns an engine class instance with ``generate(prompt_ids, n, sampling)``
+    and ``load_weights(named_tensors)``."""
+
+    area: ClassVar[str] = "generation backend"
+    factory: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "factory")
+
+
+@dataclass(frozen=True)
+class RewardFunction(Component):
+    """Scores completions.
+
+    Give ``func`` with TRL's signature ``func(prompts, completions, **kwargs) ->
+    list[float | None]`` (``kwargs`` carries every other dataset column, e.g.
+    ``label``), or ``factory(config)`` returning such a callable when the reward
+    needs set-up (a reward model, an HTTP client).
+    """
+
+    area: ClassVar[str] = "reward function"
+    func: Callable[..., Any] | None = None
+    factory: Callable[..., Any] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.func is None) == (self.factory is None):
+            raise TypeError(f"reward function {self.name!r}: give exactly one of 'func' or 'factory'")
+        _check_callable(self, "func" if self.func is not None else "factory")
+
+    def build(self, config: Any) -> Callable[..., Any]:
+        return self.func if self.func is not None else self.factory(config)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator(Component):
+    """Turns rewards (and values) into advantages and returns.
+
+    ``compute(inputs: AdvantageInputs) -> (advantages, returns)``, both ``[B, T]``
+    tensors over completion tokens. ``needs_critic`` / ``needs_groups`` let config
+    validation reject impossible combinations before anything starts.
+    """
+
+    area: ClassVar[str] = "advantage estimator"
+    compute: Callable[..., Any]
+    needs_critic: bool = field(default=False, kw_only=True)
+    needs_groups: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "compute")
+
+
+@dataclass(frozen=True)
+class PolicyLoss(Component):
+    """Policy-gradient surrogate. ``compute(inputs: PolicyLossInputs, options)``
+    returns ``(per_token_loss [B, T], metrics)``; aggregation over tokens and
+    sequences is applied by the objective, so every loss supports every mode."""
+
+    area: ClassVar[str] = "policy loss"
+    compute: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "compute")
+
+
+@dataclass(frozen=True)
+class KLEstimator(Component):
+    """Per-token estimate of KL(policy || reference):
+    ``compute(logprobs, ref_logprobs) -> [B, T]``."""
+
+    area: ClassVar[str] = "kl estimator"
+    compute: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "compute")
+
+
+@dataclass(frozen=True)
+class LearnerBackend(Component):
+    """Owns a trainable model and its optimizer. ``factory(model, config, role)``
+    returns a learner with ``logprobs(batch)``, ``train_step(batch, objective)``,
+    ``named_weights()``, ``save(path)``, ``state_dict()`` / ``load_state_dict()``."""
+
+    area: ClassVar[str] = "learner backend"
+    factory: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "factory")
+
+
+@dataclass(frozen=True)
+class WeightSyncMethod(Component):
+    """Moves new actor weights into the generation engine.
+    ``factory(config)`` returns an object with ``sync(actor, engine, step) -> info``."""
+
+    area: ClassVar[str] = "weight sync method"
+    factory: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "factory")
+
+
+#: registration hook name -> component class, in the order of the loop.
+AREAS: dict[str, type[Component]] = {
+    "rlhf_placement_strategies": PlacementStrategy,
+    "rlhf_generation_backends": GenerationBackend,
+    "rlhf_reward_functions": RewardFunction,
+    "rlhf_advantage_estimators": AdvantageEstimator,
+    "rlhf_policy_losses": PolicyLoss,
+    "rlhf_kl_estimators": KLEstimator,
+    "rlhf_learner_backends": LearnerBackend,
+    "rlhf_weight_sync_methods": WeightSyncMethod,
+}
