@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import traceback
 from typing import Any, Sequence
@@ -142,27 +141,17 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 
 def load_config(args: argparse.Namespace, rest: list[str]) -> tuple[Any, Any, Any]:
     """YAML + flags -> (config, plugin manager, plan), all checked before anything starts."""
-    from .config import OptionRegistry, build_config, load_yaml, merge, parse_overrides
-    from .manager import create_manager
-    from .validate import validate
+    from .api import prepare
+    from .config import load_yaml, merge, parse_overrides
 
     raw = load_yaml(args.config) if args.config else {}
-    raw = merge(raw, parse_overrides(rest))
-    plugins = list(raw.get("plugins") or [])
-    if not isinstance(plugins, list):
-        plugins = [plugins]
-    pm = create_manager([*plugins, *args.plugin])
-    options = OptionRegistry()
-    pm.add_options(options)
-    raw["plugins"] = [*plugins, *args.plugin]
-    config = build_config(raw, options)
-    plan = validate(config, pm)
-    return config, pm, plan
+    return prepare(merge(raw, parse_overrides(rest)), args.plugin)
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> int:
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, value)
+    from .api import offline_defaults
+
+    offline_defaults()
     config, pm, plan = load_config(args, rest)
     from rich.syntax import Syntax
 

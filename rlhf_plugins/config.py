@@ -98,7 +98,7 @@ class AlgoConfig:
 @dataclass
 class LearnerConfig:
     backend: str = "torch"
-    lr: float = 2e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     #: passes over each rollout
@@ -123,7 +123,7 @@ class SyncConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 120
+    steps: int = 200
     prompts_per_step: int = 16
     seed: int = 0
     output_dir: str = "runs"

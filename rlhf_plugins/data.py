@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .errors import DataError
 
 logger = logging.getLogger("rlhf_plugins")
@@ -32,7 +30,8 @@ class PromptSet:
         return len(self.prompts)
 
 
-def _data_files(path: Path) -> tuple[str, list[str]]:
+def data_files(path: Path) -> tuple[str, list[str]]:
+    """The ``datasets`` builder and the files behind a dataset path (checked, not read)."""
     if path.is_file():
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -52,14 +51,21 @@ def _data_files(path: Path) -> tuple[str, list[str]]:
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     import datasets
 
-    builder, files = _data_files(Path(path))
+    builder, files = data_files(Path(path))
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as exc:
+        if all(_blank(f) for f in files):
+            return []
         raise DataError(f"dataset '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
     return ds.to_list()
+
+
+def _blank(path: str) -> bool:
+    p = Path(path)
+    return p.stat().st_size == 0 or (p.suffix != ".parquet" and p.stat().st_size < 4096 and not p.read_text().strip())
 
 
 def load_prompts(cfg: Any, tokenizer: Any) -> PromptSet:
@@ -125,6 +131,8 @@ class PromptSampler:
     def _permutation(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.size))
+        import torch
+
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.size, generator=g).tolist()
 

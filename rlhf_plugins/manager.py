@@ -307,7 +307,7 @@ class RLHFPluginManager(pluggy.PluginManager):
             registry = ComponentRegistry()
             for hookname, cls in AREAS.items():
                 caller = getattr(self.hook, hookname)
-                for impl in reversed(caller.get_hookimpls()):
+                for impl in caller.get_hookimpls():  # registration order: builtins first
                     try:
                         items = impl.function() or ()
                         items = list(items)

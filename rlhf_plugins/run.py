@@ -20,7 +20,13 @@ from .validate import Plan
 
 
 def quiet_libraries() -> None:
+    import os
+
+    import torch
     import transformers
+
+    if not torch.cuda.is_available():  # DeepSpeed (pulled in by transformers) would probe and warn
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -67,6 +67,10 @@ def check_ranges(c: Config) -> None:
     _require(c.algo.kl.coef >= 0, f"algo.kl.coef must be >= 0; got {c.algo.kl.coef}")
     _require(0 <= c.algo.advantage.gamma <= 1, f"algo.advantage.gamma must be in [0, 1]; got {c.algo.advantage.gamma}")
     _require(0 <= c.algo.advantage.lam <= 1, f"algo.advantage.lam must be in [0, 1]; got {c.algo.advantage.lam}")
+    if c.data.path:
+        from .data import data_files
+
+        data_files(Path(c.data.path).expanduser())
     if c.model.path:
         path = Path(c.model.path).expanduser()
         _require(
@@ -122,6 +126,7 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
         )
     plan = Plan()
     plan.rewards, plan.weights = choose_rewards(c, pm)
+    c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
     plan.needs_critic = est.needs_critic
     if est.needs_critic:

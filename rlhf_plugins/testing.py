@@ -1,0 +1,106 @@
+"""pytest helpers for plugin authors (and our own tests). Opt in with
+``-p rlhf_plugins.testing`` or ``pytest_plugins = ["rlhf_plugins.testing"]``.
+
+Fixtures:
+
+* ``rlhf_pm`` -- a fresh plugin manager with the builtin plugins and no
+  entry-point autoload, so installed third-party plugins cannot leak in.
+* ``rlhf_hook_recorder`` -- records every hook call of ``rlhf_pm``.
+
+Helpers:
+
+* :func:`registered` -- register a plugin for the duration of a ``with`` block;
+  it is always unregistered, even when the block fails.
+* :func:`tiny_model_path` -- the cached embedded tiny Llama (built on first use).
+
+Example::
+
+    from rlhf_plugins import RewardFunction, hookimpl
+    from rlhf_plugins.testing import registered
+
+    class MyPlugin:
+        @hookimpl
+        def rlhf_reward_functions(self):
+            yield RewardFunction("shout", lambda prompts, completions, **kw: [c.isupper() * 1.0 for c in completions])
+
+    def test_registers(rlhf_pm):
+        with registered(rlhf_pm, MyPlugin(), "mine"):
+            assert "shout" in rlhf_pm.components.names(RewardFunction)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pytest
+
+from .manager import RLHFPluginManager, create_manager
+
+
+@contextlib.contextmanager
+def registered(pm: RLHFPluginManager, plugin: object, name: str | None = None) -> Iterator[object]:
+    """Register ``plugin`` on ``pm`` inside the block; always unregister it after."""
+    pm.register(plugin, name)
+    try:
+        yield plugin
+    finally:
+        if pm.is_registered(plugin):
+            pm.unregister(plugin)
+        elif name is not None and pm.has_plugin(name):
+            pm.unregister(name=name)
+
+
+@dataclass
+class HookRecorder:
+    """Every hook call made through ``pm.hook`` while recording: ``(hook name, kwargs)``."""
+
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def of(self, hook: str) -> list[dict[str, Any]]:
+        return [kwargs for name, kwargs in self.calls if name == hook]
+
+
+@contextlib.contextmanager
+def record_hooks(pm: RLHFPluginManager) -> Iterator[HookRecorder]:
+    recorder = HookRecorder()
+    notify = pm.notify
+
+    def before(hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
+        recorder.calls.append((hook_name, dict(kwargs)))
+
+    def after(outcome: Any, hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
+        pass
+
+    def recording_notify(hookname: str, **kwargs: Any) -> None:
+        recorder.calls.append((hookname, dict(kwargs)))
+        notify(hookname, **kwargs)
+
+    undo = pm.add_hookcall_monitoring(before, after)
+    pm.notify = recording_notify  # type: ignore[method-assign]
+    try:
+        yield recorder
+    finally:
+        undo()
+        pm.notify = notify  # type: ignore[method-assign]
+
+
+def tiny_model_path() -> str:
+    from .tiny_model import default_model_path
+
+    return default_model_path(quiet=True)
+
+
+@pytest.fixture
+def rlhf_pm() -> RLHFPluginManager:
+    """A fresh manager: builtin plugins only, no entry-point autoload."""
+    return create_manager(autoload=False)
+
+
+@pytest.fixture
+def rlhf_hook_recorder(rlhf_pm: RLHFPluginManager) -> Iterator[HookRecorder]:
+    with record_hooks(rlhf_pm) as recorder:
+        yield recorder

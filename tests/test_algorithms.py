@@ -1,0 +1,278 @@
+"""Estimators, KL and losses against straightforward per-sample Python loops on
+random ragged inputs, plus hand-computed cases and properties."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_plugins.algorithms import advantages as A
+from rlhf_plugins.algorithms import kl as K
+from rlhf_plugins.algorithms import policy_losses as L
+from rlhf_plugins.algorithms.numerics import aggregate, micro_batch_weight
+
+
+def ragged(prompts=4, group=3, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = prompts * group
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    scores = torch.randn(B, generator=g)
+    values = torch.randn(B, T, generator=g) * mask
+    kl = torch.rand(B, T, generator=g) * 0.1 * mask
+    return SimpleNamespace(B=B, T=T, group=group, lengths=lengths.tolist(), mask=mask, scores=scores,
+                           values=values, kl=kl, g=g)
+
+
+def inputs(r, **kw):
+    return A.AdvantageInputs(scores=r.scores, action_mask=r.mask, group_size=r.group, **kw)
+
+
+def whiten_loop(rows):
+    flat = [x for row in rows for x in row]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def assert_rows(tensor, rows, lengths, tol=1e-5):
+    for i, row in enumerate(rows):
+        assert tensor[i, : lengths[i]].tolist() == pytest.approx(row, abs=tol)
+        assert float(tensor[i, lengths[i]:].abs().sum()) == 0.0  # nothing past the completion
+
+
+def token_rewards_loop(r, i, kl=None):
+    n = r.lengths[i]
+    rew = [0.0] * n
+    rew[-1] += float(r.scores[i])
+    if kl is not None:
+        rew = [rew[t] - float(kl[i, t]) for t in range(n)]
+    return rew
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_matches_loop(seed):
+    r = ragged(seed=seed)
+    gamma, lam = 0.9, 0.8
+    adv, ret = A.gae(inputs(r, gamma=gamma, lam=lam, values=r.values, kl_penalty=r.kl))
+    raw_adv, raw_ret = [], []
+    for i in range(r.B):
+        n = r.lengths[i]
+        rew = token_rewards_loop(r, i, r.kl)
+        v = [float(r.values[i, t]) for t in range(n)] + [0.0]
+        a, out = 0.0, [0.0] * n
+        for t in reversed(range(n)):
+            delta = rew[t] + gamma * v[t + 1] - v[t]
+            a = delta + gamma * lam * a
+            out[t] = a
+        raw_adv.append(out)
+        raw_ret.append([out[t] + v[t] for t in range(n)])
+    assert_rows(ret, raw_ret, r.lengths)
+    assert_rows(adv, whiten_loop(raw_adv), r.lengths)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_reinforce_matches_loop(seed):
+    r = ragged(seed=seed)
+    adv, ret = A.reinforce(inputs(r, gamma=0.95, kl_penalty=r.kl))
+    rows = []
+    for i in range(r.B):
+        rew = token_rewards_loop(r, i, r.kl)
+        g, out = 0.0, [0.0] * len(rew)
+        for t in reversed(range(len(rew))):
+            g = rew[t] + 0.95 * g
+            out[t] = g
+        rows.append(out)
+    assert_rows(ret, rows, r.lengths)
+    assert_rows(adv, whiten_loop(rows), r.lengths)
+
+
+def test_reinforce_baseline_matches_loop():
+    r = ragged(seed=5)
+    adv, _ = A.reinforce_baseline(inputs(r, kl_penalty=r.kl))
+    rows = []
+    for i in range(r.B):
+        grp = range((i // r.group) * r.group, (i // r.group + 1) * r.group)
+        base = sum(float(r.scores[j]) for j in grp) / r.group
+        n = r.lengths[i]
+        rew = [-float(r.kl[i, t]) for t in range(n)]
+        rew[-1] += float(r.scores[i]) - base
+        rows.append([sum(rew[t:]) for t in range(n)])
+    assert_rows(adv, whiten_loop(rows), r.lengths)
+
+
+def _group(r, i):
+    return [float(r.scores[j]) for j in range((i // r.group) * r.group, (i // r.group + 1) * r.group)]
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_group_estimators_match_loops(seed):
+    r = ragged(prompts=5, group=4, seed=seed)
+    gn, _ = A.group_norm(inputs(r))
+    dr, _ = A.dr_grpo(inputs(r))
+    lo, _ = A.rloo(inputs(r))
+    for i in range(r.B):
+        grp = _group(r, i)
+        s = float(r.scores[i])
+        mean = sum(grp) / len(grp)
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (len(grp) - 1))
+        loo = (sum(grp) - s) / (len(grp) - 1)
+        n = r.lengths[i]
+        assert gn[i, :n].tolist() == pytest.approx([(s - mean) / (std + 1e-6)] * n, abs=1e-5)
+        assert dr[i, :n].tolist() == pytest.approx([s - mean] * n, abs=1e-6)
+        assert lo[i, :n].tolist() == pytest.approx([s - loo] * n, abs=1e-6)
+        assert float(gn[i, n:].abs().sum()) == 0.0
+
+
+def test_group_properties():
+    r = ragged(prompts=6, group=5, seed=11)
+    gn, _ = A.group_norm(inputs(r))
+    per_seq = gn[:, 0].view(-1, r.group)
+    assert per_seq.mean(-1).abs().max() < 1e-5  # zero mean per group
+    # RLOO's baseline excludes the sample itself: changing sample 0's score moves its advantage 1:1
+    lo, _ = A.rloo(inputs(r))
+    r2 = ragged(prompts=6, group=5, seed=11)
+    r2.scores = r.scores.clone()
+    r2.scores[0] += 1.0
+    lo2, _ = A.rloo(inputs(r2))
+    assert float(lo2[0, 0] - lo[0, 0]) == pytest.approx(1.0, abs=1e-6)
+    assert float(lo2[1, 0] - lo[1, 0]) == pytest.approx(-1.0 / (r.group - 1), abs=1e-6)
+
+
+def test_hand_computed_grpo_and_rloo():
+    mask = torch.ones(4, 1)
+    x = A.AdvantageInputs(scores=torch.tensor([1.0, 0.0, 0.0, 1.0]), action_mask=mask, group_size=2)
+    gn, _ = A.group_norm(x)
+    # group (1, 0): mean 0.5, unbiased std 0.7071 -> +-0.7071
+    assert gn[:, 0].tolist() == pytest.approx([0.70710, -0.70710, -0.70710, 0.70710], abs=1e-4)
+    lo, _ = A.rloo(x)
+    assert lo[:, 0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0])
+
+
+def test_gae_hand_computed():
+    # one sequence of 2 tokens, reward 1 at the end, values (0.5, 0.25), gamma 1, lambda 1:
+    # delta_1 = 1 - 0.25 = 0.75, delta_0 = 0 + 0.25 - 0.5 = -0.25, A_0 = 0.5, A_1 = 0.75; returns = 1, 1
+    x = A.AdvantageInputs(scores=torch.tensor([1.0]), action_mask=torch.ones(1, 2), gamma=1.0, lam=1.0,
+                          values=torch.tensor([[0.5, 0.25]]))
+    adv, ret = A.gae(x)
+    assert ret[0].tolist() == pytest.approx([1.0, 1.0])
+    # raw advantages (0.5, 0.75) whitened: mean 0.625, unbiased std 0.1768
+    assert adv[0].tolist() == pytest.approx([-0.70710, 0.70710], abs=1e-4)
+
+
+def test_kl_estimators():
+    g = torch.Generator().manual_seed(0)
+    lp, ref = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+    for i in range(5):
+        for t in range(6):
+            d = float(lp[i, t] - ref[i, t])
+            assert float(K.k1(lp, ref)[i, t]) == pytest.approx(d, abs=1e-6)
+            assert float(K.k2(lp, ref)[i, t]) == pytest.approx(0.5 * d * d, abs=1e-6)
+            k3 = min(math.exp(-d) - 1 + d, 10.0)  # clamped at 10 for stability
+            assert float(K.k3(lp, ref)[i, t]) == pytest.approx(k3, rel=1e-5, abs=1e-6)
+    assert float(K.k3(lp, lp).abs().max()) == 0.0
+    assert float(K.k3(torch.tensor([0.0]), torch.tensor([100.0]))) <= 10.0  # clamped
+    # k3 is an unbiased estimate of KL(p||q): check by sampling from p
+    p = torch.tensor([0.7, 0.2, 0.1])
+    q = torch.tensor([0.4, 0.4, 0.2])
+    exact = float((p * (p / q).log()).sum())
+    x = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    est = K.k3(p.log()[x], q.log()[x]).mean()
+    assert float(est) == pytest.approx(exact, abs=5e-3)
+
+
+def opts(**kw):
+    base = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, aggregation="token-mean", entropy_coef=0.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def ppo_loop(lp, old, adv, o):
+    ratio = math.exp(lp - old)
+    s1 = ratio * adv
+    s2 = min(max(ratio, 1 - o.clip_low), 1 + o.clip_high) * adv
+    loss = -min(s1, s2)
+    if o.dual_clip is not None and adv < 0:
+        loss = min(loss, -o.dual_clip * adv)
+    return loss
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_ppo_matches_loop(dual):
+    r = ragged(seed=4)
+    g = r.g
+    lp = torch.randn(r.B, r.T, generator=g) * 0.5
+    old = lp + torch.randn(r.B, r.T, generator=g) * 0.5
+    adv = torch.randn(r.B, r.T, generator=g) * 2
+    o = opts(dual_clip=dual)
+    loss, m = L.ppo(L.PolicyLossInputs(lp, old, adv, r.mask), o)
+    for i in range(r.B):
+        for t in range(r.lengths[i]):
+            assert float(loss[i, t]) == pytest.approx(ppo_loop(float(lp[i, t]), float(old[i, t]), float(adv[i, t]), o), rel=1e-5, abs=1e-6)
+    assert 0.0 <= float(m["loss/clip_frac"]) <= 1.0
+
+
+def test_clipping_bounds_the_ratio_and_dual_clip_only_on_negative_advantages():
+    ratios = torch.linspace(0.1, 10, 50)[None, :]
+    lp, old = ratios.log(), torch.zeros_like(ratios)
+    mask = torch.ones_like(ratios)
+    pos = torch.ones_like(ratios)
+    loss, _ = L.ppo(L.PolicyLossInputs(lp, old, pos, mask), opts())
+    # with A > 0 the objective never credits a ratio above 1 + clip_high
+    assert float((-loss).max()) == pytest.approx(1.28, abs=1e-6)
+    loss_plain, _ = L.ppo(L.PolicyLossInputs(lp, old, pos, mask), opts())
+    loss_dual, _ = L.ppo(L.PolicyLossInputs(lp, old, pos, mask), opts(dual_clip=3.0))
+    assert torch.equal(loss_plain, loss_dual)  # positive advantages untouched
+    neg = -torch.ones_like(ratios)
+    loss_neg, _ = L.ppo(L.PolicyLossInputs(lp, old, neg, mask), opts(dual_clip=3.0))
+    assert float(loss_neg.max()) == pytest.approx(3.0)  # bounded by -c * A
+    # gradient through a clipped token is zero
+    lp_req = lp.clone().requires_grad_(True)
+    L.ppo(L.PolicyLossInputs(lp_req, old, pos, mask), opts())[0].sum().backward()
+    clipped = ratios[0] > 1.28
+    assert float(lp_req.grad[0, clipped].abs().sum()) == 0.0
+    assert float(lp_req.grad[0, ~clipped].abs().sum()) > 0.0
+
+
+def test_gspo_uses_the_sequence_ratio():
+    r = ragged(seed=9)
+    lp = torch.randn(r.B, r.T, generator=r.g) * 0.1
+    old = lp + torch.randn(r.B, r.T, generator=r.g) * 0.1
+    adv = torch.randn(r.B, 1, generator=r.g).expand(r.B, r.T) * r.mask
+    o = opts(clip_low=3e-3, clip_high=4e-3)
+    loss, _ = L.gspo(L.PolicyLossInputs(lp, old, adv, r.mask), o)
+    for i in range(r.B):
+        n = r.lengths[i]
+        s = math.exp(sum(float(lp[i, t] - old[i, t]) for t in range(n)) / n)
+        expected = ppo_loop(math.log(s), 0.0, float(adv[i, 0]), o)
+        assert loss[i, :n].tolist() == pytest.approx([expected] * n, rel=1e-4, abs=1e-6)
+
+
+def test_aggregation_modes_match_loops():
+    r = ragged(seed=12)
+    x = torch.randn(r.B, r.T, generator=r.g)
+    toks = [[float(x[i, t]) for t in range(r.lengths[i])] for i in range(r.B)]
+    flat = [v for row in toks for v in row]
+    assert float(aggregate(x, r.mask, "token-mean")) == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+    assert float(aggregate(x, r.mask, "seq-mean-token-mean")) == pytest.approx(
+        sum(sum(row) / len(row) for row in toks) / r.B, abs=1e-5)
+    assert float(aggregate(x, r.mask, "seq-mean-token-sum")) == pytest.approx(
+        sum(sum(row) for row in toks) / r.B, abs=1e-5)
+    assert float(aggregate(x, r.mask, "seq-mean-token-sum-norm")) == pytest.approx(
+        sum(sum(row) / r.T for row in toks) / r.B, abs=1e-5)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'x'"):
+        aggregate(x, r.mask, "x")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_weights_reproduce_the_full_batch(mode):
+    r = ragged(prompts=4, group=3, seed=13)
+    x = torch.randn(r.B, r.T, generator=r.g)
+    full = float(aggregate(x, r.mask, mode))
+    parts = 0.0
+    for s in range(0, r.B, 5):
+        m = r.mask[s : s + 5]
+        parts += float(aggregate(x[s : s + 5], m, mode)) * micro_batch_weight(m, r.mask, mode)
+    assert parts == pytest.approx(full, abs=1e-5)

@@ -1,0 +1,138 @@
+"""Bad input: one clear line, exit status 2, no run directory left behind."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, run_subprocess, short_run
+
+
+def no_run_dirs(path: Path = Path("runs")) -> bool:
+    return not path.exists() or not any(path.iterdir())
+
+
+def one_line_error(code, err, expected):
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlhf: error: ")
+    assert expected in lines[0], lines[0]
+    assert no_run_dirs()
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--plugin", "no_such_plugin_zz"], "unknown plugin 'no_such_plugin_zz'"),
+        (["--plugin", "missing_file.py"], "plugin file 'missing_file.py' does not exist"),
+        (["--algo.advantage.estimator", "x"], "unknown advantage estimator 'x'; choose one of: dr_grpo, gae,"),
+        (["--generation.backend", "nope"], "unknown generation backend 'nope'; choose one of: transformers"),
+        (["--algo.advantage.estimatr", "rloo"], "did you mean 'algo.advantage.estimator'?"),
+        (["--train.steps", "ten"], "config key 'train.steps' expects an integer, got 'ten'"),
+        (["--data.path", "nowhere.jsonl"], "dataset 'nowhere.jsonl' does not exist"),
+        (["--config", "nope.yaml"], "config file 'nope.yaml' does not exist"),
+        (["--generation.n_samples_per_prompt", "1"], "needs generation.n_samples_per_prompt >= 2"),
+        (["--algo.policy_loss.aggregation", "mean"], "unknown loss aggregation 'mean'"),
+        (["--algo.policy_loss.dual_clip", "1"], "dual_clip must be > 1"),
+        (["--model.path", "."], "is not a save_pretrained folder"),
+        (["--reward.functions", "nope"], "unknown reward function 'nope'; choose one of: exact_match"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(rlhf, args, expected):
+    code, out, err = rlhf("train", *args)
+    one_line_error(code, err, expected)
+
+
+def test_plugin_that_fails_to_import_is_named(rlhf, tmp_path):
+    path = write(tmp_path / "broken_reward.py", "raise ImportError('needs torch-nightly')\n")
+    code, _, err = rlhf("train", "--plugin", path)
+    one_line_error(code, err, "plugin '" + path + "' failed to import: ImportError: needs torch-nightly")
+
+
+def test_empty_dataset(rlhf, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    code, _, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match")
+    one_line_error(code, err, "is empty")
+
+
+def test_dataset_without_prompt_column(rlhf, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1=", "label": "2"}\n')
+    code, _, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match")
+    one_line_error(code, err, "has no 'prompt' column (columns: question, label); set --data.prompt_key")
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("    raise ValueError('judge offline')", "reward 'bad' (plugin 'bad_reward') at step 0 raised ValueError: judge offline"),
+        ("    return [1.0]", "reward 'bad' (plugin 'bad_reward') at step 0 returned 1 scores for 16 completions"),
+        ("    return [float('nan')] * len(completions)", "reward 'bad' (plugin 'bad_reward') at step 0 returned nan for sample 0"),
+        ("    return ['high'] * len(completions)", "returned str 'high' for sample 0; expected a number"),
+    ],
+)
+def test_reward_errors_name_plugin_and_step(rlhf, tmp_path, body, expected):
+    path = write(tmp_path / "bad_reward.py", "def bad(prompts, completions, **kwargs):\n" + body + "\n")
+    code, _, err = rlhf("train", "--plugin", path, *short_run())
+    one_line_error(code, err, expected)
+
+
+def test_reward_error_at_a_later_step(rlhf, tmp_path):
+    path = write(tmp_path / "late.py", """
+        calls = []
+        def late(prompts, completions, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("quota exceeded")
+            return [0.0] * len(completions)
+    """)
+    code, _, err = rlhf("train", "--plugin", path, *short_run("--train.steps", "5"))
+    one_line_error(code, err, "reward 'late' (plugin 'late') at step 2 raised RuntimeError: quota exceeded")
+
+
+def test_several_plugin_rewards_must_be_chosen(rlhf, tmp_path):
+    path = write(tmp_path / "two.py", """
+        def a(prompts, completions, **kwargs):
+            return [0.0] * len(completions)
+        def b(prompts, completions, **kwargs):
+            return [0.0] * len(completions)
+    """)
+    code, _, err = rlhf("train", "--plugin", path)
+    one_line_error(code, err, "plugins provide several reward functions (a, b); choose with --reward.functions")
+
+
+def test_existing_named_run_directory_is_refused(rlhf):
+    Path("runs/mine").mkdir(parents=True)
+    code, _, err = rlhf("train", "--train.run_name", "mine", *short_run())
+    assert code == 2 and "run directory 'runs/mine' already exists" in err
+
+
+def test_plugins_command_table_and_json(rlhf):
+    code, out, _ = rlhf("plugins")
+    assert code == 0 and "advantages" in out and "builtin" in out
+    code, out, _ = rlhf("plugins", "--json")
+    data = json.loads(out)
+    names = {p["name"] for p in data["plugins"]}
+    assert {"advantages", "learner_torch", "rewards"} <= names
+    comps = {(c["area"], c["name"]) for c in data["components"]}
+    assert ("advantage estimator", "group_norm") in comps and ("reward function", "exact_match") in comps
+    code, out, _ = rlhf("plugins", "--components", "--plugin", str(EXAMPLES / "plain_reward.py"))
+    assert code == 0 and "bare_number" in out
+
+
+def test_console_script_help_and_exit_status(tmp_path):
+    proc = run_subprocess("train", "--train.steps", "0", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "rlhf: error: train.steps must be >= 1; got 0"
+    proc = run_subprocess("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "train" in proc.stdout

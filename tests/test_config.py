@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+from rlhf_plugins import ConfigError, PluginError
+from rlhf_plugins.config import Config, OptionRegistry, build_config, load_yaml, merge, parse_overrides
+
+
+def test_defaults_and_yaml_roundtrip():
+    c = build_config({})
+    assert c.algo.advantage.estimator == "group_norm"
+    again = build_config(yaml.safe_load(c.to_yaml()))
+    assert again.to_dict() == c.to_dict()
+
+
+def test_overrides_parse_and_win_over_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("algo:\n  advantage:\n    estimator: rloo\ntrain:\n  steps: 7\n  seed: 3\n")
+    raw = merge(load_yaml(f), parse_overrides(["--train.steps", "9", "--learner.lr=3e-4", "--reward.functions", "a,b"]))
+    c = build_config(raw)
+    assert (c.algo.advantage.estimator, c.train.steps, c.train.seed) == ("rloo", 9, 3)
+    assert c.learner.lr == pytest.approx(3e-4)
+    assert c.reward.functions == ["a", "b"]
+
+
+def test_optional_and_literal_types():
+    c = build_config(parse_overrides(["--algo.policy_loss.dual_clip", "3", "--model.dtype", "bfloat16"]))
+    assert c.algo.policy_loss.dual_clip == 3.0 and isinstance(c.algo.policy_loss.dual_clip, float)
+    assert build_config(parse_overrides(["--algo.policy_loss.dual_clip", "null"])).algo.policy_loss.dual_clip is None
+    with pytest.raises(ConfigError, match="config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'"):
+        build_config({"model": {"dtype": "int8"}})
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"algo": {"advantage": {"estimatr": "x"}}}, "unknown config key 'algo.advantage.estimatr'; did you mean 'algo.advantage.estimator'?"),
+        ({"trian": {"steps": 1}}, "unknown config key 'trian'; did you mean 'train'?"),
+        ({"train": {"steps": "many"}}, "config key 'train.steps' expects an integer, got 'many'"),
+        ({"train": {"steps": 2.5}}, "config key 'train.steps' expects an integer, got 2.5"),
+        ({"data": {"shuffle": "yes please"}}, "config key 'data.shuffle' expects true or false, got 'yes please'"),
+        ({"train": 5}, "config key 'train' expects a mapping, got 5"),
+        ({"learner": {"lr": "fast"}}, "config key 'learner.lr' expects a number, got 'fast'"),
+    ],
+)
+def test_bad_config_is_one_clear_line(raw, message):
+    with pytest.raises(ConfigError) as exc:
+        build_config(raw)
+    assert str(exc.value) == message
+    assert "\n" not in str(exc.value)
+
+
+def test_flags_need_values_and_dashes():
+    with pytest.raises(ConfigError, match="flag '--train.steps' needs a value"):
+        parse_overrides(["--train.steps"])
+    with pytest.raises(ConfigError, match="unexpected argument 'oops'"):
+        parse_overrides(["oops"])
+
+
+@dataclass
+class JudgeOptions:
+    url: str = "http://127.0.0.1:1/score"
+    timeout: float = 10.0
+
+
+def test_plugin_sections_are_typed():
+    options = OptionRegistry()
+    options.add_section("judge", JudgeOptions)
+    c = build_config(parse_overrides(["--judge.timeout", "2"]), options)
+    assert c.section("judge").timeout == 2.0
+    assert build_config({}, options).section("judge").url.startswith("http")
+    with pytest.raises(ConfigError, match="unknown config key 'judge.timout'; did you mean 'judge.timeout'"):
+        build_config({"judge": {"timout": 1}}, options)
+    with pytest.raises(PluginError, match="config section 'train' is already defined"):
+        options.add_section("train", JudgeOptions)
+    assert "judge" in Config().to_dict() or "judge" in c.to_dict()
+
+
+def test_bad_yaml_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_yaml(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "nope.yaml")

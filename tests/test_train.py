@@ -1,0 +1,209 @@
+"""Real training runs of the embedded default (tiny Llama, addition task)."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, short_run
+
+
+def only_run_dir() -> Path:
+    dirs = list(Path("runs").iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+@pytest.mark.slow
+def test_default_run_learns(rlhf):
+    """The README's promise: with the default seed, the mean reward of the last 10% of steps
+    beats the first 10% by at least 0.3."""
+    code, out, err = rlhf("train")
+    assert code == 0, err
+    run = only_run_dir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 200
+    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.3, summary
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 200 and {"reward/mean", "kl", "loss/total", "time/step"} <= set(rows[-1])
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert summary["seconds_per_step"] < 1.5  # 200 steps fit the 5-minute budget with room to spare
+
+    # the final policy is a normal transformers model that answers the task
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out_ids = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert tok.decode(out_ids[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip().isdigit()
+
+
+def test_short_run_writes_a_complete_run_directory(rlhf):
+    code, out, err = rlhf("train", *short_run("--train.run_name", "r1"))
+    assert code == 0, err
+    run = Path("runs/r1")
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "metrics.jsonl", "tensorboard", "final", "summary.json"}
+    import yaml
+
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["steps"] == 3 and saved["reward"]["functions"] == ["exact_match"]
+    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
+
+
+def test_reward_from_a_py_file_is_picked_when_it_is_the_only_one(rlhf):
+    code, out, err = rlhf("train", "--plugin", str(EXAMPLES / "plain_reward.py"), *short_run())
+    assert code == 0, err
+    import yaml
+
+    saved = yaml.safe_load((only_run_dir() / "config.yaml").read_text())
+    assert saved["reward"]["functions"] == ["bare_number"]
+
+
+def test_lifecycle_hooks_fire_in_order(rlhf, tmp_path):
+    log = tmp_path / "events.jsonl"
+    plugin = tmp_path / "observer.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        LOG = {str(log)!r}
+        def _w(*event):
+            with open(LOG, "a") as f:
+                f.write(json.dumps(event) + "\\n")
+        @hookimpl
+        def rlhf_configure(config):
+            _w("configure", config.train.steps)
+        @hookimpl
+        def rlhf_before_train(config, run_dir):
+            _w("before_train", (run_dir / "config.yaml").is_file())
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            _w("after_rollout", step, len(rollout), sorted(rollout.columns), rollout.group_size)
+        @hookimpl
+        def rlhf_after_weight_sync(step, info):
+            _w("after_weight_sync", step, info["method"], info["tensors"] > 0)
+        @hookimpl
+        def rlhf_after_step(step, metrics):
+            _w("after_step", step, "reward/mean" in metrics)
+        @hookimpl
+        def rlhf_after_train(run_dir, metrics):
+            _w("after_train", metrics["steps"])
+        @hookimpl
+        def rlhf_on_error(step, error):
+            _w("on_error", step, str(error))
+    """))
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--train.steps", "2"))
+    assert code == 0, err
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events == [
+        ["configure", 2],
+        ["before_train", True],
+        ["after_rollout", 0, 16, ["label"], 4],
+        ["after_weight_sync", 0, "inprocess", True],
+        ["after_step", 0, True],
+        ["after_rollout", 1, 16, ["label"], 4],
+        ["after_weight_sync", 1, "inprocess", True],
+        ["after_step", 1, True],
+        ["after_train", 2],
+    ]
+
+
+def test_on_error_is_told_then_the_error_propagates(rlhf, tmp_path):
+    log = tmp_path / "err.txt"
+    plugin = tmp_path / "watch.py"
+    plugin.write_text(textwrap.dedent(f"""
+        from rlhf_plugins import hookimpl
+        def broken(prompts, completions, **kwargs):
+            raise KeyError("label")
+        @hookimpl
+        def rlhf_on_error(step, error):
+            open({str(log)!r}, "w").write(f"{{step}}|{{type(error).__name__}}")
+        @hookimpl
+        def rlhf_reward_functions():
+            from rlhf_plugins import RewardFunction
+            yield RewardFunction("broken", broken)
+    """))
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run())
+    assert code == 2 and "reward 'broken' (plugin 'watch') at step 0 raised KeyError" in err
+    assert log.read_text() == "0|RewardError"
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["json", "parquet", "folder"])
+def test_datasets_keys_and_labels_reach_the_reward(rlhf, tmp_path, fmt):
+    rows = [{"question": f"{a}+{a}=", "answer": str(2 * a), "source": f"s{a}"} for a in range(6)]
+    if fmt == "json":
+        path = tmp_path / "data.json"
+        path.write_text(json.dumps(rows))
+    elif fmt == "parquet":
+        import pandas as pd
+
+        path = tmp_path / "data.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+    else:
+        path = tmp_path / "folder"
+        path.mkdir()
+        for i, chunk in enumerate((rows[:3], rows[3:])):
+            (path / f"part{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+    seen = tmp_path / "seen.json"
+    plugin = tmp_path / "check_labels.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import json
+        def doubled(prompts, completions, label, source, **kwargs):
+            for p, l, s in zip(prompts, label, source):
+                a = int(p.split("+")[0])
+                assert l == str(2 * a) and s == f"s{{a}}", (p, l, s)
+            json.dump(sorted(set(label)), open({str(seen)!r}, "w"))
+            return [float(c.strip() == l) for c, l in zip(completions, label)]
+    """))
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", str(path), "--data.prompt_key", "question",
+                        "--data.label_key", "answer", *short_run("--train.steps", "2", "--train.prompts_per_step", "6"))
+    assert code == 0, err
+    assert json.loads(seen.read_text()) == sorted(str(2 * a) for a in range(6))
+
+
+def test_chat_template_off_uses_raw_prompts(rlhf, tmp_path):
+    path = tmp_path / "raw.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(4)))
+    code, _, err = rlhf("train", "--data.path", str(path), "--data.apply_chat_template", "false",
+                        "--reward.functions", "exact_match", *short_run())
+    assert code == 0, err
+
+
+def test_checkpoint_state_resumes_exactly(tiny_model, tmp_path, monkeypatch):
+    """Two steps, state_dict, a fresh trainer loads it: steps 2-3 match an uninterrupted run."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data import load_prompts
+    from rlhf_plugins.loop import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    raw = {"train": {"prompts_per_step": 4, "steps": 4}, "generation": {"n_samples_per_prompt": 4},
+           "learner": {"epochs": 2}}
+    config, pm, plan = prepare(raw, autoload=False)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = load_prompts(config.data, tok)
+
+    def trainer():
+        t = Trainer(config, pm, plan, prompts, tok, tiny_model)
+        t.setup()
+        return t
+
+    a = trainer()
+    full = [a.step(s) for s in range(4)]
+    b = trainer()
+    for s in range(2):
+        b.step(s)
+    state = b.state_dict()
+    torch.save(state, tmp_path / "state.pt")
+    c = trainer()
+    c.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    resumed = [c.step(s) for s in range(2, 4)]
+    for x, y in zip(full[2:], resumed):
+        assert y["reward/mean"] == x["reward/mean"]
+        assert y["loss/total"] == pytest.approx(x["loss/total"], abs=1e-6)
