@@ -30,29 +30,77 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
+def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Next-token logits ``[B, T, V]`` for the completion tokens of ``batch``.
+
+    When the batch holds ``group_size`` consecutive samples per prompt (and the
+    prompt width ``prompt_width``), each prompt is encoded once and its KV cache
+    shared by its samples: the forward runs on ``B / group * P + B * T`` tokens
+    instead of ``B * (P + T)``. Gradients flow through the shared prefix.
+    """
+    seq, mask = batch["sequences"], batch["attention_mask"]
+    T = batch["action_mask"].shape[1]
+    group = int(batch.get("group_size", 1))
+    P = batch.get("prompt_width")
+    shared = (
+        P is not None
+        and group > 1
+        and seq.shape[0] % group == 0
+        and not getattr(model, "is_gradient_checkpointing", False)
+    )
+    if not shared:
+        out = model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
+                    logits_to_keep=T + 1, use_cache=False)
+        return out.logits[:, :-1, :]
+    P = int(P)
+    pmask = mask[::group, :P]
+    out = model(input_ids=seq[::group, :P], attention_mask=pmask, position_ids=position_ids(pmask),
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:, :].repeat_interleave(group, dim=0)
+    if T == 1:
+        return first
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group)
+    full = mask[:, : P + T - 1]
+    rest = model(input_ids=seq[:, P : P + T - 1], attention_mask=full, position_ids=position_ids(full)[:, P:],
+                 past_key_values=cache, use_cache=True)
+    return torch.cat([first, rest.logits], dim=1)
+
+
 def policy_forward(
-    model: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False
+    model: Any, batch: dict[str, Any], temperature: float = 1.0, with_entropy: bool = False
 ) -> dict[str, torch.Tensor]:
     """Log-probs (and entropy) of the completion tokens under ``model`` at the sampling temperature."""
-    seq = batch["sequences"]
-    mask = batch["attention_mask"]
     T = batch["action_mask"].shape[1]
-    out = model(
-        input_ids=seq, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=T + 1, use_cache=False
-    )
-    logits = out.logits[:, :-1, :]
+    logits = completion_logits(model, batch)
     if temperature != 1.0:
         logits = logits / temperature
-    result = {"logprobs": logprobs_from_logits(logits, seq[:, -T:])}
+    result = {"logprobs": logprobs_from_logits(logits, batch["sequences"][:, -T:])}
     if with_entropy:
         result["entropy"] = entropy_from_logits(logits)
     return result
 
 
 def split_batch(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """Consecutive slices of ``size`` samples (the last may be shorter)."""
+    """Consecutive slices of ``size`` samples (the last may be shorter). Prompt groups stay
+    shared only when ``size`` is a multiple of the group size."""
     n = batch["sequences"].shape[0]
-    return [{k: _take(v, slice(i, i + size)) for k, v in batch.items()} for i in range(0, n, size)]
+    aligned = size % int(batch.get("group_size", 1)) == 0
+    parts = []
+    for i in range(0, n, size):
+        part = {k: _take(v, slice(i, i + size)) for k, v in batch.items()}
+        if not aligned:
+            part["group_size"] = 1
+        parts.append(part)
+    return parts
+
+
+def group_permutation(n: int, group: int, generator: torch.Generator) -> torch.Tensor:
+    """A random order of ``n`` samples that keeps each prompt's ``group`` samples together."""
+    if group <= 1 or n % group:
+        return torch.randperm(n, generator=generator)
+    groups = torch.randperm(n // group, generator=generator)
+    return (groups[:, None] * group + torch.arange(group)[None, :]).reshape(-1)
 
 
 def _take(v: Any, idx: slice) -> Any:

@@ -57,7 +57,7 @@ class ReferenceRole:
         self.temperature = config.generation.temperature
         self._forward = policy_forward
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._forward(self.model, batch, self.temperature)["logprobs"]
 

@@ -51,4 +51,7 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         "action_mask": action,
         "rollout_logprobs": rollout_lp,
         "scores": torch.tensor(rollout.scores, dtype=torch.float32),
+        # layout hints: samples of one prompt are consecutive and share the first P columns
+        "group_size": rollout.group_size,
+        "prompt_width": P,
     }

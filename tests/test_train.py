@@ -207,3 +207,85 @@ def test_checkpoint_state_resumes_exactly(tiny_model, tmp_path, monkeypatch):
     for x, y in zip(full[2:], resumed):
         assert y["reward/mean"] == x["reward/mean"]
         assert y["loss/total"] == pytest.approx(x["loss/total"], abs=1e-6)
+
+
+def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
+    """One plugin file replaces a component in every area; the loop uses them all by name."""
+    log = tmp_path / "used.txt"
+    plugin = tmp_path / "everything.py"
+    plugin.write_text(textwrap.dedent(f"""
+        from rlhf_plugins import (AdvantageEstimator, GenerationBackend, KLEstimator, LearnerBackend,
+            PlacementStrategy, PolicyLoss, RewardFunction, WeightSyncMethod, hookimpl)
+        LOG = {str(log)!r}
+        def mark(what):
+            open(LOG, "a").write(what + "\\n")
+
+        def make_placement(config, spec):
+            from rlhf_plugins.placement.local import LocalPlacement
+            mark("placement")
+            return LocalPlacement(config, spec)
+        def make_engine(path, config, spec):
+            from rlhf_plugins.engines.transformers_engine import TransformersEngine
+            mark("generation")
+            return TransformersEngine(path, config, spec)
+        def make_learner(model, config, role):
+            from rlhf_plugins.learners.torch_learner import TorchLearner
+            mark("learner")
+            return TorchLearner(model, config, role)
+        class CountingSync:
+            def __init__(self, config):
+                pass
+            def sync(self, actor, engine, step):
+                mark("sync")
+                info = engine.load_weights(actor.named_weights())
+                info["method"] = "counting"
+                return info
+        def raw_scores(x):
+            mark("advantage")
+            adv = x.broadcast(x.scores - x.scores.mean())
+            return adv, adv
+        def vanilla_pg(x, options):
+            mark("loss")
+            return -x.advantages * x.logprobs, {{}}
+        def abs_kl(lp, ref):
+            mark("kl")
+            return (lp - ref).abs()
+        def length(prompts, completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+        @hookimpl
+        def rlhf_placement_strategies():
+            yield PlacementStrategy("my_place", factory=make_placement)
+        @hookimpl
+        def rlhf_generation_backends():
+            yield GenerationBackend("my_gen", factory=make_engine)
+        @hookimpl
+        def rlhf_learner_backends():
+            yield LearnerBackend("my_learner", factory=make_learner)
+        @hookimpl
+        def rlhf_weight_sync_methods():
+            yield WeightSyncMethod("my_sync", factory=CountingSync)
+        @hookimpl
+        def rlhf_advantage_estimators():
+            yield AdvantageEstimator("my_adv", compute=raw_scores)
+        @hookimpl
+        def rlhf_policy_losses():
+            yield PolicyLoss("my_loss", compute=vanilla_pg)
+        @hookimpl
+        def rlhf_kl_estimators():
+            yield KLEstimator("my_kl", compute=abs_kl)
+        @hookimpl
+        def rlhf_reward_functions():
+            yield RewardFunction("my_len", length)
+    """))
+    code, _, err = rlhf(
+        "train", "--plugin", str(plugin), "--placement.strategy", "my_place", "--generation.backend", "my_gen",
+        "--learner.backend", "my_learner", "--sync.method", "my_sync", "--algo.advantage.estimator", "my_adv",
+        "--algo.policy_loss.name", "my_loss", "--algo.kl.estimator", "my_kl", "--algo.kl.coef", "0.1",
+        *short_run("--train.steps", "2"),
+    )
+    assert code == 0, err
+    used = log.read_text().split()
+    assert used[:3] == ["placement", "generation", "learner"]
+    assert used.count("sync") == 2 and used.count("advantage") == 2
+    assert used.count("loss") == 2 and used.count("kl") == 2

@@ -45,21 +45,27 @@ class TransformersEngine:
         self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
         self.dtype = DTYPES[config.model.dtype]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         n = params.n
-        prompts = [p for p in prompt_ids for _ in range(n)]
-        B, P = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((B, P), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        U, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+        input_ids = torch.full((U, P), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((U, P), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
             input_ids[i, P - len(p) :] = torch.tensor(p)
             attention[i, P - len(p) :] = 1
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         pos = position_ids(attention)
+        # prefill each prompt once, then share its KV cache among its n samples (prefix sharing)
         out = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True, logits_to_keep=1
         )
+        if n > 1:
+            out.past_key_values.batch_repeat_interleave(n)
+            out.logits = out.logits.repeat_interleave(n, dim=0)
+            attention = attention.repeat_interleave(n, dim=0)
+            pos = pos.repeat_interleave(n, dim=0)
+        B = U * n
         next_pos = pos[:, -1:] + 1
         tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((B, params.max_new_tokens))
@@ -108,7 +114,7 @@ class TransformersEngine:
         """Log-probs of given completions under the engine's weights (sync parity probe)."""
         from ..modeling import policy_forward
 
-        with torch.no_grad():
+        with torch.inference_mode():
             return policy_forward(self.model, batch)["logprobs"]
 
     def shutdown(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..modeling import policy_forward, split_batch
+from ..modeling import group_permutation, policy_forward, split_batch
 
 
 class TorchLearner:
@@ -26,7 +26,7 @@ class TorchLearner:
         self.updates = 0
         self.generator = torch.Generator().manual_seed(config.train.seed)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.forward(self.model, batch, self.temperature)["logprobs"]
 
@@ -38,7 +38,9 @@ class TorchLearner:
         totals: dict[str, float] = defaultdict(float)
         count = 0
         for _ in range(self.cfg.epochs):
-            order = torch.randperm(n, generator=self.generator) if self.cfg.epochs > 1 or mini < n else None
+            order = None
+            if self.cfg.epochs > 1 or mini < n:
+                order = group_permutation(n, int(batch.get("group_size", 1)), self.generator)
             shuffled = batch if order is None else {k: v[order] if torch.is_tensor(v) else v for k, v in batch.items()}
             for mini_batch in split_batch(shuffled, mini):
                 for key, value in self._update(mini_batch, micro, objective).items():

@@ -1,0 +1,155 @@
+"""rlhf-plugins vs TRL GRPOTrainer on the same tiny GRPO setup, in one invocation.
+
+Same model (the embedded tiny Llama), prompts (the addition task), group size,
+completion length, reward (exact match), learning rate, KL coefficient and number
+of steps. Both run on the CPU in this process; the first ``--warmup`` steps of
+each are not timed. Prints steps/s and generated tokens/s of both and the ratio.
+
+    python bench/grpo_vs_trl.py --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="timed steps per framework")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (both load a reference model)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
+    return p.parse_args()
+
+
+def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data import load_prompts
+    from rlhf_plugins.loop import Trainer
+
+    raw = {
+        "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
+        "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens},
+        "learner": {"lr": args.lr},
+        "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
+    }
+    config, pm, plan = prepare(raw, autoload=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, model_path)
+    trainer.setup()
+    for step in range(args.warmup):
+        trainer.step(step)
+    tokens = 0.0
+    start = time.perf_counter()
+    for step in range(args.warmup, args.warmup + args.steps):
+        m = trainer.step(step)
+        tokens += m["completion/length"] * args.prompts * args.group
+    elapsed = time.perf_counter() - start
+    rewards = [m["reward/mean"] for m in trainer.history]
+    return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+            "reward_first": rewards[0], "reward_last": rewards[-1]}
+
+
+def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_plugins.builtin_plugins.rewards import exact_match
+    from rlhf_plugins.tiny_model import task_rows
+
+    def reward(prompts, completions, label, **kwargs):
+        return exact_match(prompts, [c[0]["content"] for c in completions], label)
+
+    rows = task_rows()
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+            self.lengths: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_step_end(self, a, state, control, **kw):
+            self.t.append(time.perf_counter())
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+                self.rewards.append(logs.get("reward", float("nan")))
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, seed=0,
+            per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
+            num_generations=args.group, max_completion_length=args.max_new_tokens,
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            beta=args.beta, temperature=1.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
+            max_steps=args.warmup + args.steps, logging_steps=1, report_to=[], save_strategy="no",
+            disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=cfg, train_dataset=dataset,
+                              processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    t = clock.t
+    elapsed = t[-1] - t[args.warmup - 1] if args.warmup > 0 else t[-1] - t[0]
+    timed = args.steps if args.warmup > 0 else args.steps - 1
+    tokens = sum(clock.lengths[args.warmup:]) * args.prompts * args.group
+    return {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+            "reward_first": clock.rewards[0], "reward_last": clock.rewards[-1]}
+
+
+def main() -> None:
+    args = parse()
+    import torch
+    import transformers
+
+    from rlhf_plugins.tiny_model import default_model_path
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model_path = default_model_path()
+    results: dict[str, dict[str, float]] = {}
+    for name, fn in (("rlhf-plugins", run_ours), ("trl", run_trl)):
+        if args.only and not name.startswith(args.only[:3]):
+            continue
+        torch.manual_seed(0)
+        results[name] = fn(args, model_path)
+        r = results[name]
+        print(f"{name:>13}: {r['steps_per_s']:6.2f} steps/s  {r['tokens_per_s']:8.0f} generated tokens/s  "
+              f"({args.steps} steps in {r['seconds']:.1f} s)", flush=True)
+    if len(results) == 2:
+        ratio = results["rlhf-plugins"]["steps_per_s"] / results["trl"]["steps_per_s"]
+        tok_ratio = results["rlhf-plugins"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
+        results["ratio"] = {"steps_per_s": ratio, "tokens_per_s": tok_ratio}
+        print(f"        ratio: {ratio:6.2f}x steps/s  {tok_ratio:6.2f}x generated tokens/s (target >= 1.5x)")
+    setup = {k: v for k, v in vars(args).items() if k not in ("json", "only")}
+    if args.json:
+        args.json.write_text(json.dumps({"setup": setup, "results": results, "torch_threads": torch.get_num_threads(),
+                                         "python": sys.version.split()[0]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
