@@ -14,6 +14,7 @@ import traceback
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from ._version import __version__
 from .errors import UsageError
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         if verbose:
             traceback.print_exc()
-        Console(stderr=True).print(f"[bold red]rlhf: error:[/] {exc}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]rlhf: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return exc.exit_code
     except KeyboardInterrupt:
         Console(stderr=True).print("rlhf: interrupted")
@@ -127,14 +128,15 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
         for col in ("area", "name", "provider", "available", "description"):
             table.add_column(col)
         for c in components:
-            avail = "[green]yes[/]" if c["available"] else f"[red]no[/]: {c['install']}"
-            table.add_row(c["area"], c["name"], c["provider"], avail, c["description"])
+            avail = "[green]yes[/]" if c["available"] else f"[red]no[/]: {escape(c['install'])}"
+            table.add_row(c["area"], escape(c["name"]), escape(c["provider"]), avail, escape(c["description"]))
     else:
         table = Table(title="rlhf plugins")
         for col in ("name", "version", "source", "hooks"):
             table.add_column(col)
         for r in rows:
-            table.add_row(r["name"], r["version"], r["source"], ", ".join(h.removeprefix("rlhf_") for h in r["hooks"]))
+            hooks = ", ".join(h.removeprefix("rlhf_") for h in r["hooks"])
+            table.add_row(escape(r["name"]), escape(r["version"]), r["source"], hooks)
     console.print(table)
     return 0
 
@@ -158,7 +160,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> in
     console.rule("[bold]rlhf train")
     console.print(Syntax(config.to_yaml(), "yaml", background_color="default"))
     for warning in pm.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     if args.dry_run:
         console.print("[green]config is valid[/] (dry run: nothing started)")
         return 0

@@ -58,6 +58,21 @@ class RewardConfig:
     functions: list[str] = field(default_factory=list)
     #: one weight per function (default 1.0 each); the combined score is the weighted sum
     weights: list[float] = field(default_factory=list)
+    #: subtracted from the score of a completion that hit max_new_tokens without stopping
+    stop_penalty: float = 0.0
+    #: DAPO soft overlong penalty: the last N tokens before max_new_tokens cost up to ``overlong_penalty``
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    #: normalise scores by running mean and std (state kept in checkpoints)
+    normalize: bool = False
+    #: clip (shaped) scores to [-clip, clip]
+    clip: float | None = None
+    #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts
+    dynamic_filtering: bool = False
+    #: with dynamic filtering, also drop groups whose mean score is not strictly inside [low, high]
+    filter_range: list[float] | None = None
+    #: generation rounds per step at most when refilling filtered groups
+    filter_max_rounds: int = 4
 
 
 @dataclass
@@ -77,6 +92,13 @@ class PolicyLossConfig:
     dual_clip: float | None = None
     aggregation: str = "token-mean"
     entropy_coef: float = 0.0
+    #: correct the generation engine / learner mismatch with the engine's log-probs:
+    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
+    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
+    #: TIS truncation and upper band of icepop / seq_mask_tis
+    mismatch_high: float = 2.0
+    #: lower band of icepop / seq_mask_tis
+    mismatch_low: float = 0.5
 
 
 @dataclass
@@ -86,6 +108,21 @@ class KLConfig:
     coef: float = 0.001
     #: apply KL as a token-level penalty in the reward instead of a loss term
     in_reward: bool = False
+    #: fixed coefficient, or adaptive (Ziegler et al.): steer the measured KL towards ``target``
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class CriticConfig:
+    #: empty: a critic runs exactly when the advantage estimator needs one
+    enabled: bool | None = None
+    #: a local folder with a critic (or any causal LM); empty: initialised from the policy
+    path: str | None = None
+    lr: float = 5e-3
+    #: value-loss clipping around the rollout-time values; empty disables it
+    value_clip: float | None = 0.2
 
 
 @dataclass
@@ -142,6 +179,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

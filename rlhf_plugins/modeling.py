@@ -81,6 +81,13 @@ def policy_forward(
     return result
 
 
+def value_forward(
+    model: Any, batch: dict[str, Any], temperature: float = 1.0, with_entropy: bool = False
+) -> dict[str, torch.Tensor]:
+    """Critic values of the states before each completion token (aligned with log-probs)."""
+    return {"values": completion_logits(model, batch)[..., 0].float()}
+
+
 def split_batch(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
     """Consecutive slices of ``size`` samples (the last may be shorter). Prompt groups stay
     shared only when ``size`` is a multiple of the group size."""

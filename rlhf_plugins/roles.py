@@ -46,6 +46,16 @@ class PolicyRole:
         self.learner.load_state_dict(state)
 
 
+class CriticRole(PolicyRole):
+    """The PPO critic: per-token values, trained on returns with a clipped value loss."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
+        super().__init__(config, plugin_spec, model_path, role="critic")
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.learner.logprobs(batch)
+
+
 class ReferenceRole:
     """The frozen initial policy, for KL."""
 

@@ -23,9 +23,54 @@ class Rollout:
     scores: list[float] = field(default_factory=list)
     #: each reward function's scores, by name (None where a function abstained)
     reward_components: dict[str, list[float | None]] = field(default_factory=dict)
+    #: the combined score before shaping (penalties, normalisation, clipping)
+    raw_scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def select_groups(self, groups: list[int] | range) -> Rollout:
+        """The samples of the given prompt groups, in that order."""
+        g = self.group_size
+        idx = [i for grp in groups for i in range(grp * g, (grp + 1) * g)]
+
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in idx] if values else values
+
+        return Rollout(
+            prompts=pick(self.prompts),
+            prompt_ids=pick(self.prompt_ids),
+            completion_ids=pick(self.completion_ids),
+            completions=pick(self.completions),
+            finish_reasons=pick(self.finish_reasons),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            columns={k: pick(v) for k, v in self.columns.items()},
+            group_size=g,
+            scores=pick(self.scores),
+            reward_components={k: pick(v) for k, v in self.reward_components.items()},
+            raw_scores=pick(self.raw_scores),
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        first = parts[0]
+
+        def cat(name: str) -> list[Any]:
+            return [x for p in parts for x in getattr(p, name)]
+
+        return Rollout(
+            prompts=cat("prompts"),
+            prompt_ids=cat("prompt_ids"),
+            completion_ids=cat("completion_ids"),
+            completions=cat("completions"),
+            finish_reasons=cat("finish_reasons"),
+            rollout_logprobs=cat("rollout_logprobs"),
+            columns={k: [x for p in parts for x in p.columns[k]] for k in first.columns},
+            group_size=first.group_size,
+            scores=cat("scores"),
+            reward_components={k: [x for p in parts for x in p.reward_components[k]] for k in first.reward_components},
+            raw_scores=cat("raw_scores"),
+        )
 
 
 def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:

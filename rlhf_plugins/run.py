@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from .config import Config
 from .errors import ConfigError, UsageError
@@ -61,7 +62,9 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     prompts = load_prompts(config.data, tokenizer)
     run_dir = make_run_dir(config)
     (run_dir / "config.yaml").write_text(config.to_yaml())
-    console.print(f"run directory: [bold]{run_dir}[/]  prompts: {len(prompts)}  model: {model_path}")
+    console.print(
+        f"run directory: [bold]{escape(str(run_dir))}[/]  prompts: {len(prompts)}  model: {escape(model_path)}"
+    )
     trainer = Trainer(config, pm, plan, prompts, tokenizer, model_path)
     log: MetricsLog | None = None
     step: int | None = None

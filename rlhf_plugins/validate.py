@@ -67,17 +67,45 @@ def check_ranges(c: Config) -> None:
     _require(c.algo.kl.coef >= 0, f"algo.kl.coef must be >= 0; got {c.algo.kl.coef}")
     _require(0 <= c.algo.advantage.gamma <= 1, f"algo.advantage.gamma must be in [0, 1]; got {c.algo.advantage.gamma}")
     _require(0 <= c.algo.advantage.lam <= 1, f"algo.advantage.lam must be in [0, 1]; got {c.algo.advantage.lam}")
+    r, k, cr = c.reward, c.algo.kl, c.critic
+    _require(r.overlong_buffer >= 0, f"reward.overlong_buffer must be >= 0; got {r.overlong_buffer}")
+    _require(
+        r.overlong_buffer <= g.max_new_tokens,
+        f"reward.overlong_buffer ({r.overlong_buffer}) must not exceed generation.max_new_tokens ({g.max_new_tokens})",
+    )
+    _require(r.clip is None or r.clip > 0, f"reward.clip must be > 0 (or empty to disable); got {r.clip}")
+    _require(r.filter_max_rounds >= 1, f"reward.filter_max_rounds must be >= 1; got {r.filter_max_rounds}")
+    if r.filter_range is not None:
+        _require(
+            len(r.filter_range) == 2 and r.filter_range[0] < r.filter_range[1],
+            f"reward.filter_range must be [low, high] with low < high; got {r.filter_range}",
+        )
+    _require(
+        not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
+        "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
+    )
+    if k.controller == "adaptive":
+        _require(k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
+        _require(k.target > 0, f"algo.kl.target must be > 0; got {k.target}")
+        _require(k.horizon >= 1, f"algo.kl.horizon must be >= 1; got {k.horizon}")
+    _require(
+        0 < p.mismatch_low <= 1 <= p.mismatch_high,
+        f"algo.policy_loss mismatch band must satisfy 0 < mismatch_low <= 1 <= mismatch_high; "
+        f"got [{p.mismatch_low}, {p.mismatch_high}]",
+    )
+    _require(cr.lr > 0, f"critic.lr must be > 0; got {cr.lr}")
+    _require(cr.value_clip is None or cr.value_clip > 0, f"critic.value_clip must be > 0 (or empty); got {cr.value_clip}")
+    for key, folder in (("model.path", c.model.path), ("critic.path", cr.path)):
+        if folder:
+            _require(
+                (Path(folder).expanduser() / "config.json").is_file(),
+                f"{key} '{folder}' is not a save_pretrained folder (no config.json); "
+                "give a local model folder or leave it empty",
+            )
     if c.data.path:
         from .data import data_files
 
         data_files(Path(c.data.path).expanduser())
-    if c.model.path:
-        path = Path(c.model.path).expanduser()
-        _require(
-            (path / "config.json").is_file(),
-            f"model.path '{c.model.path}' is not a save_pretrained folder (no config.json); "
-            "give a local model folder or leave it empty for the embedded tiny Llama",
-        )
 
 
 def choose_rewards(c: Config, pm: RLHFPluginManager) -> tuple[list[str], list[float]]:
@@ -128,9 +156,12 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     plan.rewards, plan.weights = choose_rewards(c, pm)
     c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
-    plan.needs_critic = est.needs_critic
-    if est.needs_critic:
-        raise ConfigError(f"advantage estimator '{est.name}' needs a critic, which this build does not provide yet")
+    if est.needs_critic and c.critic.enabled is False:
+        raise ConfigError(
+            f"advantage estimator '{est.name}' needs a critic, but critic.enabled is false; "
+            "enable it or choose an estimator without one (group_norm, rloo, reinforce, ...)"
+        )
+    plan.needs_critic = est.needs_critic if c.critic.enabled is None else c.critic.enabled
     pm.configure(c)
     return plan
 

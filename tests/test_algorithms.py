@@ -276,3 +276,103 @@ def test_micro_batch_weights_reproduce_the_full_batch(mode):
         m = r.mask[s : s + 5]
         parts += float(aggregate(x[s : s + 5], m, mode)) * micro_batch_weight(m, r.mask, mode)
     assert parts == pytest.approx(full, abs=1e-5)
+
+
+# --- mismatch correction, value loss, KL control, shaping ------------------------------------
+
+from rlhf_plugins.algorithms.kl_control import AdaptiveKLController, FixedKLController  # noqa: E402
+from rlhf_plugins.algorithms.mismatch import importance_weights  # noqa: E402
+from rlhf_plugins.algorithms.value import clipped_value_loss  # noqa: E402
+from rlhf_plugins.shaping import RewardShaper, RunningMoments, keep_groups  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
+def test_mismatch_weights_match_loop(mode):
+    r = ragged(seed=21)
+    old = torch.randn(r.B, r.T, generator=r.g) * 0.3
+    roll = old + torch.randn(r.B, r.T, generator=r.g) * 0.5
+    low, high = 0.7, 1.5
+    w, m = importance_weights(old, roll, r.mask, mode, low, high)
+    for i in range(r.B):
+        n = r.lengths[i]
+        ratios = [math.exp(float(old[i, t] - roll[i, t])) for t in range(n)]
+        if mode == "tis":
+            expect = [min(x, high) for x in ratios]
+        elif mode == "icepop":
+            expect = [x if low <= x <= high else 0.0 for x in ratios]
+        else:
+            seq = math.exp(sum(float(old[i, t] - roll[i, t]) for t in range(n)) / n)
+            keep = low <= seq <= high
+            expect = [min(x, high) if keep else 0.0 for x in ratios]
+        assert w[i, :n].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-6)
+        assert float(w[i, n:].abs().sum()) == 0.0
+    assert 0.0 <= float(m["mismatch/dropped_frac"]) <= 1.0
+    # identical policies: every weight is 1
+    same, _ = importance_weights(old, old, r.mask, mode, low, high)
+    assert torch.equal(same, r.mask)
+
+
+def test_value_loss_matches_loop():
+    g = torch.Generator().manual_seed(3)
+    v, old, ret = (torch.randn(4, 5, generator=g) for _ in range(3))
+    for clip in (None, 0.2):
+        loss = clipped_value_loss(v, old, ret, clip)
+        for i in range(4):
+            for t in range(5):
+                a = (float(v[i, t]) - float(ret[i, t])) ** 2
+                if clip is not None:
+                    vc = float(old[i, t]) + min(max(float(v[i, t] - old[i, t]), -clip), clip)
+                    a = max(a, (vc - float(ret[i, t])) ** 2)
+                assert float(loss[i, t]) == pytest.approx(0.5 * a, rel=1e-5)
+
+
+def test_adaptive_kl_controller_hand_computed():
+    c = AdaptiveKLController(0.1, target=0.05, horizon=1000)
+    c.update(0.1, n_samples=100)  # error clipped to +0.2 -> x(1 + 0.2 * 0.1)
+    assert c.value == pytest.approx(0.1 * 1.02)
+    c.update(0.045, n_samples=100)  # error -0.1 -> x(1 - 0.01)
+    assert c.value == pytest.approx(0.1 * 1.02 * 0.99)
+    restored = AdaptiveKLController(0.5, 0.05, 1000)
+    restored.load_state_dict(c.state_dict())
+    assert restored.value == c.value
+    fixed = FixedKLController(0.3)
+    fixed.update(10.0, 100)
+    assert fixed.value == 0.3
+
+
+def shaping(**kw):
+    base = dict(stop_penalty=0.0, overlong_buffer=0, overlong_penalty=1.0, normalize=False, clip=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_overlong_and_stop_penalties_hand_computed():
+    s = RewardShaper(shaping(overlong_buffer=4, overlong_penalty=0.5, stop_penalty=0.25), max_new_tokens=10)
+    # start of the buffer = 6: lengths 6 -> 0, 8 -> (6 - 8) / 4 * 0.5 = -0.25, 10 -> -0.5 (and not stopped: -0.25)
+    out = s([1.0, 1.0, 1.0], [6, 8, 10], ["stop", "stop", "length"])
+    assert out == pytest.approx([1.0, 0.75, 0.25])
+
+
+def test_normalisation_and_clip():
+    import statistics
+
+    s = RewardShaper(shaping(normalize=True, clip=1.0), max_new_tokens=4)
+    first = [0.0, 1.0, 2.0, 3.0]
+    second = [10.0, 0.0]
+    s(first, [1] * 4, ["stop"] * 4)
+    out = s(second, [1] * 2, ["stop"] * 2)
+    seen = first + second
+    mean, std = statistics.mean(seen), statistics.stdev(seen)
+    assert out == pytest.approx([min(1.0, (10 - mean) / std), max(-1.0, (0 - mean) / std)], rel=1e-6)
+    m = RunningMoments()
+    for chunk in ([1.0, 2.0], [3.0], [4.0, 5.0, 6.0]):
+        m.update(chunk)
+    assert m.mean == pytest.approx(3.5) and m.std == pytest.approx(statistics.stdev([1, 2, 3, 4, 5, 6]))
+
+
+def test_keep_groups():
+    scores = [1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 0, 1]
+    assert keep_groups(scores, 3, None) == [1, 3]  # all-equal groups carry no signal
+    # group 1 has mean 1/3, group 3 mean 2/3: a range (0.5, 1) keeps group 3 only
+    assert keep_groups(scores, 3, [0.5, 1.0]) == [3]
+    assert keep_groups([0, 1, 1, 1, 0, 1], 3, [0.0, 1.0]) == [0, 1]

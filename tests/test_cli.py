@@ -45,6 +45,18 @@ def write(path: Path, text: str) -> str:
         (["--model.path", "."], "is not a save_pretrained folder"),
         (["--reward.functions", "nope"], "unknown reward function 'nope'; choose one of: exact_match"),
         (["stray"], "unexpected argument 'stray'"),
+        (["--algo.advantage.estimator", "gae", "--critic.enabled", "false"], "'gae' needs a critic, but critic.enabled is false"),
+        (["--algo.advantage.estimator", "rloo", "--generation.n_samples_per_prompt", "1"], "'rloo' compares samples"),
+        (["--algo.policy_loss.clip_low", "1.5"], "algo.policy_loss.clip_low must be in [0, 1); got 1.5"),
+        (["--algo.policy_loss.clip_high", "-0.1"], "algo.policy_loss.clip_high must be >= 0"),
+        (["--reward.filter_range", "[1, 0]"], "reward.filter_range must be [low, high] with low < high"),
+        (["--reward.dynamic_filtering", "true", "--algo.advantage.estimator", "reinforce",
+          "--generation.n_samples_per_prompt", "1"], "reward.dynamic_filtering compares samples"),
+        (["--algo.kl.controller", "adaptive", "--algo.kl.coef", "0"], "adaptive KL controller needs a starting"),
+        (["--algo.kl.controller", "pid"], "config key 'algo.kl.controller' must be one of 'fixed' | 'adaptive'"),
+        (["--algo.policy_loss.mismatch", "tis", "--algo.policy_loss.mismatch_high", "0.5"], "mismatch band"),
+        (["--critic.path", "nowhere"], "critic.path 'nowhere' is not a save_pretrained folder"),
+        (["--reward.overlong_buffer", "99"], "must not exceed generation.max_new_tokens"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(rlhf, args, expected):

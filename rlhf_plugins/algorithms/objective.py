@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from .mismatch import importance_weights
 from .numerics import aggregate, masked_mean, micro_batch_weight
 from .policy_losses import PolicyLossInputs
 
@@ -50,6 +51,13 @@ class Objective:
             rollout_logprobs=batch.get("rollout_logprobs"),
         )
         per_token, metrics = self.policy_loss(inputs, self.options)
+        if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
+            weights, extra = importance_weights(
+                inputs.old_logprobs, inputs.rollout_logprobs, mask,
+                self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,
+            )
+            per_token = per_token * weights
+            metrics.update(extra)
         policy = aggregate(per_token, mask, self.aggregation)
         loss = policy
         metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}

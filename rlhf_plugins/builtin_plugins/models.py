@@ -1,4 +1,5 @@
-"""Builtin model loading: ``transformers`` ``AutoModelForCausalLM`` from a local folder.
+"""Builtin model loading: ``transformers`` ``AutoModelForCausalLM`` from a local folder
+(the critic: the same backbone with a value head).
 
 ``trylast``, so any plugin may answer first or wrap it."""
 from __future__ import annotations
@@ -16,6 +17,10 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
     from ..modeling import DTYPES
 
     try:
+        if role == "critic":
+            from ..value_model import ValueModel
+
+            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype])
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype])
     except OSError as exc:
         raise ConfigError(f"cannot load the {role} model from '{path}': {str(exc).splitlines()[0]}") from exc

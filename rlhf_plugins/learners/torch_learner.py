@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..modeling import group_permutation, policy_forward, split_batch
+from ..modeling import group_permutation, policy_forward, split_batch, value_forward
 
 
 class TorchLearner:
@@ -20,15 +20,19 @@ class TorchLearner:
         self.role = role
         self.cfg = config.learner
         self.temperature = config.generation.temperature
-        self.forward: Callable[..., dict[str, torch.Tensor]] = policy_forward
+        critic = role == "critic"
+        self.forward: Callable[..., dict[str, torch.Tensor]] = value_forward if critic else policy_forward
+        self.output = "values" if critic else "logprobs"
+        lr = config.critic.lr if critic else self.cfg.lr
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
         self.updates = 0
         self.generator = torch.Generator().manual_seed(config.train.seed)
 
     @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.forward(self.model, batch, self.temperature)["logprobs"]
+        """The model's per-token output without gradient: log-probs, or values for a critic."""
+        return self.forward(self.model, batch, self.temperature)[self.output]
 
     def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
         self.model.train()

@@ -1,0 +1,138 @@
+"""Every algorithm option in a real (short) run on the embedded default."""
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, short_run
+
+
+def metrics_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def the_run() -> Path:
+    (run,) = Path("runs").iterdir()
+    return run
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"])
+def test_every_estimator_runs(rlhf, estimator):
+    code, _, err = rlhf("train", "--algo.advantage.estimator", estimator, *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert len(rows) == 3 and all(r["loss/total"] == r["loss/total"] for r in rows)  # finite
+    assert ("critic/loss" in rows[0]) == (estimator == "gae")
+
+
+def test_reinforce_with_one_sample_per_prompt(rlhf):
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "reinforce", *short_run("--generation.n_samples_per_prompt", "1"))
+    assert code == 0, err
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_learns_and_the_critic_reloads(rlhf):
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", "--train.steps", "100", "--train.progress", "false",
+                        "--train.run_name", "ppo")
+    assert code == 0, err
+    summary = json.loads(Path("runs/ppo/summary.json").read_text())
+    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.25, summary
+    critic = Path("runs/ppo/critic")
+    assert (critic / "value_head.safetensors").is_file()
+    rows = metrics_of(Path("runs/ppo"))
+    assert rows[-1]["critic/values"] != 0.0  # the value head left zero
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", "--critic.path", str(critic),
+                        *short_run("--train.run_name", "again"))
+    assert code == 0, err
+    first = metrics_of(Path("runs/again"))[0]
+    assert abs(first["critic/values"]) > 1e-4  # loaded, not a fresh zero head
+
+
+def test_kl_in_reward_with_adaptive_controller(rlhf):
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "reinforce", "--algo.kl.in_reward", "true",
+                        "--algo.kl.controller", "adaptive", "--algo.kl.coef", "0.05", "--algo.kl.target", "0.001",
+                        "--algo.kl.horizon", "100", *short_run("--train.steps", "4"))
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    coefs = [r["kl/coef"] for r in rows]
+    assert coefs[0] == 0.05 and coefs[-1] != coefs[0]
+    assert all("kl/rollout" in r for r in rows)
+    # KL is in the reward, so the loss has no KL term
+    assert all(r["loss/total"] == pytest.approx(r["loss/policy"], abs=1e-7) for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
+def test_mismatch_correction_runs_and_sees_matching_policies(rlhf, mode):
+    code, _, err = rlhf("train", "--algo.policy_loss.mismatch", mode, *short_run())
+    assert code == 0, err
+    for row in metrics_of(the_run()):
+        # the transformers engine holds the learner's exact weights: ratios are ~1, nothing dropped
+        assert row["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["mismatch/dropped_frac"] == 0.0
+
+
+def test_gspo_dual_clip_entropy_and_aggregation(rlhf):
+    code, _, err = rlhf("train", "--algo.policy_loss.name", "gspo", "--algo.policy_loss.clip_low", "0.0003",
+                        "--algo.policy_loss.clip_high", "0.0004", "--algo.policy_loss.aggregation", "seq-mean-token-mean",
+                        "--algo.policy_loss.entropy_coef", "0.01", "--learner.epochs", "2", *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert all("entropy" in r for r in rows) and any(r["loss/clip_frac"] > 0 for r in rows)
+    code, _, err = rlhf("train", "--algo.policy_loss.dual_clip", "3", "--algo.policy_loss.aggregation",
+                        "seq-mean-token-sum-norm", "--algo.advantage.estimator", "dr_grpo",
+                        "--learner.mini_batch_size", "8", "--learner.micro_batch_size", "4",
+                        *short_run("--train.run_name", "dual"))
+    assert code == 0, err
+    assert "loss/dual_clip_frac" in metrics_of(Path("runs/dual"))[0]
+
+
+def test_reward_shaping_and_weighted_functions_logged_separately(rlhf, tmp_path):
+    extra = tmp_path / "extra.py"
+    extra.write_text("def shortness(prompts, completions, **kwargs):\n    return [-len(c) / 10 for c in completions]\n")
+    code, _, err = rlhf("train", "--plugin", str(extra), "--reward.functions", "exact_match,shortness",
+                        "--reward.weights", "1.0,0.5", "--reward.normalize", "true", "--reward.clip", "2",
+                        "--reward.stop_penalty", "0.5", "--reward.overlong_buffer", "2", *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert {"reward/exact_match", "reward/shortness", "reward/shaped_mean"} <= set(rows[0])
+    assert all(-2.0 <= r["reward/shaped_mean"] <= 2.0 for r in rows)
+
+
+def test_dynamic_filtering_trains_only_on_groups_with_signal(rlhf, tmp_path):
+    checker = tmp_path / "groups.py"
+    checker.write_text(textwrap.dedent(f"""
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            g = rollout.group_size
+            for i in range(0, len(rollout), g):
+                block = rollout.scores[i:i + g]
+                assert max(block) > min(block), block
+            open({str(tmp_path / "sizes.txt")!r}, "a").write(f"{{len(rollout) // g}}\\n")
+    """))
+    code, _, err = rlhf("train", "--plugin", str(checker), "--reward.dynamic_filtering", "true",
+                        "--reward.functions", "exact_match", *short_run("--train.steps", "4"))
+    assert code == 0, err
+    assert "failed in rlhf_after_rollout" not in err  # the observer's assertion held
+    sizes = [int(x) for x in (tmp_path / "sizes.txt").read_text().split()]
+    rows = metrics_of(the_run())
+    assert all(0 < s <= 4 for s in sizes)
+    assert all(r["filter/rounds"] >= 1 and 0 < r["filter/kept_groups"] <= 1 for r in rows)
+
+
+def test_readme_third_party_estimator_is_picked_by_name(rlhf, tmp_path):
+    """The README's estimator plugin (at most 15 lines), run as written."""
+    readme = (ROOT / "README.md").read_text()
+    code_block = re.search(r"```python\n(from rlhf_plugins import AdvantageEstimator.*?)```", readme, re.S).group(1)
+    assert len(code_block.strip().splitlines()) <= 15
+    plugin = tmp_path / "median_plugin.py"
+    plugin.write_text(code_block)
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--algo.advantage.estimator", "median", *short_run())
+    assert code == 0, err
+    import yaml
+
+    assert yaml.safe_load((the_run() / "config.yaml").read_text())["algo"]["advantage"]["estimator"] == "median"
