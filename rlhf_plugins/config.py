@@ -144,6 +144,13 @@ class LearnerConfig:
     mini_batch_size: int = 0
     #: samples per forward/backward (gradient accumulation); 0 means the mini batch
     micro_batch_size: int = 0
+    #: DeepSpeed learner: ZeRO stage 0-3, CPU offload of optimizer states / parameters (stage 3)
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    gradient_checkpointing: bool = False
+    #: DeepSpeed learner: offload its states while the engine generates (GPU, ZeRO-3)
+    sleep: bool = False
 
 
 @dataclass
@@ -153,7 +160,10 @@ class PlacementConfig:
 
 @dataclass
 class SyncConfig:
-    method: str = "inprocess"
+    #: empty: the placement's default (inprocess for local, broadcast for ray)
+    method: str | None = None
+    #: bucket size of the broadcast / ipc methods
+    bucket_mb: float = 64.0
     #: after every sync compare the engine's log-probs with the learner's on a fixed probe
     verify: bool = False
 

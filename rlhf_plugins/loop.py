@@ -72,7 +72,9 @@ class Trainer:
         if c.train.num_threads:
             torch.set_num_threads(c.train.num_threads)
         seed_everything(c.train.seed)
-        self.placement = resolve(reg.get(PlacementStrategy, c.placement.strategy).factory)(c, spec)
+        roles = ["generation", "actor"] + ["reference"] * self.plan.needs_reference
+        roles += ["critic"] * self.plan.needs_critic + ["reward"]
+        self.placement = resolve(reg.get(PlacementStrategy, c.placement.strategy).factory)(c, spec, roles=tuple(roles))
         create = self.placement.create_role
         self.engine = create("generation", GenerationRole, c, spec, self.model_path)
         self.actor = create("actor", PolicyRole, c, spec, self.model_path)

@@ -18,32 +18,76 @@ from .manager import PluginSpec, get_manager
 from .types import GenerationBackend, LearnerBackend, RewardFunction
 
 
+def dispatch(mode: str) -> Any:
+    """How a role group of several workers (data-parallel ranks) runs a method:
+
+    * ``"split"``: the first argument (a batch) is cut into one shard per rank, at
+      prompt-group boundaries; tensor results are concatenated, metric dicts averaged.
+    * ``"all"``: every rank runs it with the same arguments (collectives such as
+      ZeRO-3 gathers); the result of rank 0 is returned.
+    * ``"one"`` (the default): rank 0 alone.
+
+    Local placement ignores it: the role is the object itself.
+    """
+
+    def mark(fn: Any) -> Any:
+        fn.__rlhf_dispatch__ = mode
+        return fn
+
+    return mark
+
+
 class PolicyRole:
     """The actor: a trainable policy behind a learner backend."""
 
     def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, role: str = "actor") -> None:
         pm = get_manager(plugin_spec)
-        model = pm.load_model(role, model_path, config)
         backend = pm.components.get(LearnerBackend, config.learner.backend)
-        self.learner = resolve(backend.factory)(model, config, role)
+        # the learner decides when to load (ZeRO-3 must configure partitioning first)
+        self.learner = resolve(backend.factory)(lambda: pm.load_model(role, model_path, config), config, role)
 
+    @dispatch("split")
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.learner.logprobs(batch)
 
+    @dispatch("split")
     def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
         return self.learner.train(batch, objective)
 
+    @dispatch("all")
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.learner.named_weights()
 
+    @dispatch("all")
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {name: (tuple(t.shape), str(t.dtype)) for name, t in self.learner.named_weights()}
+
+    @dispatch("all")
     def save(self, path: str) -> None:
         self.learner.save(path)
 
+    @dispatch("all")
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()
 
+    @dispatch("all")
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.learner.load_state_dict(state)
+
+    # --- weight sync over a process group (the learner's rank 0 is the source) -------
+    def init_weight_sync(self, address: str, port: int, world_size: int, backend: str) -> None:
+        from .sync.groups import SyncGroup
+
+        self.sync_group = SyncGroup(address, port, world_size, 0, backend)
+
+    @dispatch("all")
+    def broadcast_weights(self, engines: list[Any], bucket_bytes: int) -> dict[str, Any]:
+        """Every rank iterates the weights (ZeRO-3 gathers are collective); rank 0 packs
+        them into buckets and, per bucket, makes one call per engine and one broadcast."""
+        from .sync.broadcast import send_buckets
+
+        group = getattr(self, "sync_group", None)
+        return send_buckets(self.learner.named_weights(), group, engines, bucket_bytes)
 
 
 class CriticRole(PolicyRole):
@@ -52,6 +96,7 @@ class CriticRole(PolicyRole):
     def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
         super().__init__(config, plugin_spec, model_path, role="critic")
 
+    @dispatch("split")
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.learner.logprobs(batch)
 
@@ -67,6 +112,7 @@ class ReferenceRole:
         self.temperature = config.generation.temperature
         self._forward = policy_forward
 
+    @dispatch("split")
     @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._forward(self.model, batch, self.temperature)["logprobs"]
@@ -87,6 +133,15 @@ class GenerationRole:
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.engine.logprobs(batch)
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self.engine.weight_names()
+
+    def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
+        self.engine.init_weight_sync(address, port, world_size, rank, backend)
+
+    def receive_bucket(self, bucket: Any) -> dict[str, Any]:
+        return self.engine.receive_bucket(bucket)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

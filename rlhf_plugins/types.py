@@ -69,12 +69,18 @@ def _check_callable(obj: Component, attr: str) -> None:
 
 @dataclass(frozen=True)
 class PlacementStrategy(Component):
-    """Where every role lives. ``factory(config, plugin_spec)`` returns a placement
-    object with ``create_role(role, cls, *args, num_workers=1, **kwargs)``,
-    ``colocated(role_a, role_b)`` and ``shutdown()``."""
+    """Where every role lives. ``factory(config, plugin_spec, roles=(...))`` returns a
+    placement object with ``create_role(role, cls, *args, **kwargs)`` (the role
+    object, or a proxy with the same methods) and ``shutdown()``.
+
+    ``same_process`` says whether roles share the driver's process;
+    ``default_sync`` names the weight-sync method used when none is configured.
+    """
 
     area: ClassVar[str] = "placement strategy"
     factory: Callable[..., Any]
+    same_process: bool = field(default=True, kw_only=True)
+    default_sync: str = field(default="inprocess", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -167,8 +173,10 @@ class KLEstimator(Component):
 
 @dataclass(frozen=True)
 class LearnerBackend(Component):
-    """Owns a trainable model and its optimizer. ``factory(model, config, role)``
-    returns a learner with ``logprobs(batch)``, ``train_step(batch, objective)``,
+    """Owns a trainable model and its optimizer. ``factory(load_model, config, role)``
+    returns a learner; ``load_model()`` loads the role's model through the
+    ``rlhf_load_model`` hook, when the learner is ready for it (ZeRO-3 sets up
+    partitioning first). A learner has ``logprobs(batch)``, ``train(batch, objective)``,
     ``named_weights()``, ``save(path)``, ``state_dict()`` / ``load_state_dict()``."""
 
     area: ClassVar[str] = "learner backend"
@@ -182,10 +190,15 @@ class LearnerBackend(Component):
 @dataclass(frozen=True)
 class WeightSyncMethod(Component):
     """Moves new actor weights into the generation engine.
-    ``factory(config)`` returns an object with ``sync(actor, engine, step) -> info``."""
+    ``factory(config)`` returns an object with ``sync(actor, engine, step) -> info``.
+
+    ``same_process``: True when the engine must live in the learner's process,
+    False when it must not, None when either works.
+    """
 
     area: ClassVar[str] = "weight sync method"
     factory: Callable[..., Any]
+    same_process: bool | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

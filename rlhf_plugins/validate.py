@@ -93,6 +93,7 @@ def check_ranges(c: Config) -> None:
         f"algo.policy_loss mismatch band must satisfy 0 < mismatch_low <= 1 <= mismatch_high; "
         f"got [{p.mismatch_low}, {p.mismatch_high}]",
     )
+    _require(c.sync.bucket_mb > 0, f"sync.bucket_mb must be > 0; got {c.sync.bucket_mb}")
     _require(cr.lr > 0, f"critic.lr must be > 0; got {cr.lr}")
     _require(cr.value_clip is None or cr.value_clip > 0, f"critic.value_clip must be > 0 (or empty); got {cr.value_clip}")
     for key, folder in (("model.path", c.model.path), ("critic.path", cr.path)):
@@ -139,10 +140,17 @@ def choose_rewards(c: Config, pm: RLHFPluginManager) -> tuple[list[str], list[fl
 def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     """Resolve every component name, check ranges and combinations, then let plugins check."""
     reg = pm.components
-    reg.get(PlacementStrategy, c.placement.strategy)
+    placement = reg.get(PlacementStrategy, c.placement.strategy)
     reg.get(GenerationBackend, c.generation.backend)
     reg.get(LearnerBackend, c.learner.backend)
-    reg.get(WeightSyncMethod, c.sync.method)
+    c.sync.method = c.sync.method or placement.default_sync  # the saved config names it
+    sync = reg.get(WeightSyncMethod, c.sync.method)
+    if sync.same_process is not None and sync.same_process != placement.same_process:
+        where = "in the learner's process" if sync.same_process else "in its own process"
+        raise ConfigError(
+            f"weight sync '{sync.name}' needs the engine {where}, which placement '{placement.name}' does not do; "
+            f"use --sync.method {placement.default_sync}"
+        )
     reg.get(PolicyLoss, c.algo.policy_loss.name)
     reg.get(KLEstimator, c.algo.kl.estimator)
     est = reg.get(AdvantageEstimator, c.algo.advantage.estimator)

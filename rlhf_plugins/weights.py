@@ -30,6 +30,9 @@ def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.
             if tuple(target.shape) != tuple(tensor.shape):
                 bad_shape.append(f"{name} {tuple(tensor.shape)} != {tuple(target.shape)}")
                 continue
+            if target.dtype != tensor.dtype and not (target.is_floating_point() and tensor.is_floating_point()):
+                bad_shape.append(f"{name} {tensor.dtype} cannot become {target.dtype}")
+                continue
             target.data.copy_(tensor.to(dtype=target.dtype, device=target.device))
             count += 1
             nbytes += tensor.numel() * tensor.element_size()

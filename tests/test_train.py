@@ -220,18 +220,18 @@ def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
         def mark(what):
             open(LOG, "a").write(what + "\\n")
 
-        def make_placement(config, spec):
+        def make_placement(config, spec, roles=()):
             from rlhf_plugins.placement.local import LocalPlacement
             mark("placement")
-            return LocalPlacement(config, spec)
+            return LocalPlacement(config, spec, roles)
         def make_engine(path, config, spec):
             from rlhf_plugins.engines.transformers_engine import TransformersEngine
             mark("generation")
             return TransformersEngine(path, config, spec)
-        def make_learner(model, config, role):
+        def make_learner(load_model, config, role):
             from rlhf_plugins.learners.torch_learner import TorchLearner
             mark("learner")
-            return TorchLearner(model, config, role)
+            return TorchLearner(load_model, config, role)
         class CountingSync:
             def __init__(self, config):
                 pass

@@ -7,11 +7,14 @@ from __future__ import annotations
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.models",
     "rlhf_plugins.builtin_plugins.placement_local",
+    "rlhf_plugins.builtin_plugins.placement_ray",
     "rlhf_plugins.builtin_plugins.generation_transformers",
     "rlhf_plugins.builtin_plugins.rewards",
     "rlhf_plugins.builtin_plugins.advantages",
     "rlhf_plugins.builtin_plugins.policy_losses",
     "rlhf_plugins.builtin_plugins.kl_estimators",
     "rlhf_plugins.builtin_plugins.learner_torch",
+    "rlhf_plugins.builtin_plugins.learner_deepspeed",
     "rlhf_plugins.builtin_plugins.sync_inprocess",
+    "rlhf_plugins.builtin_plugins.sync_broadcast",
 )

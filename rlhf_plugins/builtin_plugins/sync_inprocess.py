@@ -14,4 +14,5 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
         "inprocess",
         factory=Lazy("rlhf_plugins.sync.inprocess:InProcessSync"),
         description="copy tensors by name into the engine in the same process",
+        same_process=True,
     )

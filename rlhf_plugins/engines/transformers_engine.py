@@ -107,6 +107,17 @@ class TransformersEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         return load_named_weights(self.model, named_tensors)
 
+    def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
+        from ..sync.groups import SyncGroup
+
+        self.sync_group = SyncGroup(address, port, world_size, rank, backend)
+
+    def receive_bucket(self, bucket: Any) -> dict[str, Any]:
+        from ..sync.broadcast import receive_bucket
+
+        flat = receive_bucket(self.sync_group, bucket)
+        return load_named_weights(self.model, bucket.unpack(flat))
+
     def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.model.state_dict().items()}
 

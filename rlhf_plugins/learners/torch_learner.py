@@ -15,8 +15,8 @@ from ..modeling import group_permutation, policy_forward, split_batch, value_for
 
 
 class TorchLearner:
-    def __init__(self, model: torch.nn.Module, config: Any, role: str = "actor") -> None:
-        self.model = model
+    def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
+        self.model = model = load_model()
         self.role = role
         self.cfg = config.learner
         self.temperature = config.generation.temperature
@@ -59,7 +59,7 @@ class TorchLearner:
         for part in split_batch(mini_batch, micro):
             outputs = self.forward(self.model, part, self.temperature, with_entropy=objective.needs_entropy)
             loss, m = objective(outputs, part)
-            w = objective.weight(part["action_mask"], mini_mask)
+            w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
             (loss * w).backward()
             for key, value in m.items():
                 metrics[key] += float(value) * w

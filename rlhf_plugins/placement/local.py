@@ -9,7 +9,7 @@ class LocalPlacement:
 
     same_process = True
 
-    def __init__(self, config: Any, plugin_spec: Any) -> None:
+    def __init__(self, config: Any, plugin_spec: Any, roles: tuple[str, ...] = ()) -> None:
         self.config = config
         self.roles: dict[str, Any] = {}
 

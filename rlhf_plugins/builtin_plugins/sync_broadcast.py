@@ -1,0 +1,18 @@
+"""Builtin weight sync ``broadcast``: bucketed broadcast from learner rank 0 to every engine worker."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .._lazy import Lazy
+from .._markers import hookimpl
+from ..types import WeightSyncMethod
+
+
+@hookimpl
+def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
+    yield WeightSyncMethod(
+        "broadcast",
+        factory=Lazy("rlhf_plugins.sync.broadcast:BroadcastSync"),
+        description="buckets of weights over a process group (NCCL on GPU, gloo on CPU); one call per bucket",
+        same_process=False,
+    )

@@ -1,0 +1,203 @@
+"""The DeepSpeed learner: ZeRO stages 1-3, optimizer / parameter offload, bf16.
+
+One instance per data-parallel rank (a Ray actor of the role group, or a torchrun
+process). The process group comes from the environment (MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK): NCCL on GPU, gloo on CPU. Gradient accumulation is
+ours (``managed_gradient_accumulation: false``): one ``backward`` per micro batch,
+one ``step`` per mini batch, the micro-batch weights of the objective keep the
+mini-batch mean exact.
+
+ZeRO-3 loads through ``HfDeepSpeedConfig`` (kept alive for the learner's life) so
+``from_pretrained`` partitions weights as it loads; full weights are gathered per
+tensor (``GatheredParameters``) for weight sync and saving.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..modeling import group_permutation, policy_forward, split_batch, value_forward
+
+logger = logging.getLogger("rlhf_plugins")
+
+
+def deepspeed_config(config: Any, role: str, world_size: int) -> dict[str, Any]:
+    l = config.learner
+    stage = l.zero_stage
+    zero: dict[str, Any] = {"stage": stage}
+    if l.offload_optimizer and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if l.offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    micro = max(1, l.micro_batch_size or 1)
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro * world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": l.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if config.model.dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif config.model.dtype == "float16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return cfg
+
+
+def init_distributed() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a single process (local placement)
+            from ..sync.groups import free_address
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
+                              WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+class DeepSpeedLearner:
+    def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.role = role
+        self.cfg = config.learner
+        self.stage = self.cfg.zero_stage
+        self.temperature = config.generation.temperature
+        critic = role == "critic"
+        self.forward = value_forward if critic else policy_forward
+        self.output = "values" if critic else "logprobs"
+        ds_config = deepspeed_config(config, role, self.world_size)
+        self._hf_ds_config = None
+        if self.stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained
+        model = load_model()
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lr = config.critic.lr if critic else self.cfg.lr
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.model = self.engine.module
+        self.updates = 0
+        self.generator = torch.Generator().manual_seed(config.train.seed + self.rank)
+        self._sleep = self.cfg.sleep
+        self._warned_sleep = False
+
+    # --- compute ----------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        self.engine.eval()
+        return self.forward(self.engine, batch, self.temperature)[self.output]
+
+    def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
+        self.wake()
+        self.engine.train()
+        n = batch["sequences"].shape[0]
+        mini = max(1, (self.cfg.mini_batch_size or n * self.world_size) // self.world_size)
+        micro = self.cfg.micro_batch_size or mini
+        totals: dict[str, float] = defaultdict(float)
+        count = 0
+        for _ in range(self.cfg.epochs):
+            order = None
+            if self.cfg.epochs > 1 or mini < n:
+                order = group_permutation(n, int(batch.get("group_size", 1)), self.generator)
+            shuffled = batch if order is None else {k: v[order] if torch.is_tensor(v) else v for k, v in batch.items()}
+            for mini_batch in split_batch(shuffled, mini):
+                for key, value in self._update(mini_batch, micro, objective).items():
+                    totals[key] += value
+                count += 1
+        self.engine.eval()
+        self.sleep()
+        return {k: v / count for k, v in totals.items()}
+
+    def _update(self, mini_batch: dict[str, Any], micro: int, objective: Any) -> dict[str, float]:
+        metrics: dict[str, float] = defaultdict(float)
+        mini_mask = mini_batch["action_mask"]
+        for part in split_batch(mini_batch, micro):
+            outputs = self.forward(self.engine, part, self.temperature, with_entropy=objective.needs_entropy)
+            loss, m = objective(outputs, part)
+            w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
+            self.engine.backward(loss * w, scale_wrt_gas=False)
+            for key, value in m.items():
+                metrics[key] += float(value) * w
+        self.engine.step()
+        self.updates += 1
+        norm = self.engine.get_global_grad_norm()
+        metrics["grad_norm"] = float(norm) if norm is not None else float("nan")
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    # --- sleep between phases ------------------------------------------------------
+    def sleep(self) -> None:
+        """Offload optimizer and parameter states while the engine generates (GPU, ZeRO-3)."""
+        if not self._sleep:
+            return
+        if not torch.cuda.is_available() or self.stage != 3:
+            if not self._warned_sleep:
+                logger.warning("learner.sleep needs a GPU and ZeRO-3; states stay where they are")
+                self._warned_sleep = True
+            return
+        self.engine.offload_states()
+
+    def wake(self) -> None:
+        if self._sleep and torch.cuda.is_available() and self.stage == 3:
+            self.engine.reload_states()
+
+    # --- weights ---------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights, one tensor at a time. Every rank must iterate (ZeRO-3 gathers are
+        collective); each rank receives the full tensors."""
+        import deepspeed
+
+        for name, param in self.model.named_parameters():
+            if self.stage == 3:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.data.detach().clone()
+            else:
+                yield name, param.data.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.cpu() for name, t in self.named_weights()}
+
+    def save(self, path: str) -> None:
+        state = self.full_state_dict()
+        if self.rank == 0:
+            unwrapped = self.model
+            unwrapped.save_pretrained(path, state_dict=state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full weights and the update count. DeepSpeed's optimizer state is partitioned
+        per rank; it is not part of this portable state."""
+        return {"model": self.full_state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from ..errors import UsageError
+
+        # ZeRO keeps partitioned fp32 master weights inside the optimizer: copying into the
+        # module would be silently overwritten at the next step.
+        raise UsageError("resuming a DeepSpeed learner from a state dict is not supported; "
+                         "use DeepSpeed's own checkpoints (engine.save_checkpoint / load_checkpoint)")
+
+    def shutdown(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if callable(destroy):
+            destroy()

@@ -1,0 +1,110 @@
+"""Connecting to Ray and reserving placement groups, with bounded waits and
+messages that say what was asked and what the cluster has."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from ..errors import ConfigError, UsageError
+
+logger = logging.getLogger("rlhf_plugins")
+
+
+class ClusterError(UsageError):
+    """The Ray cluster cannot be reached or cannot hold the requested placement."""
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    addr = address.removeprefix("ray://")
+    if ":" not in addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    try:
+        return host, int(port)
+    except ValueError:
+        return None
+
+
+def connect(opts: Any) -> bool:
+    """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS`` (or the one this job runs
+    in), else start a local one. Returns whether this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        target = _host_port(address)
+        if target is not None:
+            try:
+                socket.create_connection(target, timeout=opts.connect_timeout).close()
+            except OSError as exc:
+                raise ClusterError(
+                    f"cannot reach the Ray cluster at '{address}' within {opts.connect_timeout:g} s ({exc}); "
+                    "check --ray.address or RAY_ADDRESS, or omit both to start a local cluster"
+                ) from exc
+        ray.init(address=address, log_to_driver=opts.log_to_driver, logging_level=logging.ERROR)
+        return False
+    num_cpus = opts.local_num_cpus or max(8, os.cpu_count() or 1)
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=opts.local_num_gpus,
+        include_dashboard=False,
+        log_to_driver=opts.log_to_driver,
+        logging_level=logging.ERROR,
+    )
+    return True
+
+
+def describe_cluster() -> str:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    per_node = "; ".join(
+        f"node {i}: {_res(n.get('Resources', {}))}" for i, n in enumerate(nodes)
+    )
+    return f"{len(nodes)} node(s), {_res(total)} in all ({per_node})"
+
+
+def _res(res: dict[str, float]) -> str:
+    keys = [k for k in ("GPU", "CPU") if k in res]
+    return ", ".join(f"{res[k]:g} {k}" for k in keys) or "no CPU/GPU"
+
+
+def reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, name: str) -> Any:
+    """A ready placement group, or a ClusterError that explains why not."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    total = ray.cluster_resources()
+    for key in ("GPU", "CPU"):
+        need = sum(b.get(key, 0) for b in bundles)
+        have = total.get(key, 0)
+        if need > have + 1e-9:
+            raise ClusterError(
+                f"placement '{name}' asks for {need:g} {key} ({len(bundles)} bundle(s) of {_res(bundles[0])}) "
+                f"but the cluster has {have:g}: {describe_cluster()}"
+            )
+    pg = placement_group(bundles, strategy=strategy, name=name)
+    start = time.monotonic()
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(pg)
+        hint = " (STRICT_SPREAD needs one node per bundle)" if strategy == "STRICT_SPREAD" else ""
+        raise ClusterError(
+            f"placement '{name}' ({len(bundles)} bundle(s) of {_res(bundles[0])}, {strategy}){hint} was not "
+            f"ready after {time.monotonic() - start:.0f} s: {describe_cluster()}"
+        )
+    return pg
+
+
+def check_options(opts: Any) -> None:
+    if opts.actor_workers < 1 or opts.critic_workers < 1 or opts.reference_workers < 1:
+        raise ConfigError("ray.actor_workers, ray.critic_workers and ray.reference_workers must be >= 1")
+    if opts.gpus_per_worker < 0 or opts.cpus_per_worker <= 0:
+        raise ConfigError("ray.gpus_per_worker must be >= 0 and ray.cpus_per_worker > 0")
