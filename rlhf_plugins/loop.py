@@ -269,6 +269,7 @@ class Trainer:
         self.sync.sync(self.actor, self.engine, self.step_count)
 
     def save_final(self, out: Path) -> None:
+        out = out.resolve()  # roles may run in processes with another working directory
         self.actor.save(str(out))
         self.tokenizer.save_pretrained(str(out))
         if self.critic is not None:

@@ -272,7 +272,7 @@ class RLHFPluginManager(pluggy.PluginManager):
         name = path.stem
         if self.has_plugin(name) or self.is_blocked(name):
             return
-        modname = f"rlhf_plugin_file_{name}"
+        modname = f"{FILE_MODULE_PREFIX}{name}"
         spec = importlib.util.spec_from_file_location(modname, path)
         if spec is None or spec.loader is None:
             raise PluginError(f"plugin file '{arg}' cannot be imported as a Python module")
@@ -283,7 +283,6 @@ class RLHFPluginManager(pluggy.PluginManager):
         except Exception as exc:
             sys.modules.pop(modname, None)
             raise PluginError(f"plugin '{arg}' failed to import: {type(exc).__name__}: {exc}") from exc
-        _pickle_by_value(module)
         self._register_user_plugin(module, name)
         self.infos[name] = PluginInfo(name, "--plugin", "", str(path.resolve()))
 
@@ -368,14 +367,16 @@ class RLHFPluginManager(pluggy.PluginManager):
                 self.warnings.append(msg)
 
 
-def _pickle_by_value(module: ModuleType) -> None:
-    """Plugins loaded from a file are not importable in Ray workers: ship them by value."""
-    try:
-        import cloudpickle  # noqa: PLC0415 - optional, comes with ray
+FILE_MODULE_PREFIX = "rlhf_plugin_file_"
 
-        cloudpickle.register_pickle_by_value(module)
-    except Exception:
-        pass
+
+def pickle_file_plugins_by_value() -> None:
+    """Plugins loaded from a .py file are not importable in Ray workers: ship them by value."""
+    import ray.cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith(FILE_MODULE_PREFIX):
+            ray.cloudpickle.register_pickle_by_value(module)
 
 
 def create_manager(plugin_args: Iterable[str] = (), *, autoload: bool | None = None) -> RLHFPluginManager:

@@ -76,20 +76,27 @@ def _res(res: dict[str, float]) -> str:
     return ", ".join(f"{res[k]:g} {k}" for k in keys) or "no CPU/GPU"
 
 
+def check_capacity(layout: dict[str, list[dict[str, float]]]) -> None:
+    """All placement groups together must fit in the cluster (busy resources are waited for)."""
+    import ray
+
+    free = ray.cluster_resources()
+    for key in ("GPU", "CPU"):
+        parts = {name: sum(b.get(key, 0) for b in bundles) for name, bundles in layout.items()}
+        need = sum(parts.values())
+        if need > free.get(key, 0) + 1e-9:
+            detail = ", ".join(f"{name} {v:g}" for name, v in parts.items() if v)
+            raise ClusterError(
+                f"the roles ask for {need:g} {key} in all ({detail}) but the cluster has {free.get(key, 0):g}: "
+                f"{describe_cluster()}; lower ray.*_workers or colocate roles (--ray.colocate)"
+            )
+
+
 def reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, name: str) -> Any:
     """A ready placement group, or a ClusterError that explains why not."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    total = ray.cluster_resources()
-    for key in ("GPU", "CPU"):
-        need = sum(b.get(key, 0) for b in bundles)
-        have = total.get(key, 0)
-        if need > have + 1e-9:
-            raise ClusterError(
-                f"placement '{name}' asks for {need:g} {key} ({len(bundles)} bundle(s) of {_res(bundles[0])}) "
-                f"but the cluster has {have:g}: {describe_cluster()}"
-            )
     pg = placement_group(bundles, strategy=strategy, name=name)
     start = time.monotonic()
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
@@ -101,6 +108,19 @@ def reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, name
             f"ready after {time.monotonic() - start:.0f} s: {describe_cluster()}"
         )
     return pg
+
+
+def release(pg: Any, timeout: float = 10.0) -> None:
+    """Remove a placement group and wait until the cluster has taken its resources back."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(pg)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+            return
+        time.sleep(0.05)
 
 
 def check_options(opts: Any) -> None:

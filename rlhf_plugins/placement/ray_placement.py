@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from .ray_cluster import check_options, connect, reserve
+from ..manager import pickle_file_plugins_by_value
+from .ray_cluster import check_capacity, check_options, connect, release, reserve
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -24,9 +25,9 @@ COLOCATE = {
     "all": (("actor", "reference", "critic", "reward", "generation"),),
 }
 #: environment a worker inherits from the driver (local clusters would, remote ones do not)
-FORWARDED_ENV = ("RLHF_CACHE_DIR", "RLHF_DISABLE_PLUGIN_AUTOLOAD", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                 "TOKENIZERS_PARALLELISM", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "PYTHONPATH")
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+FORWARDED_ENV = ("RLHF_CACHE_DIR", "RLHF_DISABLE_PLUGIN_AUTOLOAD", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                 "TOKENIZERS_PARALLELISM", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "PYTHONPATH", NOSET_ENV)
 
 
 class RoleWorker:
@@ -203,6 +204,7 @@ class RayPlacement:
         check_options(opts)
         self.started = connect(opts)
         self._ray = ray
+        pickle_file_plugins_by_value()
         self.workers_of = {
             "actor": opts.actor_workers,
             "critic": opts.critic_workers,
@@ -214,6 +216,7 @@ class RayPlacement:
         self.layout = self._layout()
         self.groups: dict[str, RoleGroup] = {}
         self.pgs: dict[str, Any] = {}
+        check_capacity({key: bundles for key, (_, bundles) in self.layout.items()})
         for key, (members, bundles) in self.layout.items():
             self.pgs[key] = reserve(bundles, opts.strategy, opts.ready_timeout, name=f"rlhf-{key}")
 
@@ -279,8 +282,6 @@ class RayPlacement:
         return {key: f"{len(b)} bundle(s) of {b[0]}" for key, (_, b) in self.layout.items()}
 
     def shutdown(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         ray = self._ray
         for group in self.groups.values():
             for worker in group.workers:
@@ -291,7 +292,7 @@ class RayPlacement:
                 ray.kill(worker)
         self.groups.clear()
         for pg in self.pgs.values():
-            remove_placement_group(pg)
+            release(pg)
         self.pgs.clear()
         if self.started:
             ray.shutdown()

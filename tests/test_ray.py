@@ -1,0 +1,155 @@
+"""Ray placement on a local cluster with fake GPUs: layouts, placement, ranks, DeepSpeed."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.integration
+
+from rlhf_plugins.config import OptionRegistry, build_config  # noqa: E402
+from rlhf_plugins.builtin_plugins.placement_ray import RayOptions  # noqa: E402
+from rlhf_plugins.placement.ray_cluster import ClusterError  # noqa: E402
+from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
+
+
+import sys  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers get Probe by value
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def config(**ray_opts):
+    options = OptionRegistry()
+    options.add_section("ray", RayOptions)
+    raw = {"placement": {"strategy": "ray"}, "ray": {"ready_timeout": 5, **ray_opts}}
+    return build_config(raw, options)
+
+
+class Probe:
+    """A role without a model: reports its environment, forms a gloo group on demand."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def all_reduce(self, value: float) -> float:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        return float(t)
+
+
+def bundles_of(pg):
+    table = ray.util.placement_group_table(pg)
+    return table["strategy"], list(table["bundles"].values())
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "STRICT_PACK", "SPREAD"])
+def test_one_placement_group_per_role(local_ray, strategy):
+    p = RayPlacement(config(strategy=strategy, actor_workers=2), None, roles=("generation", "actor", "reference", "reward"))
+    try:
+        assert set(p.pgs) == {"generation", "actor", "reference", "reward"}
+        got_strategy, bundles = bundles_of(p.pgs["actor"])
+        assert got_strategy == strategy
+        assert bundles == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0, "CPU": 1.0}]
+        assert bundles_of(p.pgs["reward"])[1] == [{"CPU": 1.0}]  # rule rewards take no GPU
+    finally:
+        p.shutdown()
+
+
+@pytest.mark.parametrize(
+    "mode, groups, share",
+    [
+        ("actor_ref", {"actor+reference", "generation", "reward"}, {"GPU": 0.5, "CPU": 0.5}),
+        ("critic_reward", {"actor", "generation", "reference", "critic+reward"}, {"GPU": 1.0, "CPU": 1.0}),
+        ("all", {"actor+reference+critic+reward+generation"}, {"GPU": 0.2, "CPU": 0.2}),
+    ],
+)
+def test_colocation_modes_share_bundles(local_ray, mode, groups, share):
+    roles = ("generation", "actor", "reference", "critic", "reward") if mode != "actor_ref" else \
+        ("generation", "actor", "reference", "reward")
+    p = RayPlacement(config(colocate=mode), None, roles=roles)
+    try:
+        assert set(p.pgs) == groups
+        actor = p.create_role("actor", Probe, "a")
+        info = actor.env_info()[0]
+        assert info["resources"] == share
+        key = next(k for k in p.pgs if "actor" in k.split("+"))
+        assert info["placement_group_id"] == p.pgs[key].id.hex()
+        if mode == "all":
+            gen = p.create_role("generation", Probe, "g")
+            assert gen.env_info()[0]["placement_group_id"] == info["placement_group_id"]
+    finally:
+        p.shutdown()
+
+
+def test_rank_environment_and_process_group(local_ray):
+    p = RayPlacement(config(actor_workers=2), None, roles=("actor",))
+    try:
+        group = p.create_role("actor", Probe, "x")
+        infos = group.env_info()
+        assert [i["RANK"] for i in infos] == ["0", "1"]
+        assert {i["WORLD_SIZE"] for i in infos} == {"2"}
+        assert len({(i["MASTER_ADDR"], i["MASTER_PORT"]) for i in infos}) == 1
+        # one GPU visible per actor: Ray sets CUDA_VISIBLE_DEVICES, LOCAL_RANK is 0
+        assert all(i["CUDA_VISIBLE_DEVICES"] == i["gpu_ids"][0] for i in infos)
+        assert [i["LOCAL_RANK"] for i in infos] == ["0", "0"]
+        # the ranks form a gloo group: every rank sees the sum
+        refs = [w.call.remote("all_reduce", (float(r + 1),), {}) for r, w in enumerate(group.workers)]
+        assert ray.get(refs) == [3.0, 3.0]
+    finally:
+        p.shutdown()
+
+
+def test_noset_visible_devices_is_honoured(local_ray, monkeypatch):
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    p = RayPlacement(config(actor_workers=2), None, roles=("actor",))
+    try:
+        infos = p.create_role("actor", Probe, "x").env_info()
+        # Ray leaves *_VISIBLE_DEVICES alone; the rank addresses its GPU by id
+        assert [i["LOCAL_RANK"] for i in infos] == [i["gpu_ids"][0] for i in infos]
+        assert all(i["CUDA_VISIBLE_DEVICES"] in (None, "") or "," in i["CUDA_VISIBLE_DEVICES"] for i in infos)
+    finally:
+        p.shutdown()
+
+
+def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match=r"the roles ask for 6 GPU in all \(actor 6\) but the cluster has 4: 1 node\(s\)"):
+        RayPlacement(config(actor_workers=6), None, roles=("actor",))
+    assert time.monotonic() - start < 5
+
+
+def test_strict_spread_on_one_node_times_out_with_a_reason(local_ray):
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match="STRICT_SPREAD needs one node per bundle.*not ready after"):
+        RayPlacement(config(actor_workers=2, strategy="STRICT_SPREAD", ready_timeout=2), None, roles=("actor",))
+    assert time.monotonic() - start < 15
+    # nothing is left reserved: a feasible request still fits
+    p = RayPlacement(config(actor_workers=4), None, roles=("actor",))
+    p.shutdown()
+
+
+def test_unreachable_address_is_bounded():
+    from rlhf_plugins.placement.ray_cluster import connect
+
+    opts = RayOptions(address="127.0.0.1:1", connect_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match="cannot reach the Ray cluster at '127.0.0.1:1'"):
+        if ray.is_initialized():
+            ray.shutdown()
+        connect(opts)
+    assert time.monotonic() - start < 5

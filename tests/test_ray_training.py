@@ -1,0 +1,155 @@
+"""DeepSpeed learners as Ray role groups: ZeRO-3 parity with the torch learner,
+full-weight gathering, and whole training runs on the Ray path."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.integration
+
+from conftest import short_run  # noqa: E402
+from rlhf_plugins.algorithms import policy_losses  # noqa: E402
+from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
+from rlhf_plugins.api import prepare  # noqa: E402
+from rlhf_plugins.learners.torch_learner import TorchLearner  # noqa: E402
+from rlhf_plugins.manager import create_manager  # noqa: E402
+from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
+from rlhf_plugins.roles import PolicyRole  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_modeling import random_batch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def ds_config(stage: int, lr: float, aggregation: str = "token-mean"):
+    config, pm, _ = prepare({
+        "placement": {"strategy": "ray"},
+        "learner": {"backend": "deepspeed", "zero_stage": stage, "lr": lr},
+        "ray": {"actor_workers": 2},
+        "train": {"prompts_per_step": 4},
+        "generation": {"n_samples_per_prompt": 4},
+        "algo": {"policy_loss": {"aggregation": aggregation}},
+    }, autoload=False)
+    return config, pm
+
+
+def the_batch():
+    batch = random_batch(group=4, prompts=4, seed=5)
+    g = torch.Generator().manual_seed(1)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    return batch
+
+
+@pytest.mark.parametrize("stage, aggregation", [(3, "token-mean"), (2, "seq-mean-token-sum")])
+def test_zero_step_matches_the_torch_learner(local_ray, tiny_model, stage, aggregation):
+    lr = 1e-5
+    config, pm = ds_config(stage, lr, aggregation)
+    objective = Objective(policy_losses.ppo, config.algo.policy_loss)
+    batch = the_batch()
+
+    torch_cfg, _, _ = prepare({"learner": {"lr": lr}, "algo": {"policy_loss": {"aggregation": aggregation}}},
+                              autoload=False)
+    local = TorchLearner(lambda: pm.load_model("actor", tiny_model, torch_cfg), torch_cfg)
+    before = {k: v.clone() for k, v in local.named_weights()}
+    expected = local.train(batch, objective)
+    after_local = dict(local.named_weights())
+
+    placement = RayPlacement(config, pm.spec, roles=("actor",))
+    try:
+        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model)
+        gathered = dict(group.named_weights())  # ZeRO full-weight gathering
+        assert gathered.keys() == before.keys()
+        assert all(torch.equal(gathered[k], before[k]) for k in before)
+        got = group.train(batch, objective)
+        after_ds = dict(group.named_weights())
+    finally:
+        placement.shutdown()
+    assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    # Adam's first step moves every weight by about lr; the two must agree far below that
+    worst = max(float((after_ds[k] - after_local[k]).abs().max()) for k in before)
+    moved = max(float((after_local[k] - before[k]).abs().max()) for k in before)
+    assert moved > 0.5 * lr and worst < 0.05 * lr, (moved, worst)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_ray_zero3_run_learns_like_the_local_run(local_ray, rlhf):
+    steps = ["--train.steps", "40", "--train.progress", "false"]
+    code, _, err = rlhf("train", *steps, "--train.run_name", "local")
+    assert code == 0, err
+    code, out, err = rlhf("train", *steps, "--train.run_name", "ray", "--placement.strategy", "ray",
+                          "--learner.backend", "deepspeed", "--learner.zero_stage", "3", "--ray.actor_workers", "2")
+    assert code == 0, err
+    local, remote = metrics(Path("runs/local")), metrics(Path("runs/ray"))
+    assert remote[0]["reward/mean"] == local[0]["reward/mean"]  # same seed, same first rollout
+    tail = lambda rows: sum(r["reward/mean"] for r in rows[-10:]) / 10  # noqa: E731
+    head = lambda rows: sum(r["reward/mean"] for r in rows[:10]) / 10  # noqa: E731
+    assert tail(remote) - head(remote) > 0.1
+    assert abs(tail(remote) - tail(local)) < 0.1
+    assert all(r["time/sync"] > 0 for r in remote)
+    saved = Path("runs/ray/final/model.safetensors")
+    assert saved.is_file()
+
+
+def test_ppo_with_a_critic_on_ray(local_ray, rlhf):
+    code, _, err = rlhf("train", "--placement.strategy", "ray", "--learner.backend", "deepspeed",
+                        "--algo.advantage.estimator", "gae", "--ray.critic_workers", "2", "--ray.actor_workers", "2",
+                        "--ray.colocate", "all", *short_run())
+    assert code == 0, err
+    rows = metrics(next(Path("runs").iterdir()))
+    assert len(rows) == 3 and all("critic/loss" in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--ray.actor_workers", "2"], "the torch learner runs in one process; use --learner.backend deepspeed"),
+        (["--learner.backend", "deepspeed", "--ray.actor_workers", "3"], "must be a multiple of ray.actor_workers (3)"),
+        (["--sync.method", "inprocess"], "weight sync 'inprocess' needs the engine in the learner's process"),
+        (["--ray.address", "127.0.0.1:1", "--ray.connect_timeout", "1"], "cannot reach the Ray cluster at '127.0.0.1:1'"),
+        (["--ray.actor_workers", "9", "--learner.backend", "deepspeed", "--train.prompts_per_step", "9"],
+         "the roles ask for 11 GPU in all (generation 1, actor 9, reference 1) but the cluster has 4"),
+        (["--algo.advantage.estimator", "gae", "--learner.backend", "deepspeed", "--ray.critic_workers", "2",
+          "--ray.actor_workers", "2"], "the roles ask for 6 GPU in all (generation 1, actor 2, reference 1, critic 2)"),
+    ],
+)
+def test_ray_bad_input(local_ray, rlhf, args, expected):
+    if "127.0.0.1:1" in args:
+        ray.shutdown()
+    try:
+        code, _, err = rlhf("train", "--placement.strategy", "ray", *short_run(), *args)
+    finally:
+        if not ray.is_initialized():
+            ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    assert code == 2, err
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
+def test_deepspeed_not_installed_names_the_extra(rlhf, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    code, _, err = rlhf("train", "--learner.backend", "deepspeed")
+    assert code == 2
+    assert "learner backend 'deepspeed' (plugin 'learner_deepspeed') needs deepspeed" in err
+    assert "pip install 'rlhf-plugins[deepspeed]'" in err
