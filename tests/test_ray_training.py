@@ -153,3 +153,19 @@ def test_deepspeed_not_installed_names_the_extra(rlhf, monkeypatch):
     assert code == 2
     assert "learner backend 'deepspeed' (plugin 'learner_deepspeed') needs deepspeed" in err
     assert "pip install 'rlhf-plugins[deepspeed]'" in err
+
+
+def test_deepspeed_in_one_process_with_offload_checkpointing_and_sleep(rlhf):
+    """Local placement, ZeRO-3 with optimizer and parameter offload and gradient checkpointing;
+    sleep is asked for but needs a GPU: said once, not pretended."""
+    code, out, err = rlhf("train", "--learner.backend", "deepspeed", "--learner.zero_stage", "3",
+                          "--learner.offload_optimizer", "true", "--learner.offload_params", "true",
+                          "--learner.gradient_checkpointing", "true", "--learner.sleep", "true", *short_run())
+    assert code == 0, err
+    assert err.count("learner.sleep needs a GPU and ZeRO-3") == 1
+    run = next(Path("runs").iterdir())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert sum(p.numel() for p in model.parameters()) > 100_000
+    assert len(metrics(run)) == 3

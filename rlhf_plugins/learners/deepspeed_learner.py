@@ -1,13 +1,13 @@
 """The DeepSpeed learner: ZeRO stages 1-3, optimizer / parameter offload, bf16.
 
-One instance per data-parallel rank (a Ray actor of the role group, or a torchrun
-process). The process group comes from the environment (MASTER_ADDR, MASTER_PORT,
+One instance per data-parallel rank (a Ray actor of the role group), or a single
+process under local placement. The process group comes from the environment (MASTER_ADDR, MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK): NCCL on GPU, gloo on CPU. Gradient accumulation is
 ours (``managed_gradient_accumulation: false``): one ``backward`` per micro batch,
 one ``step`` per mini batch, the micro-batch weights of the objective keep the
 mini-batch mean exact.
 
-ZeRO-3 loads through ``HfDeepSpeedConfig`` (kept alive for the learner's life) so
+ZeRO-3 loads through ``HfDeepSpeedConfig`` (alive during the load) so
 ``from_pretrained`` partitions weights as it loads; full weights are gathered per
 tensor (``GatheredParameters``) for weight sync and saving.
 """
@@ -84,11 +84,13 @@ class DeepSpeedLearner:
         self.forward = value_forward if critic else policy_forward
         self.output = "values" if critic else "logprobs"
         ds_config = deepspeed_config(config, role, self.world_size)
-        self._hf_ds_config = None
+        hf_ds_config = None
         if self.stage == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
-            self._hf_ds_config = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained
+            # alive while from_pretrained runs, so it loads partitioned; dropped afterwards so that
+            # other models of this process (a local reference model) load whole
+            hf_ds_config = HfDeepSpeedConfig(ds_config)
         model = load_model()
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -96,6 +98,7 @@ class DeepSpeedLearner:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        del hf_ds_config
         self.model = self.engine.module
         self.updates = 0
         self.generator = torch.Generator().manual_seed(config.train.seed + self.rank)
