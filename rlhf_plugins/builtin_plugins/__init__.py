@@ -9,6 +9,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.placement_local",
     "rlhf_plugins.builtin_plugins.placement_ray",
     "rlhf_plugins.builtin_plugins.generation_transformers",
+    "rlhf_plugins.builtin_plugins.generation_vllm",
     "rlhf_plugins.builtin_plugins.rewards",
     "rlhf_plugins.builtin_plugins.advantages",
     "rlhf_plugins.builtin_plugins.policy_losses",

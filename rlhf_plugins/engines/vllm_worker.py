@@ -1,0 +1,45 @@
+"""Methods vLLM mixes into each of its workers (``worker_extension_cls``).
+
+They run inside the worker that owns the model shard, so weights arrive where
+they are used: by broadcast over the sync group, by IPC handle, or as tensors
+when the worker shares the caller's process. Arguments are plain values
+(vLLM may serialise them to reach the worker).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class WorkerExtension:
+    def rlhf_init_sync(self, address: str, port: int, world_size: int, rank_offset: int, backend: str) -> int:
+        from ..sync.groups import SyncGroup
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._rlhf_sync = SyncGroup(address, port, world_size, rank, backend)
+        return rank
+
+    def rlhf_receive_bucket(self, dtype: str, names: list[str], shapes: list[list[int]], numel: int) -> int:
+        from ..sync.broadcast import Bucket, receive_bucket
+
+        bucket = Bucket(dtype, list(names), [tuple(s) for s in shapes], numel)
+        flat = receive_bucket(self._rlhf_sync, bucket)
+        self.reload_weights(weights_iterator=bucket.unpack(flat))
+        return len(names)
+
+    def rlhf_receive_ipc(self, dtype: str, names: list[str], shapes: list[list[int]], numel: int, handle: bytes,
+                         index: int) -> int:
+        from ..sync.broadcast import Bucket
+        from ..sync.ipc import open_handle
+
+        opened = self.__dict__.setdefault("_rlhf_ipc", {})
+        if index not in opened or opened[index][0] != handle:
+            opened[index] = (handle, open_handle(handle))  # kept open: closing the last mapping frees it
+        flat = opened[index][1]
+        bucket = Bucket(dtype, list(names), [tuple(s) for s in shapes], numel)
+        self.reload_weights(weights_iterator=bucket.unpack(flat))
+        return len(names)
+
+    def rlhf_load_weights(self, named: list[tuple[str, Any]]) -> int:
+        """In-process only: tensors passed as they are."""
+        self.reload_weights(weights_iterator=iter(named))
+        return len(named)
