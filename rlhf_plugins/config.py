@@ -162,7 +162,7 @@ class PlacementConfig:
 class SyncConfig:
     #: empty: the placement's default (inprocess for local, broadcast for ray)
     method: str | None = None
-    #: bucket size of the broadcast / ipc methods
+    #: bucket size of the broadcast / ipc methods (0: one tensor per bucket, one call each)
     bucket_mb: float = 64.0
     #: after every sync compare the engine's log-probs with the learner's on a fixed probe
     verify: bool = False

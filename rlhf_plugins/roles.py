@@ -25,6 +25,8 @@ def dispatch(mode: str) -> Any:
       prompt-group boundaries; tensor results are concatenated, metric dicts averaged.
     * ``"all"``: every rank runs it with the same arguments (collectives such as
       ZeRO-3 gathers); the result of rank 0 is returned.
+    * ``"prompts"``: a list of prompts is spread over the workers (engines) by load;
+      the samples come back in prompt order.
     * ``"one"`` (the default): rank 0 alone.
 
     Local placement ignores it: the role is the object itself.
@@ -140,6 +142,7 @@ class GenerationRole:
         backend = get_manager(plugin_spec).components.get(GenerationBackend, config.generation.backend)
         self.engine = resolve(backend.factory)(model_path, config, plugin_spec)
 
+    @dispatch("prompts")
     def generate(self, prompt_ids: list[list[int]], params: Any) -> Any:
         return self.engine.generate(prompt_ids, params)
 
@@ -152,6 +155,10 @@ class GenerationRole:
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self.engine.weight_names()
 
+    def sync_ranks(self) -> int:
+        """Processes of this engine that receive weights (vLLM: its tensor-parallel workers)."""
+        return int(getattr(self.engine, "sync_ranks", lambda: 1)())
+
     def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
         self.engine.init_weight_sync(address, port, world_size, rank, backend)
 
@@ -160,6 +167,11 @@ class GenerationRole:
 
     def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
         return self.engine.receive_ipc(bucket, handle, index)
+
+    def commit_weights(self) -> dict[str, Any]:
+        """After the last bucket of a sync: engines that load all weights at once do it now."""
+        commit = getattr(self.engine, "commit_weights", None)
+        return commit() if callable(commit) else {}
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -93,7 +93,7 @@ def check_ranges(c: Config) -> None:
         f"algo.policy_loss mismatch band must satisfy 0 < mismatch_low <= 1 <= mismatch_high; "
         f"got [{p.mismatch_low}, {p.mismatch_high}]",
     )
-    _require(c.sync.bucket_mb > 0, f"sync.bucket_mb must be > 0; got {c.sync.bucket_mb}")
+    _require(c.sync.bucket_mb >= 0, f"sync.bucket_mb must be >= 0 (0: one tensor per bucket); got {c.sync.bucket_mb}")
     _require(cr.lr > 0, f"critic.lr must be > 0; got {cr.lr}")
     _require(cr.value_clip is None or cr.value_clip > 0, f"critic.value_clip must be > 0 (or empty); got {cr.value_clip}")
     for key, folder in (("model.path", c.model.path), ("critic.path", cr.path)):

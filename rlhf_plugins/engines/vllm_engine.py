@@ -67,6 +67,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "ray"
         try:
             self.llm = LLM(**kwargs)
+            # some shapes start but fail at the first step (CPU attention head sizes): find out now
+            self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:
             raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {_first_line(exc)}") from exc
 
@@ -149,6 +151,7 @@ class VLLMEngine:
             raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method broadcast")
         named = [(n, t) for n, t in named_tensors]
         worker.rlhf_load_weights(named)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
 
     def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -163,6 +166,9 @@ class VLLMEngine:
                     out[name] = (tuple(sl.get_shape()), str(getattr(torch, _DTYPES.get(sl.get_dtype(), "float32"))))
         return out
 
+    def sync_ranks(self) -> int:
+        return self.opts.tensor_parallel_size
+
     def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
         self._on_workers("rlhf_init_sync", address, port, world_size, rank, backend)
 
@@ -176,6 +182,11 @@ class VLLMEngine:
         self._on_workers("rlhf_receive_ipc", bucket.dtype, bucket.names, [list(s) for s in bucket.shapes],
                          bucket.numel, handle, index)
         return {"tensors": len(bucket.names)}
+
+    def commit_weights(self) -> dict[str, Any]:
+        loaded = sum(self._on_workers("rlhf_commit_weights"))
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        return {"tensors": loaded}
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)

@@ -2,7 +2,8 @@
 
 They run inside the worker that owns the model shard, so weights arrive where
 they are used: by broadcast over the sync group, by IPC handle, or as tensors
-when the worker shares the caller's process. Arguments are plain values
+when the worker shares the caller's process. Received buckets are held until
+``rlhf_commit_weights`` loads them all at once. Arguments are plain values
 (vLLM may serialise them to reach the worker).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ class WorkerExtension:
 
         bucket = Bucket(dtype, list(names), [tuple(s) for s in shapes], numel)
         flat = receive_bucket(self._rlhf_sync, bucket)
-        self.reload_weights(weights_iterator=bucket.unpack(flat))
+        self._pending().extend(bucket.unpack(flat))
         return len(names)
 
     def rlhf_receive_ipc(self, dtype: str, names: list[str], shapes: list[list[int]], numel: int, handle: bytes,
@@ -36,8 +37,21 @@ class WorkerExtension:
             opened[index] = (handle, open_handle(handle))  # kept open: closing the last mapping frees it
         flat = opened[index][1]
         bucket = Bucket(dtype, list(names), [tuple(s) for s in shapes], numel)
-        self.reload_weights(weights_iterator=bucket.unpack(flat))
+        self._pending().extend(bucket.unpack(flat))
         return len(names)
+
+    def _pending(self) -> list[tuple[str, Any]]:
+        return self.__dict__.setdefault("_rlhf_pending", [])
+
+    def rlhf_commit_weights(self) -> int:
+        """Load everything received since the last commit in one in-place reload: vLLM processes
+        weights layer by layer (fusing, repacking), which needs each layer's tensors together."""
+        pending = self._pending()
+        if pending:
+            self.reload_weights(weights_iterator=iter(pending))
+        count = len(pending)
+        pending.clear()
+        return count
 
     def rlhf_load_weights(self, named: list[tuple[str, Any]]) -> int:
         """In-process only: tensors passed as they are."""

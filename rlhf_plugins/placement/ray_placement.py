@@ -145,6 +145,17 @@ def shard_batch(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return shards
 
 
+def balance(loads: list[int], n: int) -> list[list[int]]:
+    """Indices split into ``n`` shares of about equal total load (longest first, to the lightest)."""
+    shares: list[list[int]] = [[] for _ in range(n)]
+    totals = [0] * n
+    for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        k = totals.index(min(totals))
+        shares[k].append(i)
+        totals[k] += loads[i]
+    return [sorted(s) for s in shares]
+
+
 def merge(results: list[Any]) -> Any:
     first = results[0]
     if torch.is_tensor(first):
@@ -175,6 +186,8 @@ class RoleGroup:
             return get(self.workers[0].call.remote(name, args, kwargs))
         if mode == "all":
             return get([w.call.remote(name, args, kwargs) for w in self.workers])[0]
+        if mode == "prompts":
+            return self._generate_balanced(name, args, kwargs)
         batch, rest = args[0], args[1:]
         shards = shard_batch(batch, len(self.workers))
         weigh = getattr(rest[0], "weight", None) if rest else None
@@ -184,6 +197,28 @@ class RoleGroup:
                 shard["dp_weight"] = weigh(shard["action_mask"], batch["action_mask"]) * len(self.workers)
             refs.append(worker.call.remote(name, (shard, *rest), kwargs))
         return merge(get(refs))
+
+    def _generate_balanced(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Prompts to engines by load (prompt tokens), results back in prompt order."""
+        from ..engines import Samples
+
+        prompts, rest = args[0], args[1:]
+        shares = balance([len(p) for p in prompts], len(self.workers))
+        refs = [w.call.remote(name, ([prompts[i] for i in idx], *rest), kwargs) for w, idx in zip(self.workers, shares)
+                if idx]
+        parts = get(refs)
+        rows = []
+        for idx, part in zip([s for s in shares if s], parts):
+            for j in range(len(part)):
+                rows.append((idx[part.prompt_index[j]], j, part, j))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        out = Samples()
+        for prompt, _, part, j in rows:
+            out.prompt_index.append(prompt)
+            out.completion_ids.append(part.completion_ids[j])
+            out.logprobs.append(part.logprobs[j])
+            out.finish_reasons.append(part.finish_reasons[j])
+        return out
 
     def endpoints(self) -> list[RayEndpoint]:
         return [RayEndpoint(w) for w in self.workers]
@@ -205,11 +240,12 @@ class RayPlacement:
         self.started = connect(opts)
         self._ray = ray
         pickle_file_plugins_by_value()
+        backend_opts = config.extra.get(config.generation.backend)  # e.g. the vllm section
         self.workers_of = {
             "actor": opts.actor_workers,
             "critic": opts.critic_workers,
             "reference": opts.reference_workers,
-            "generation": 1,
+            "generation": int(getattr(backend_opts, "num_engines", 1)),
             "reward": 1,
         }
         self.roles = tuple(roles)

@@ -77,8 +77,8 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], group: Any, engines:
         tensors += len(bucket.names)
         nbytes += flat.numel() * flat.element_size()
         count += 1
-    if futures:
-        engines[0].wait(futures)
+    futures += [engine.submit("commit_weights") for engine in engines]
+    engines[0].wait(futures)
     return {"tensors": tensors, "bytes": nbytes, "buckets": count, "rpcs": len(futures)}
 
 
@@ -129,9 +129,13 @@ class BroadcastSync:
         source = actor.endpoints()[0]
         address, port = source.call("free_address")
         backend = source.call("sync_backend")
-        world = 1 + len(self.engines)
+        ranks = [e.call("sync_ranks") for e in self.engines]
+        world = 1 + sum(ranks)
         futures = [source.submit("init_weight_sync", address, port, world, backend)]
-        futures += [e.submit("init_weight_sync", address, port, world, 1 + i, backend) for i, e in enumerate(self.engines)]
+        offset = 1
+        for endpoint, n in zip(self.engines, ranks):
+            futures.append(endpoint.submit("init_weight_sync", address, port, world, offset, backend))
+            offset += n
         source.wait(futures)
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:

@@ -75,8 +75,8 @@ class IPCSender:
             futures += [engine.submit("receive_ipc", bucket, handle, index) for engine in engines]
             tensors += len(bucket.names)
             nbytes += buf.numel() * buf.element_size()
-        if futures:
-            engines[0].wait(futures)  # buffers are rewritten only after every engine has read them
+        futures += [engine.submit("commit_weights") for engine in engines]
+        engines[0].wait(futures)  # buffers are rewritten only after every engine has read them
         return {"tensors": tensors, "bytes": nbytes, "buckets": len(self.buffers), "rpcs": len(futures)}
 
 
