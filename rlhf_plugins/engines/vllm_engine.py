@@ -70,6 +70,7 @@ class VLLMEngine:
             # some shapes start but fail at the first step (CPU attention head sizes): find out now
             self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:
+            self.shutdown()  # free what was allocated: the next engine in this process needs it
             raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {_first_line(exc)}") from exc
 
     # --- generation ------------------------------------------------------------------
@@ -189,11 +190,10 @@ class VLLMEngine:
         return {"tensors": loaded}
 
     def shutdown(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            del self.llm
+        """Drop the engine; in-process, its KV cache is freed once the references are gone."""
         import gc
 
+        self.__dict__.pop("llm", None)
         gc.collect()
 
 

