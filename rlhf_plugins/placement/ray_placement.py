@@ -53,9 +53,11 @@ class RoleWorker:
 
         return default_backend()
 
-    def setup(self, cls: type, args: tuple, kwargs: dict, env: dict[str, str]) -> bool:
+    def setup(self, cls: type, args: tuple, kwargs: dict, env: dict[str, str], threads: int = 1) -> bool:
         import ray
 
+        # colocated roles take turns on their bundle, so each may use all of its CPUs
+        torch.set_num_threads(max(1, threads))
         gpu_ids = ray.get_gpu_ids()
         if gpu_ids:
             # one visible GPU per actor, unless Ray was told not to touch *_VISIBLE_DEVICES
@@ -284,7 +286,8 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self._ray
-        pg, share, _ = self._slot(role)
+        pg, share, members = self._slot(role)
+        bundle_cpus = share.get("CPU", 1.0) * members
         n = self.workers_of[role]
         env_vars = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         remote_cls = ray.remote(RoleWorker)
@@ -308,7 +311,7 @@ class RayPlacement:
             env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(n), "LOCAL_RANK": str(seen[ip])}
             seen[ip] += 1
-            setups.append(worker.setup.remote(cls, args, kwargs, env))
+            setups.append(worker.setup.remote(cls, args, kwargs, env, int(bundle_cpus)))
         get(setups)
         group = RoleGroup(role, cls, workers)
         self.groups[role] = group
