@@ -65,6 +65,17 @@ class PolicyRole:
         return {name: (tuple(t.shape), str(t.dtype)) for name, t in self.learner.named_weights()}
 
     @dispatch("all")
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The LoRA adapter alone (PEFT's saved names) and its config, for adapter sync."""
+        from .integrations.peft import adapter_weights, config_dict, peft_info
+
+        info = peft_info(self.learner.model)
+        if info is None:
+            raise UsageError("adapter sync needs LoRA on the actor: set --lora.rank (or --lora.config)")
+        weights = adapter_weights((n, t.cpu()) for n, t in self.learner.raw_named_weights())
+        return weights, config_dict(info[0])
+
+    @dispatch("all")
     def save(self, path: str) -> None:
         self.learner.save(path)
 
@@ -167,6 +178,13 @@ class GenerationRole:
 
     def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
         return self.engine.receive_ipc(bucket, handle, index)
+
+    def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
+        load = getattr(self.engine, "load_adapter", None)
+        if not callable(load):
+            raise UsageError(f"generation backend '{type(self.engine).__name__}' cannot load LoRA adapters; "
+                             "use --lora.sync merged")
+        return load(weights, config)
 
     def commit_weights(self) -> dict[str, Any]:
         """After the last bucket of a sync: engines that load all weights at once do it now."""

@@ -18,4 +18,5 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.learner_deepspeed",
     "rlhf_plugins.builtin_plugins.sync_inprocess",
     "rlhf_plugins.builtin_plugins.sync_broadcast",
+    "rlhf_plugins.integrations.peft",
 )

@@ -118,6 +118,22 @@ class TransformersEngine:
         flat = receive_bucket(self.sync_group, bucket)
         return load_named_weights(self.model, bucket.unpack(flat))
 
+    def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
+        """LoRA adapter sync: wrap the model with PEFT once, then load the adapter's tensors."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        from ..integrations.peft import lora_config_from_dict, peft_info
+
+        if peft_info(self.model) is None:
+            self.model = get_peft_model(self.model, lora_config_from_dict(config)).eval().requires_grad_(False)
+        result = set_peft_model_state_dict(self.model, weights)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            from ..weights import WeightSyncError
+
+            raise WeightSyncError(f"adapter sync: the engine has no LoRA tensor named '{unexpected[0]}'")
+        return {"tensors": len(weights)}
+
     def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
         from ..sync.ipc import IPCReceiver
 

@@ -63,6 +63,11 @@ class VLLMEngine:
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=self.sleep_enabled,
         )
+        self.lora_request: Any = None
+        self.lora_dir: Path | None = None
+        if config.sync.method == "adapter":  # LoRA adapters travel alone: vLLM applies them
+            rank = config.section("lora").rank or 16
+            kwargs.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank))
         if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
             kwargs["distributed_executor_backend"] = "ray"
         try:
@@ -89,7 +94,8 @@ class VLLMEngine:
             seed=params.seed,
             logprobs=0,
         )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
+                                    lora_request=self._take_lora())
         samples = Samples()
         for i, request in enumerate(outputs):
             for completion in request.outputs:
@@ -117,6 +123,7 @@ class VLLMEngine:
             [{"prompt_token_ids": p} for p in prompts],
             VSampling(max_tokens=1, prompt_logprobs=0, temperature=1.0),
             use_tqdm=False,
+            lora_request=self._take_lora(),
         )
         result = torch.zeros(action.shape)
         for i, out in enumerate(outs):
@@ -184,6 +191,34 @@ class VLLMEngine:
                          bucket.numel, handle, index)
         return {"tensors": len(bucket.names)}
 
+    def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
+        """LoRA adapter sync: write the adapter where vLLM reads it; the next request reloads it in place."""
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise UsageError("this vLLM engine was started without LoRA support; adapter sync needs --lora.sync adapter "
+                             "from the start (or use --lora.sync merged)")
+        if self.lora_dir is None:
+            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            self.lora_dir = Path(tempfile.mkdtemp(prefix="rlhf-lora-", dir=base))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(self.lora_dir / "adapter_model.safetensors"))
+        (self.lora_dir / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "LORA"}))
+        self.lora_request = LoRARequest("rlhf-policy", 1, str(self.lora_dir), load_inplace=True)
+        return {"tensors": len(weights)}
+
+    def _take_lora(self) -> Any:
+        """The adapter request: reloaded once after each sync, then served from vLLM's cache."""
+        request = self.lora_request
+        if request is not None and request.load_inplace:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest(request.lora_name, request.lora_int_id, request.lora_path)
+        return request
+
     def commit_weights(self) -> dict[str, Any]:
         loaded = sum(self._on_workers("rlhf_commit_weights"))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -192,7 +227,10 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """Drop the engine; in-process, its KV cache is freed once the references are gone."""
         import gc
+        import shutil
 
+        if self.__dict__.get("lora_dir") is not None:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
         self.__dict__.pop("llm", None)
         gc.collect()
 

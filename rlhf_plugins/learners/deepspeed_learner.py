@@ -167,6 +167,12 @@ class DeepSpeedLearner:
 
     # --- weights ---------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the generation engine loads (LoRA merged in under base names)."""
+        from ..integrations.peft import export_weights
+
+        return export_weights(self.model, self.raw_named_weights())
+
+    def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights, one tensor at a time. Every rank must iterate (ZeRO-3 gathers are
         collective); each rank receives the full tensors."""
         import deepspeed
@@ -179,7 +185,7 @@ class DeepSpeedLearner:
                 yield name, param.data.detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t.cpu() for name, t in self.named_weights()}
+        return {name: t.cpu() for name, t in self.raw_named_weights()}
 
     def save(self, path: str) -> None:
         state = self.full_state_dict()

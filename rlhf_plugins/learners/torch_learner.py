@@ -72,9 +72,16 @@ class TorchLearner:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's own tensors and names (PEFT names under LoRA)."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the generation engine loads (LoRA merged in under base names)."""
+        from ..integrations.peft import export_weights
+
+        return export_weights(self.model, self.raw_named_weights())
 
     def save(self, path: str) -> None:
         self.model.save_pretrained(path)
