@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     train.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
+    train.add_argument("--trl-config", metavar="FILE",
+                       help="a TRL GRPOConfig YAML (as for `trl grpo --config`); --config and flags override it")
     _plugin_args(train)
     train.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     train.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
@@ -146,8 +148,18 @@ def load_config(args: argparse.Namespace, rest: list[str]) -> tuple[Any, Any, An
     from .api import prepare
     from .config import load_yaml, merge, parse_overrides
 
-    raw = load_yaml(args.config) if args.config else {}
-    return prepare(merge(raw, parse_overrides(rest)), args.plugin)
+    raw: dict[str, Any] = {}
+    plugins = list(args.plugin)
+    if args.trl_config:
+        from .integrations.trl import from_trl_yaml
+
+        raw, notes, trl_plugins = from_trl_yaml(args.trl_config)
+        plugins = trl_plugins + plugins
+        for note in notes:
+            logger.warning(note)
+    if args.config:
+        raw = merge(raw, load_yaml(args.config))
+    return prepare(merge(raw, parse_overrides(rest)), plugins)
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> int:

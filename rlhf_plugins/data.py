@@ -68,12 +68,13 @@ def _blank(path: str) -> bool:
     return p.stat().st_size == 0 or (p.suffix != ".parquet" and p.stat().st_size < 4096 and not p.read_text().strip())
 
 
-def load_prompts(cfg: Any, tokenizer: Any) -> PromptSet:
-    """Read, template and tokenize every prompt; check keys and emptiness first."""
+def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = None) -> PromptSet:
+    """Read (or take ``rows``), template and tokenize every prompt; check keys and emptiness first."""
     from .tiny_model import TASK_FILE
 
-    path = cfg.path or TASK_FILE
-    rows = read_rows(path)
+    path = "the given rows" if rows is not None else (cfg.path or TASK_FILE)
+    if rows is None:
+        rows = read_rows(path)
     if not rows:
         raise DataError(f"dataset '{path}' is empty; it needs at least one row with a '{cfg.prompt_key}' field")
     if cfg.prompt_key not in rows[0]:

@@ -30,21 +30,25 @@ DISABLE_AUTOLOAD_ENV = "RLHF_DISABLE_PLUGIN_AUTOLOAD"
 
 @dataclass(frozen=True)
 class PluginSpec:
-    """Everything needed to rebuild the same manager in another process (a Ray worker)."""
+    """Everything needed to rebuild the same manager in another process (a Ray worker):
+    the ``--plugin`` arguments, autoload, and plugin objects registered from Python
+    (pickled by value, so callables defined in a user's script travel too)."""
 
     plugins: tuple[str, ...] = ()
     autoload: bool | None = None
+    inline: tuple[tuple[str, bytes], ...] = ()
 
     def build(self) -> RLHFPluginManager:
-        pm = RLHFPluginManager()
-        pm.setup(self.plugins, autoload=self.autoload)
-        return pm
+        import pickle
+
+        inline = [(name, pickle.loads(blob)) for name, blob in self.inline]
+        return RLHFPluginManager().setup(self.plugins, autoload=self.autoload, inline=inline)
 
 
 @dataclass(frozen=True)
 class PluginInfo:
     name: str
-    source: str  # "builtin" | "entry point" | "--plugin"
+    source: str  # "builtin" | "entry point" | "--plugin" | "python"
     version: str
     location: str = ""
 
@@ -161,12 +165,20 @@ class RLHFPluginManager(pluggy.PluginManager):
                 opts = {}  # unmarked rlhf_* functions are hooks, as in pytest
         return opts
 
-    def setup(self, plugin_args: Iterable[str] = (), *, autoload: bool | None = None) -> RLHFPluginManager:
-        """Load plugins in pytest's order: blocks, builtins, entry points, then ``--plugin``."""
+    def setup(self, plugin_args: Iterable[str] = (), *, autoload: bool | None = None,
+              inline: Iterable[tuple[str, object]] = ()) -> RLHFPluginManager:
+        """Load plugins in pytest's order: blocks, builtins, entry points, ``--plugin``, then
+        plugin objects given from Python (``inline``: name, object)."""
         args = [a for a in plugin_args if a]
+        inline = list(inline)
         if autoload is None:
             autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
-        self.spec = PluginSpec(tuple(args), autoload)
+        blobs: tuple[tuple[str, bytes], ...] = ()
+        if inline:
+            import cloudpickle
+
+            blobs = tuple((name, cloudpickle.dumps(obj)) for name, obj in inline)
+        self.spec = PluginSpec(tuple(args), autoload, blobs)
         for arg in args:
             if arg.startswith("no:"):
                 self.set_blocked(arg[3:])
@@ -176,6 +188,9 @@ class RLHFPluginManager(pluggy.PluginManager):
         for arg in args:
             if not arg.startswith("no:"):
                 self.import_plugin(arg)
+        for name, obj in inline:
+            self.register(obj, name)
+            self.infos[name] = PluginInfo(name, "python", "", type(obj).__name__)
         self.check_pending()
         _MANAGERS[self.spec] = self
         return self
@@ -379,8 +394,9 @@ def pickle_file_plugins_by_value() -> None:
             ray.cloudpickle.register_pickle_by_value(module)
 
 
-def create_manager(plugin_args: Iterable[str] = (), *, autoload: bool | None = None) -> RLHFPluginManager:
-    return RLHFPluginManager().setup(plugin_args, autoload=autoload)
+def create_manager(plugin_args: Iterable[str] = (), *, autoload: bool | None = None,
+                   inline: Iterable[tuple[str, object]] = ()) -> RLHFPluginManager:
+    return RLHFPluginManager().setup(plugin_args, autoload=autoload, inline=inline)
 
 
 _MANAGERS: dict[PluginSpec, RLHFPluginManager] = {}

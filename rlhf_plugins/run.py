@@ -48,7 +48,8 @@ def make_run_dir(config: Config) -> Path:
     return run_dir
 
 
-def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Console) -> Path:
+def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Console,
+                 rows: list[dict[str, Any]] | None = None) -> Path:
     from transformers import AutoTokenizer
 
     from .data import load_prompts
@@ -59,7 +60,7 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     quiet_libraries()
     model_path = config.model.path or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = load_prompts(config.data, tokenizer)
+    prompts = load_prompts(config.data, tokenizer, rows=rows)
     run_dir = make_run_dir(config)
     (run_dir / "config.yaml").write_text(config.to_yaml())
     console.print(

@@ -43,8 +43,8 @@ class LoraOptions:
 
 
 def enabled(config: Any) -> bool:
-    o = config.section("lora")
-    return o.rank > 0 or o.config is not None
+    o = getattr(config, "extra", {}).get("lora")  # absent from a Config built without plugins
+    return o is not None and (o.rank > 0 or o.config is not None)
 
 
 def lora_config(config: Any) -> Any:

@@ -46,6 +46,9 @@ class TRLReward:
         self.is_async = inspect.iscoroutinefunction(fn)
 
     def __call__(self, **kwargs: Any) -> Any:
+        prompts = kwargs.get("prompts")
+        if prompts and isinstance(prompts[0], list):  # conversational data: TRL passes messages
+            kwargs["completions"] = [[{"role": "assistant", "content": c}] for c in kwargs["completions"]]
         if not self.accepts_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self.accepted}
         out = self.fn(**kwargs)

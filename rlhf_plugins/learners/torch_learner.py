@@ -17,6 +17,8 @@ from ..modeling import group_permutation, policy_forward, split_batch, value_for
 class TorchLearner:
     def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
         self.model = model = load_model()
+        if config.learner.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.role = role
         self.cfg = config.learner
         self.temperature = config.generation.temperature
