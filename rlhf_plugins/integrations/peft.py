@@ -108,6 +108,9 @@ def rlhf_configure(config: Any) -> None:
         raise ConfigError(f"lora.config '{o.config}' does not exist; give a PEFT adapter_config.json or its folder")
     if o.sync == "adapter":
         config.sync.method = "adapter"  # only the adapter travels
+        if config.generation.backend == "vllm" and importlib.util.find_spec("vllm.lora.request") is None:
+            raise ConfigError("this vLLM build has no LoRA support (vllm.lora), which adapter sync needs; "
+                              "use --lora.sync merged")
     elif config.sync.method == "adapter":
         raise ConfigError("sync.method adapter needs --lora.sync adapter")
 

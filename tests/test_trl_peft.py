@@ -1,0 +1,224 @@
+"""TRL configs and reward callables, OpenRLHF reward files, PEFT LoRA with both sync modes."""
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_subprocess, short_run
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from rlhf_plugins.errors import ConfigError  # noqa: E402
+from rlhf_plugins.integrations.trl import from_grpo_fields  # noqa: E402
+
+
+def the_run(base: Path = Path("runs")) -> Path:
+    (run,) = [p for p in base.iterdir() if p.is_dir()]
+    return run
+
+
+def test_grpo_fields_map_by_hand():
+    raw, notes = from_grpo_fields({
+        "learning_rate": 3e-6, "num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+        "steps_per_generation": 4, "max_completion_length": 64, "beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28,
+        "loss_type": "dr_grpo", "scale_rewards": "none", "num_iterations": 2, "max_steps": 10, "top_k": None,
+        "logging_steps": 5, "lr_scheduler_type": "cosine",
+    })
+    assert raw["learner"]["lr"] == 3e-6 and raw["learner"]["epochs"] == 2
+    assert raw["generation"]["n_samples_per_prompt"] == 4 and raw["generation"]["max_new_tokens"] == 64
+    assert raw["generation"]["top_k"] == 0
+    # 8 per device x 4 steps per generation = 32 completions = 8 prompts; 8 x 2 per optimizer step
+    assert raw["train"]["prompts_per_step"] == 8
+    assert raw["learner"]["mini_batch_size"] == 16 and raw["learner"]["micro_batch_size"] == 8
+    # 10 optimizer steps, 2 iterations x (4 / 2) updates per rollout -> 3 rollouts
+    assert raw["train"]["steps"] == 3
+    assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3"}
+    assert raw["algo"]["policy_loss"]["clip_low"] == 0.2 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
+    assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
+    assert raw["algo"]["advantage"]["estimator"] == "dr_grpo"
+    assert "TRL field 'lr_scheduler_type' is ignored: the learning rate is constant" in notes
+    assert any(n.startswith("TRL field 'logging_steps' is ignored") for n in notes)
+
+
+def test_grpo_field_errors():
+    with pytest.raises(ConfigError, match="TRL field 'sync_ref_model' \\(True\\) has no equivalent"):
+        from_grpo_fields({"sync_ref_model": True})
+    with pytest.raises(ConfigError, match="'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'"):
+        from_grpo_fields({"num_generation": 4})
+    with pytest.raises(ConfigError, match="TRL loss_type 'cispo' has no equivalent"):
+        from_grpo_fields({"loss_type": "cispo"})
+    raw, _ = from_grpo_fields({"importance_sampling_level": "sequence", "use_vllm": True,
+                               "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_cap": 3.0})
+    assert raw["algo"]["policy_loss"]["name"] == "gspo"
+    assert raw["generation"]["backend"] == "vllm"
+    assert raw["algo"]["policy_loss"]["mismatch"] == "tis" and raw["algo"]["policy_loss"]["mismatch_high"] == 3.0
+
+
+def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(textwrap.dedent("""
+        def correct(prompts, completions, label, **kwargs):
+            return [1.0 if c.strip() == l else 0.0 for c, l in zip(completions, label)]
+        def unused(prompts, completions, **kwargs):
+            return [0.0] * len(completions)
+    """))
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "reward_funcs": [f"{rewards.with_suffix('')}.correct".replace(str(tmp_path) + "/", "")],
+        "learning_rate": 1e-3, "num_generations": 4, "per_device_train_batch_size": 16, "max_completion_length": 6,
+        "max_steps": 2, "gradient_checkpointing": False, "logging_steps": 1,
+    }))
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code, out, err = rlhf("train", "--trl-config", str(cfg), "--train.progress", "false")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert code == 0, err
+    assert "TRL field 'logging_steps' is ignored" in err
+    saved = yaml.safe_load((the_run() / "config.yaml").read_text())
+    assert saved["reward"]["functions"] == ["correct"]
+    assert saved["generation"]["n_samples_per_prompt"] == 4 and saved["train"]["prompts_per_step"] == 4
+    assert saved["train"]["steps"] == 2 and saved["learner"]["lr"] == 1e-3
+
+
+def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text("mask_truncated_completions: true\n")
+    code, _, err = rlhf("train", "--trl-config", str(cfg))
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "TRL field 'mask_truncated_completions' (True) has no equivalent" in err
+
+
+def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):
+    path = tmp_path / "orm.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        def reward_func(queries, prompts, labels):
+            assert all(q.startswith(p) for q, p in zip(queries, prompts))
+            return torch.tensor([1.0 if q[len(p):].strip() == l else 0.0 for q, p, l in zip(queries, prompts, labels)])
+    """))
+    code, _, err = rlhf("train", "--plugin", str(path), "--data.apply_chat_template", "false", *short_run())
+    assert code == 0, err
+    assert yaml.safe_load((the_run() / "config.yaml").read_text())["reward"]["functions"] == ["reward_func"]
+
+
+def test_from_trl_doc_runs_on_ray(tmp_path):
+    """docs/from_trl.md, as written: a TRL script on a local Ray cluster."""
+    doc = (ROOT / "docs" / "from_trl.md").read_text()
+    script = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "train_grpo.py").write_text(script)
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "train_grpo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = the_run(tmp_path / "runs" / "trl-on-ray")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["placement"]["strategy"] == "ray" and saved["reward"]["functions"] == ["correct", "brief"]
+    assert saved["reward"]["weights"] == [1.0, 0.5] and saved["algo"]["policy_loss"]["clip_high"] == 0.28
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward/correct", "reward/brief"} <= set(rows[0])  # each function logged on its own
+
+
+# --- PEFT ------------------------------------------------------------------------------------
+
+def test_lora_trains_only_the_adapter_and_saves_it(rlhf):
+    code, _, err = rlhf("train", "--lora.rank", "4", "--lora.target_modules", "q_proj,v_proj", "--learner.lr", "5e-3",
+                        "--lora.save_merged", "true", "--sync.verify", "true", *short_run())
+    assert code == 0, err
+    run = the_run()
+    cfg = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+    from safetensors import safe_open
+
+    with safe_open(str(run / "final" / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all("lora_" in k for k in keys)
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(run / "final-merged")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_lora_on_the_critic_with_ppo(rlhf):
+    code, _, err = rlhf("train", "--lora.rank", "4", "--algo.advantage.estimator", "gae", *short_run())
+    assert code == 0, err
+
+
+def test_lora_config_file(rlhf, tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["o_proj"], "lora_dropout": 0.0}))
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path), *short_run())
+    assert code == 0, err
+    assert json.loads((the_run() / "final" / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+
+
+def test_lora_targets_that_match_nothing_list_the_modules(rlhf):
+    code, _, err = rlhf("train", "--lora.rank", "4", "--lora.target_modules", "attn_qkv", *short_run())
+    assert code == 2
+    assert "LoRA target modules ['attn_qkv'] match nothing in the actor model; available: " \
+           "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in err
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_lora_sync_modes_keep_parity_with_the_transformers_engine(rlhf, mode):
+    code, _, err = rlhf("train", "--lora.rank", "8", "--lora.sync", mode, "--learner.lr", "5e-3",
+                        "--sync.verify", "true", "--algo.policy_loss.mismatch", "tis", *short_run())
+    assert code == 0, err
+    rows = [json.loads(line) for line in (the_run() / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
+
+
+@pytest.mark.integration
+def test_lora_with_vllm_doc_commands(rlhf):
+    """docs/lora_vllm.md, every command, shortened: both sync modes, then Ray + ZeRO-3 + adapters into vLLM."""
+    pytest.importorskip("vllm")
+    doc = (ROOT / "docs" / "lora_vllm.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", doc, re.S).group(1)
+    commands = [line.split()[2:] for line in block.splitlines() if line.startswith("rlhf train")]
+    assert len(commands) == 3
+    for i, args in enumerate(commands):
+        code, _, err = rlhf("train", *args, "--algo.policy_loss.mismatch", "tis",
+                            *short_run("--train.run_name", f"doc{i}"))
+        assert code == 0, err
+        rows = [json.loads(line) for line in (Path("runs") / f"doc{i}" / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows), i
+        assert (Path("runs") / f"doc{i}" / "final" / "adapter_config.json").is_file()
+    assert (Path("runs") / "doc1" / "final-merged" / "config.json").is_file()
+
+
+@pytest.mark.integration
+def test_adapter_sync_into_a_vllm_engine_without_lora_is_refused(tiny_model):
+    pytest.importorskip("vllm")
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.errors import UsageError
+
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
+    engine = VLLMEngine(tiny_model, config, pm.spec)
+    try:
+        with pytest.raises(UsageError, match="started without LoRA support"):
+            engine.load_adapter({}, {"r": 8})
+    finally:
+        engine.shutdown()
+
+
+def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm.lora.request" else real(name, *a))
+    code, _, err = rlhf("train", "--lora.rank", "8", "--lora.sync", "adapter", "--generation.backend", "vllm")
+    assert code == 2 and "this vLLM build has no LoRA support (vllm.lora)" in err
