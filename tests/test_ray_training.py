@@ -3,7 +3,6 @@ full-weight gathering, and whole training runs on the Ray path."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,14 +24,6 @@ from rlhf_plugins.roles import PolicyRole  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_modeling import random_batch  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def ds_config(stage: int, lr: float, aggregation: str = "token-mean"):
@@ -142,17 +133,6 @@ def test_ray_bad_input(local_ray, rlhf, args, expected):
     assert code == 2, err
     assert expected in err and len(err.strip().splitlines()) == 1, err
     assert not Path("runs").exists() or not any(Path("runs").iterdir())
-
-
-def test_deepspeed_not_installed_names_the_extra(rlhf, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    code, _, err = rlhf("train", "--learner.backend", "deepspeed")
-    assert code == 2
-    assert "learner backend 'deepspeed' (plugin 'learner_deepspeed') needs deepspeed" in err
-    assert "pip install 'rlhf-plugins[deepspeed]'" in err
 
 
 def test_deepspeed_in_one_process_with_offload_checkpointing_and_sleep(rlhf):

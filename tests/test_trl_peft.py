@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, run_subprocess, short_run
+from conftest import ROOT, block_import, clean_env, short_run
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -118,7 +118,8 @@ def test_from_trl_doc_runs_on_ray(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "train_grpo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "train_grpo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = the_run(tmp_path / "runs" / "trl-on-ray")
     summary = json.loads((run / "summary.json").read_text())
@@ -215,10 +216,6 @@ def test_adapter_sync_into_a_vllm_engine_without_lora_is_refused(tiny_model):
 
 
 def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "vllm.lora.request" else real(name, *a))
+    block_import(monkeypatch, "vllm.lora.request")
     code, _, err = rlhf("train", "--lora.rank", "8", "--lora.sync", "adapter", "--generation.backend", "vllm")
     assert code == 2 and "this vLLM build has no LoRA support (vllm.lora)" in err

