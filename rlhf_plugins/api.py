@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 from rich.console import Console
 
-from .config import Config, OptionRegistry, build_config
+from .config import Config, OptionRegistry
+from .config_loading import build_config
 from .manager import RLHFPluginManager, create_manager
 from .validate import Plan, validate
 

@@ -146,7 +146,7 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 def load_config(args: argparse.Namespace, rest: list[str]) -> tuple[Any, Any, Any]:
     """YAML + flags -> (config, plugin manager, plan), all checked before anything starts."""
     from .api import prepare
-    from .config import load_yaml, merge, parse_overrides
+    from .config_loading import load_yaml, merge, parse_overrides
 
     raw: dict[str, Any] = {}
     plugins = list(args.plugin)

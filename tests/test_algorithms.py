@@ -37,7 +37,7 @@ def whiten_loop(rows):
     return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
 
 
-def assert_rows(tensor, rows, lengths, tol=1e-5):
+def check_rows(tensor, rows, lengths, tol=1e-5):
     for i, row in enumerate(rows):
         assert tensor[i, : lengths[i]].tolist() == pytest.approx(row, abs=tol)
         assert float(tensor[i, lengths[i]:].abs().sum()) == 0.0  # nothing past the completion
@@ -69,8 +69,8 @@ def test_gae_matches_loop(seed):
             out[t] = a
         raw_adv.append(out)
         raw_ret.append([out[t] + v[t] for t in range(n)])
-    assert_rows(ret, raw_ret, r.lengths)
-    assert_rows(adv, whiten_loop(raw_adv), r.lengths)
+    check_rows(ret, raw_ret, r.lengths)
+    check_rows(adv, whiten_loop(raw_adv), r.lengths)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -85,8 +85,8 @@ def test_reinforce_matches_loop(seed):
             g = rew[t] + 0.95 * g
             out[t] = g
         rows.append(out)
-    assert_rows(ret, rows, r.lengths)
-    assert_rows(adv, whiten_loop(rows), r.lengths)
+    check_rows(ret, rows, r.lengths)
+    check_rows(adv, whiten_loop(rows), r.lengths)
 
 
 def test_reinforce_baseline_matches_loop():
@@ -100,7 +100,7 @@ def test_reinforce_baseline_matches_loop():
         rew = [-float(r.kl[i, t]) for t in range(n)]
         rew[-1] += float(r.scores[i]) - base
         rows.append([sum(rew[t:]) for t in range(n)])
-    assert_rows(adv, whiten_loop(rows), r.lengths)
+    check_rows(adv, whiten_loop(rows), r.lengths)
 
 
 def _group(r, i):

@@ -14,7 +14,7 @@ def no_run_dirs(path: Path = Path("runs")) -> bool:
     return not path.exists() or not any(path.iterdir())
 
 
-def one_line_error(code, err, expected):
+def check_one_line_error(code, err, expected):
     assert code == 2
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1, err
@@ -61,27 +61,27 @@ def write(path: Path, text: str) -> str:
 )
 def test_bad_input_is_one_line_and_exit_2(rlhf, args, expected):
     code, out, err = rlhf("train", *args)
-    one_line_error(code, err, expected)
+    check_one_line_error(code, err, expected)
 
 
 def test_plugin_that_fails_to_import_is_named(rlhf, tmp_path):
     path = write(tmp_path / "broken_reward.py", "raise ImportError('needs torch-nightly')\n")
     code, _, err = rlhf("train", "--plugin", path)
-    one_line_error(code, err, "plugin '" + path + "' failed to import: ImportError: needs torch-nightly")
+    check_one_line_error(code, err, "plugin '" + path + "' failed to import: ImportError: needs torch-nightly")
 
 
 def test_empty_dataset(rlhf, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
     code, _, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match")
-    one_line_error(code, err, "is empty")
+    check_one_line_error(code, err, "is empty")
 
 
 def test_dataset_without_prompt_column(rlhf, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"question": "1+1=", "label": "2"}\n')
     code, _, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match")
-    one_line_error(code, err, "has no 'prompt' column (columns: question, label); set --data.prompt_key")
+    check_one_line_error(code, err, "has no 'prompt' column (columns: question, label); set --data.prompt_key")
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_dataset_without_prompt_column(rlhf, tmp_path):
 def test_reward_errors_name_plugin_and_step(rlhf, tmp_path, body, expected):
     path = write(tmp_path / "bad_reward.py", "def bad(prompts, completions, **kwargs):\n" + body + "\n")
     code, _, err = rlhf("train", "--plugin", path, *short_run())
-    one_line_error(code, err, expected)
+    check_one_line_error(code, err, expected)
 
 
 def test_reward_error_at_a_later_step(rlhf, tmp_path):
@@ -109,7 +109,7 @@ def test_reward_error_at_a_later_step(rlhf, tmp_path):
             return [0.0] * len(completions)
     """)
     code, _, err = rlhf("train", "--plugin", path, *short_run("--train.steps", "5"))
-    one_line_error(code, err, "reward 'late' (plugin 'late') at step 2 raised RuntimeError: quota exceeded")
+    check_one_line_error(code, err, "reward 'late' (plugin 'late') at step 2 raised RuntimeError: quota exceeded")
 
 
 def test_several_plugin_rewards_must_be_chosen(rlhf, tmp_path):
@@ -120,7 +120,7 @@ def test_several_plugin_rewards_must_be_chosen(rlhf, tmp_path):
             return [0.0] * len(completions)
     """)
     code, _, err = rlhf("train", "--plugin", path)
-    one_line_error(code, err, "plugins provide several reward functions (a, b); choose with --reward.functions")
+    check_one_line_error(code, err, "plugins provide several reward functions (a, b); choose with --reward.functions")
 
 
 def test_existing_named_run_directory_is_refused(rlhf):
@@ -168,4 +168,4 @@ def test_console_script_help_and_exit_status(tmp_path):
 def test_a_missing_extra_is_named(rlhf, monkeypatch, module, flags, expected):
     block_import(monkeypatch, module)
     code, _, err = rlhf("train", *flags)
-    one_line_error(code, err, expected)
+    check_one_line_error(code, err, expected)

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from rlhf_plugins import ConfigError, PluginError
-from rlhf_plugins.config import Config, OptionRegistry, build_config, load_yaml, merge, parse_overrides
+from rlhf_plugins.config import Config, OptionRegistry
+from rlhf_plugins.config_loading import build_config, load_yaml, merge, parse_overrides
 
 
 def test_defaults_and_yaml_roundtrip():

@@ -9,7 +9,8 @@ import torch
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.integration
 
-from rlhf_plugins.config import OptionRegistry, build_config  # noqa: E402
+from rlhf_plugins.config import OptionRegistry  # noqa: E402
+from rlhf_plugins.config_loading import build_config  # noqa: E402
 from rlhf_plugins.builtin_plugins.placement_ray import RayOptions  # noqa: E402
 from rlhf_plugins.placement.ray_cluster import ClusterError  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402

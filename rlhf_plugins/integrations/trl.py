@@ -87,7 +87,7 @@ def grpo_defaults() -> dict[str, Any]:
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    from ..config import set_dotted
+    from ..config_loading import set_dotted
 
     set_dotted(tree, dotted, value)
 
@@ -166,7 +166,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
-    from ..config import load_yaml
+    from ..config_loading import load_yaml
 
     data = load_yaml(path)
     plugins: list[str] = []
@@ -232,7 +232,7 @@ class GRPOTrainer:
 
     def __init__(self, model: str, reward_funcs: Any, args: Any = None, train_dataset: Any = None,
                  processing_class: Any = None, peft_config: Any = None, rlhf: dict[str, Any] | None = None) -> None:
-        from ..config import merge
+        from ..config_loading import merge
 
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)} if args is not None else {}
         defaults = grpo_defaults()
