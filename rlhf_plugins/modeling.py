@@ -113,10 +113,3 @@ def group_permutation(n: int, group: int, generator: torch.Generator) -> torch.T
 def _take(v: Any, idx: slice) -> Any:
     return v[idx] if torch.is_tensor(v) or isinstance(v, list) else v
 
-
-def concat_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k in parts[0]:
-        vals = [p[k] for p in parts]
-        out[k] = torch.cat(vals) if torch.is_tensor(vals[0]) else vals[0]
-    return out

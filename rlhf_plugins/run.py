@@ -71,6 +71,8 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     step: int | None = None
     try:
         trainer.setup()
+        for where, what in trainer.placement.describe().items():
+            console.print(f"  {escape(where)}: {escape(what)}")
         log = MetricsLog(run_dir)
         pm.notify("rlhf_before_train", config=config, run_dir=run_dir)
         with StepProgress(config.train.steps, console, enabled=config.train.progress) as progress:

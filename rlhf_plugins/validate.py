@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .algorithms import AGGREGATIONS
 from .config import Config
@@ -173,7 +172,3 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     pm.configure(c)
     return plan
 
-
-def describe(plan: Plan) -> dict[str, Any]:
-    return {"rewards": dict(zip(plan.rewards, plan.weights)), "reference": plan.needs_reference,
-            "critic": plan.needs_critic}

@@ -18,7 +18,6 @@ from rlhf_plugins.algorithms import policy_losses  # noqa: E402
 from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
 from rlhf_plugins.learners.torch_learner import TorchLearner  # noqa: E402
-from rlhf_plugins.manager import create_manager  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
 from rlhf_plugins.roles import PolicyRole  # noqa: E402
 

@@ -52,8 +52,3 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
         return float(micro_mask.sum()) / max(float(mini_mask.sum()), 1.0)
     return micro_mask.shape[0] / mini_mask.shape[0]
 
-
-def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last unmasked token of each row (0 for an empty row)."""
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=-1).values
