@@ -14,14 +14,10 @@ import json
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+
 
 
 def build_model(out: Path, hidden: int, layers: int) -> str:

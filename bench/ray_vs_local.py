@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+
 
 SETUPS = {
     "local + torch": {},

@@ -17,13 +17,10 @@ import os
 import shutil
 import statistics
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+
 
 
 def build_model(out: Path, hidden: int, layers: int, heads: int) -> str:

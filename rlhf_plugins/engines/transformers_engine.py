@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch
 
 from ..manager import PluginSpec, get_manager
-from ..modeling import DTYPES, position_ids
+from ..modeling import position_ids
 from ..weights import load_named_weights
 from . import SamplingParams, Samples
 
@@ -43,7 +43,6 @@ class TransformersEngine:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
-        self.dtype = DTYPES[config.model.dtype]
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:

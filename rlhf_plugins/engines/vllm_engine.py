@@ -82,9 +82,7 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         from vllm import SamplingParams as VSampling
 
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
+        self._wake("kv_cache")
         sampling = VSampling(
             n=params.n,
             max_tokens=params.max_new_tokens,
