@@ -16,3 +16,8 @@ for key, value in {
     "RAY_AUTH_MODE": "disabled",
 }.items():
     os.environ.setdefault(key, value)
+
+import transformers  # noqa: E402
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()

@@ -19,11 +19,10 @@ from pathlib import Path
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 
 
-
 def build_model(out: Path, hidden: int, layers: int) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from rlhf_plugins.tiny_model import default_model_path
+    from rlhf_plugins.models.tiny_model import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -39,13 +38,13 @@ def build_model(out: Path, hidden: int, layers: int) -> str:
 def measure(backend: str, path: str, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
+    from rlhf_plugins import SamplingParams
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.engines import SamplingParams
-    from rlhf_plugins.tiny_model import task_rows
+    from rlhf_plugins.models.tiny_model import task_rows
+    from rlhf_plugins.testing import backend_context
 
-    config, pm, _ = prepare({"generation": {"backend": backend}, "model": {"path": path}}, autoload=False)
-    factory = pm.components.get(__import__("rlhf_plugins").GenerationBackend, backend).factory
-    engine = factory(path, config, pm.spec)
+    config, pm, plan = prepare({"generation": {"backend": backend}, "model": {"path": path}}, autoload=False)
+    engine = plan.engine.factory(backend_context(config, "generation", path, pm))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)

@@ -19,8 +19,6 @@ from pathlib import Path
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 
 
-
-
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="timed steps per framework")
@@ -42,8 +40,8 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.data import load_prompts
-    from rlhf_plugins.loop import Trainer
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.training.loop import Trainer
 
     raw = {
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
@@ -77,7 +75,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_plugins.builtin_plugins.rewards import exact_match
-    from rlhf_plugins.tiny_model import task_rows
+    from rlhf_plugins.models.tiny_model import task_rows
 
     def reward(prompts, completions, label, **kwargs):
         return exact_match(prompts, [c[0]["content"] for c in completions], label)
@@ -130,7 +128,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from rlhf_plugins.tiny_model import default_model_path
+    from rlhf_plugins.models.tiny_model import default_model_path
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

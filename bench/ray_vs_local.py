@@ -13,12 +13,11 @@ from pathlib import Path
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 
-
 SETUPS = {
     "local + torch": {},
     "ray + deepspeed zero-3 (2 ranks)": {
         "placement": {"strategy": "ray"},
-        "learner": {"backend": "deepspeed", "zero_stage": 3},
+        "learner": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3},
         "ray": {"actor_workers": 2, "local_num_gpus": 4},
     },
 }
@@ -28,9 +27,9 @@ def run(raw: dict, steps: int) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.data import load_prompts
-    from rlhf_plugins.loop import Trainer
-    from rlhf_plugins.tiny_model import default_model_path
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.training.loop import Trainer
 
     raw = {**raw, "train": {"steps": steps + 1}}
     path = default_model_path()

@@ -22,11 +22,10 @@ from pathlib import Path
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 
 
-
 def build_model(out: Path, hidden: int, layers: int, heads: int) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from rlhf_plugins.tiny_model import default_model_path
+    from rlhf_plugins.models.tiny_model import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -39,22 +38,26 @@ def build_model(out: Path, hidden: int, layers: int, heads: int) -> str:
 
 
 def syncs(path: str, method: str, bucket_mb: float, colocate: str, repeats: int) -> dict[str, float]:
+    from rlhf_plugins import PlacementContext
+    from rlhf_plugins._lazy import resolve
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.placement.ray_placement import RayPlacement
-    from rlhf_plugins.roles import GenerationRole, PolicyRole
-    from rlhf_plugins.sync.broadcast import BroadcastSync
-    from rlhf_plugins.sync.ipc import IPCSync
+    from rlhf_plugins.training.roles import GenerationRole, PolicyRole
 
-    config, pm, _ = prepare({"model": {"path": path}, "placement": {"strategy": "ray"},
-                             "sync": {"method": method, "bucket_mb": bucket_mb},
-                             "ray": {"colocate": colocate, "local_num_gpus": 4, "cpus_per_worker": 2}},
-                            autoload=False)
-    placement = RayPlacement(config, pm.spec, roles=("generation", "actor"))
+    config, pm, plan = prepare({"model": {"path": path}, "placement": {"strategy": "ray"},
+                                "sync": {"method": method, "bucket_mb": bucket_mb},
+                                "ray": {"colocate": colocate, "local_num_gpus": 4, "cpus_per_worker": 2}},
+                               autoload=False)
+    placement = resolve(plan.placement.factory)(PlacementContext(config, ("generation", "actor"), plugin_spec=pm.spec))
     try:
-        engine = placement.create_role("generation", GenerationRole, config, pm.spec, path)
-        actor = placement.create_role("actor", PolicyRole, config, pm.spec, path)
-        sync = (IPCSync if method == "ipc" else BroadcastSync)(config)
-        infos = [sync.sync(actor, engine, i) for i in range(repeats + 1)][1:]  # the first one sets up
+        engine = placement.create_role("generation", GenerationRole, config, pm.spec, path, plan.engine)
+        actor = placement.create_role("actor", PolicyRole, config, pm.spec, path, plan.learner)
+        sync = resolve(plan.sync.factory)(config)
+        infos = []
+        for i in range(repeats + 1):  # the first one sets up
+            start = time.perf_counter()
+            info = sync.sync(actor, engine, i)
+            infos.append({**info, "seconds": time.perf_counter() - start})
+        infos = infos[1:]
     finally:
         placement.shutdown()
     return {"seconds": statistics.median(i["seconds"] for i in infos), "rpcs": infos[0]["rpcs"],

@@ -12,10 +12,11 @@ from typing import Any, Iterable
 
 from rich.console import Console
 
-from .config import Config, OptionRegistry
-from .config_loading import build_config
-from .manager import RLHFPluginManager, create_manager
-from .validate import Plan, validate
+from .config.loading import build_config
+from .config.options import OptionRegistry
+from .config.schema import Config
+from .config.validate import Plan, validate
+from .core.manager import RLHFPluginManager, create_manager
 
 
 def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, autoload: bool | None = None,
@@ -25,7 +26,8 @@ def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, a
     raw = dict(raw or {})
     listed = raw.get("plugins") or []
     listed = list(listed) if isinstance(listed, (list, tuple)) else [listed]
-    all_plugins = [*listed, *[p for p in plugins if p not in listed]]
+    # plugin files by absolute path: the saved config (and a resume from elsewhere) finds them
+    all_plugins = list(dict.fromkeys(_absolute(p) for p in [*listed, *plugins]))
     pm = create_manager(all_plugins, autoload=autoload, inline=inline)
     options = OptionRegistry()
     pm.add_options(options)
@@ -35,17 +37,67 @@ def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, a
     return config, pm, plan
 
 
+#: keys that may change when a run is resumed (extend it, or change how it reports and waits)
+SAFE_TO_CHANGE = ("train.steps", "train.progress", "train.save_every", "train.keep_checkpoints", "train.save_final",
+                  "ray.address", "ray.ready_timeout", "ray.connect_timeout", "ray.log_to_driver", "ray.call_timeout",
+                  "ray.max_restarts", "reward.max_retries", "reward.timeout", "plugins", "eval.", "train.best_")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, plugins: Iterable[str] = (),
+                   *, autoload: bool | None = None) -> tuple[Config, RLHFPluginManager, Plan]:
+    """The config of a run being resumed: its saved ``config.yaml`` plus ``overrides``; a change to
+    anything but :data:`SAFE_TO_CHANGE` is refused naming the keys. The plan carries
+    ``resume = (run directory, checkpoint folder)``."""
+    from .config.loading import load_yaml, merge
+    from .errors import ConfigError
+    from .training import checkpoint
+
+    run_dir, folder = checkpoint.find(Path(target))
+    saved = load_yaml(run_dir / "config.yaml")
+    config, pm, plan = prepare(merge(saved, overrides or {}), plugins, autoload=autoload)
+    before, after = _flatten(saved), _flatten(config.to_dict())
+    changed = sorted(k for k in set(before) | set(after)
+                     if before.get(k) != after.get(k) and not k.startswith(SAFE_TO_CHANGE))
+    if changed:
+        shown = ", ".join(f"{k} ({before.get(k)!r} -> {after.get(k)!r})" for k in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        raise ConfigError(f"resuming '{run_dir}' with a different config: {shown}{more}; only "
+                          f"{', '.join(SAFE_TO_CHANGE[:2])} and logging settings may change (start a new run instead)")
+    plan.resume = (run_dir, folder)
+    return config, pm, plan
+
+
+def _absolute(plugin: str) -> str:
+    if plugin.endswith(".py") and not plugin.startswith("no:") and Path(plugin).expanduser().is_file():
+        return str(Path(plugin).expanduser().resolve())
+    return plugin
+
+
 def offline_defaults() -> None:
     for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
 
 
 def train(raw: dict[str, Any] | None = None, *, plugins: Iterable[str] = (), inline: Iterable[tuple[str, object]] = (),
-          rows: list[dict[str, Any]] | None = None, console: Console | None = None) -> Path:
+          rows: list[dict[str, Any]] | None = None, console: Console | None = None,
+          resume: str | Path | None = None) -> Path:
     """Validate, train and save; returns the run directory. ``rows`` replaces ``data.path``
-    with prompts in memory (dicts with the prompt column and any others)."""
-    from .run import run_training
+    with prompts in memory (dicts with the prompt column and any others). ``resume`` continues
+    a run directory (or a checkpoint folder); ``raw`` then holds only the keys to change."""
+    from .training.run import run_training
 
     offline_defaults()
-    config, pm, plan = prepare(raw, plugins, inline=inline)
-    return run_training(config, pm, plan, console or Console(), rows=rows)
+    if resume is not None:
+        config, pm, plan = prepare_resume(resume, raw, plugins)
+    else:
+        config, pm, plan = prepare(raw, plugins, inline=inline)
+    return run_training(config, pm, plan, console or Console(), rows=rows, resume=plan.resume)

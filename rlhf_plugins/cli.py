@@ -1,4 +1,5 @@
-"""The ``rlhf`` command: ``rlhf train`` and ``rlhf plugins``.
+"""The ``rlhf`` command: ``rlhf train``, ``rlhf config``, ``rlhf plugins`` and the commands of
+:mod:`rlhf_plugins.commands`.
 
 User mistakes print one line (``rlhf: error: ...``) and exit with status 2;
 ``-v`` adds the traceback. Heavy libraries load only when training starts, so
@@ -10,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import textwrap
 import traceback
 from typing import Any, Sequence
 
@@ -17,7 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from ._version import __version__
-from .errors import UsageError
+from .commands import evaluate, runs, serve_reward, stages
+from .errors import Interrupted, UsageError
+
+#: subcommands with a module of their own: ``add_parser(sub, plugin_args)`` and
+#: ``run(args, rest, console)`` (``rest``: the dotted config flags, for commands that take them)
+COMMANDS = {"eval": evaluate, "runs": runs, "plot": runs, "serve-reward": serve_reward,
+            **{stage: stages for stage in stages.STAGES}}
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -27,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_epilog: str | None = None) -> argparse.ArgumentParser:
+    """``train_epilog``: the config key reference ``rlhf train --help`` prints (built only then)."""
     parser = _Parser(prog="rlhf", allow_abbrev=False, description="RLHF for LLMs where every part of the RL loop is a plugin.")
     parser.add_argument("--version", action="version", version=f"rlhf-plugins {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -36,24 +45,39 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         allow_abbrev=False,
         help="train a policy (no arguments: the embedded tiny default)",
-        description=(
+        description=textwrap.fill(
             "Train with RL. Every config key is a flag: --section.key VALUE "
-            "(e.g. --algo.advantage.estimator rloo --train.steps 50). "
-            "With no arguments it trains the embedded tiny Llama on the built-in addition task."
+            "(e.g. --algo.advantage.estimator rloo --train.steps 50); all of them are listed below, with "
+            "those of the plugins given with --plugin. With no arguments it trains the embedded tiny Llama on "
+            "the built-in addition task.", 100
         ),
+        epilog=train_epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
     train.add_argument("--trl-config", metavar="FILE",
                        help="a TRL GRPOConfig YAML (as for `trl grpo --config`); --config and flags override it")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue a run from its latest complete checkpoint (or from a checkpoint folder); "
+                            "flags may extend --train.steps")
     _plugin_args(train)
     train.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     train.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+
+    config = sub.add_parser("config", allow_abbrev=False, help="print a commented YAML config of every key (or one section)",
+                            description="Print every config key at its default, with its type, range and meaning, as "
+                                        "YAML that --config accepts: rlhf config > run.yaml, edit, rlhf train --config "
+                                        "run.yaml.")
+    config.add_argument("section", nargs="?", help="one section only (e.g. algo, eval, ray, lora)")
+    _plugin_args(config)
 
     plugins = sub.add_parser("plugins", allow_abbrev=False, help="list installed plugins and components")
     _plugin_args(plugins)
     plugins.add_argument("--components", action="store_true", help="list components by area instead")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("-v", "--verbose", action="store_true", help="tracebacks of broken plugins")
+    for module in dict.fromkeys(COMMANDS.values()):  # a module may add several commands
+        module.add_parser(sub, _plugin_args)
     return parser
 
 
@@ -70,42 +94,122 @@ def _plugin_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     console = Console(stderr=False)
     verbose = "-v" in argv or "--verbose" in argv
     _setup_logging(verbose)
+    if not verbose:
+        quiet_third_party()
     try:
+        wants_help = argv[:1] == ["train"] and ("-h" in argv or "--help" in argv)
+        parser = build_parser(config_reference(_plugins_named(argv)) if wants_help else None)
         args, rest = parser.parse_known_args(argv)
         if args.command is None:
             parser.print_help()
             return 0
-        if args.command == "plugins":
+        if args.command in ("plugins", "config"):
             if rest:
                 raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
-            return cmd_plugins(args, console)
+            return cmd_plugins(args, console) if args.command == "plugins" else cmd_config(args)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command].run(args, rest, console)
         return cmd_train(args, rest, console)
     except UsageError as exc:
         if verbose:
             traceback.print_exc()
         Console(stderr=True).print(f"[bold red]rlhf: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return exc.exit_code
+    except Interrupted as exc:
+        Console(stderr=True).print(f"rlhf: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         Console(stderr=True).print("rlhf: interrupted")
         return 130
 
 
-def _setup_logging(verbose: bool) -> None:
-    from rich.logging import RichHandler
+class _LineHandler(logging.Handler):
+    """``rlhf: warning: ...`` on one line, to whatever ``sys.stderr`` is now (a job log, a pipe,
+    a test's capture); a terminal gets rich's colours."""
 
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = record.levelname.lower()
+            text = f"rlhf: {level}: {record.getMessage()}"
+            if sys.stderr.isatty():
+                colour = {"warning": "yellow", "error": "red"}.get(level, "dim")
+                Console(stderr=True, soft_wrap=True).print(f"[{colour}]rlhf: {level}:[/] {escape(record.getMessage())}",
+                                                           highlight=False)
+            else:
+                sys.stderr.write(text + "\n")
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+#: libraries whose deprecation and future warnings are theirs to fix, not the user's
+NOISY = r"(vllm|transformers|torch|deepspeed|ray|trl|peft|accelerate|datasets|triton)(\.|$)"
+
+
+def quiet_third_party() -> None:
+    """Keep the known noise of the stack out of the user's terminal (``-v`` shows it): deprecation
+    and future warnings raised inside the libraries, vLLM's info and warning lines, torch's C++
+    warnings. Environment variables carry it to engine processes and Ray workers started from here."""
+    import os
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=NOISY)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # some of vLLM warns before it configures its logging
+
+
+def _setup_logging(verbose: bool) -> None:
     if not logger.handlers:
-        handler = RichHandler(show_time=False, show_path=False, console=Console(stderr=True))
-        logger.addHandler(handler)
+        logger.addHandler(_LineHandler())
         logger.propagate = False
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def _plugins_named(argv: list[str]) -> list[str]:
+    """The ``-p/--plugin`` values of a command line (before argparse runs)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in ("-p", "--plugin") and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--plugin="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def _schema(plugins: list[str]) -> list[Any]:
+    from .config.options import OptionRegistry
+    from .config.reference import sections
+    from .core.manager import create_manager
+
+    options = OptionRegistry()
+    create_manager(plugins).add_options(options)
+    return sections(options)
+
+
+def config_reference(plugins: list[str]) -> str:
+    from .config.reference import help_text
+
+    return help_text(_schema(plugins))
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from .config.reference import yaml_template
+
+    secs = _schema(args.plugin)
+    names = [s.name for s in secs]
+    if args.section is not None and args.section not in names:
+        raise UsageError(f"unknown config section '{args.section}'; choose one of: {', '.join(names)}")
+    sys.stdout.write(yaml_template(secs, args.section))
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
-    from .manager import create_manager
+    from .core.manager import create_manager
 
     pm = create_manager(args.plugin)
     rows = pm.plugin_rows()
@@ -146,10 +250,17 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 def load_config(args: argparse.Namespace, rest: list[str]) -> tuple[Any, Any, Any]:
     """YAML + flags -> (config, plugin manager, plan), all checked before anything starts."""
     from .api import prepare
-    from .config_loading import load_yaml, merge, parse_overrides
+    from .config.loading import load_yaml, merge, parse_overrides
 
     raw: dict[str, Any] = {}
     plugins = list(args.plugin)
+    if getattr(args, "resume", None):
+        from .api import prepare_resume
+
+        if args.trl_config:
+            raise UsageError("--resume continues a run with its own saved config; drop --trl-config")
+        extra = load_yaml(args.config) if args.config else {}
+        return prepare_resume(args.resume, merge(extra, parse_overrides(rest)), plugins)
     if args.trl_config:
         from .integrations.trl import from_trl_yaml
 
@@ -176,9 +287,9 @@ def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> in
     if args.dry_run:
         console.print("[green]config is valid[/] (dry run: nothing started)")
         return 0
-    from .run import run_training
+    from .training.run import run_training
 
-    run_training(config, pm, plan, console)
+    run_training(config, pm, plan, console, resume=getattr(plan, "resume", None))
     return 0
 
 

@@ -22,3 +22,23 @@ class RewardError(UsageError):
 
 class DataError(UsageError):
     """A prompt dataset that is missing, empty or lacks the configured keys."""
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving a checkpoint; the message says how to resume."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RoleFailed(UsageError):
+    """A role's process died (a killed actor, a lost node). A placement that can restart roles
+    (``recover()``) lets the loop continue from the latest checkpoint; when it cannot, the run
+    stops with this one line (exit status 1: not a user mistake)."""
+
+    exit_code = 1
+
+
+class RoleCallTimeout(UsageError):
+    """A call to a role did not return in time; the message names the role, rank and method."""

@@ -5,12 +5,15 @@ Fixtures:
 
 * ``rlhf_pm`` -- a fresh plugin manager with the builtin plugins and no
   entry-point autoload, so installed third-party plugins cannot leak in.
-* ``rlhf_hook_recorder`` -- records every hook call of ``rlhf_pm``.
+* ``rlhf_hook_recorder`` -- records every hook call of ``rlhf_pm`` (registration hooks once per
+  implementing plugin: the manager collects them plugin by plugin).
 
 Helpers:
 
 * :func:`registered` -- register a plugin for the duration of a ``with`` block;
   it is always unregistered, even when the block fails.
+* :func:`backend_context` -- the context a backend factory receives, to build an engine or a
+  learner directly.
 * :func:`tiny_model_path` -- the cached embedded tiny Llama (built on first use).
 
 Example::
@@ -33,9 +36,13 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import pytest
+from .core.manager import RLHFPluginManager, create_manager
+from .protocols import BackendContext
 
-from .manager import RLHFPluginManager, create_manager
+try:  # the helpers work without pytest; the fixtures need it
+    import pytest
+except ImportError:  # pragma: no cover - exercised in a subprocess test
+    pytest = None  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -66,8 +73,8 @@ class HookRecorder:
 
 @contextlib.contextmanager
 def record_hooks(pm: RLHFPluginManager) -> Iterator[HookRecorder]:
+    """Record the hook calls of ``pm`` inside the block (pluggy's hook-call monitoring)."""
     recorder = HookRecorder()
-    notify = pm.notify
 
     def before(hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
         recorder.calls.append((hook_name, dict(kwargs)))
@@ -75,32 +82,36 @@ def record_hooks(pm: RLHFPluginManager) -> Iterator[HookRecorder]:
     def after(outcome: Any, hook_name: str, hook_impls: Any, kwargs: dict[str, Any]) -> None:
         pass
 
-    def recording_notify(hookname: str, **kwargs: Any) -> None:
-        recorder.calls.append((hookname, dict(kwargs)))
-        notify(hookname, **kwargs)
-
     undo = pm.add_hookcall_monitoring(before, after)
-    pm.notify = recording_notify  # type: ignore[method-assign]
     try:
         yield recorder
     finally:
         undo()
-        pm.notify = notify  # type: ignore[method-assign]
+
+
+def backend_context(config: Any, role: str, model_path: str, pm: RLHFPluginManager | None = None,
+                    **extra: Any) -> BackendContext:
+    """The context a backend factory receives, for calling a factory directly in a test:
+    ``TransformersEngine(backend_context(config, "generation", path, pm))``."""
+    pm = pm or create_manager(autoload=False)
+    return BackendContext(config, role, model_path, lambda: pm.load_model(role, model_path, config), **extra)
 
 
 def tiny_model_path() -> str:
-    from .tiny_model import default_model_path
+    from .models.tiny_model import default_model_path
 
     return default_model_path(quiet=True)
 
 
-@pytest.fixture
-def rlhf_pm() -> RLHFPluginManager:
-    """A fresh manager: builtin plugins only, no entry-point autoload."""
-    return create_manager(autoload=False)
+if pytest is not None:
+
+    @pytest.fixture
+    def rlhf_pm() -> RLHFPluginManager:
+        """A fresh manager: builtin plugins only, no entry-point autoload."""
+        return create_manager(autoload=False)
 
 
-@pytest.fixture
-def rlhf_hook_recorder(rlhf_pm: RLHFPluginManager) -> Iterator[HookRecorder]:
-    with record_hooks(rlhf_pm) as recorder:
-        yield recorder
+    @pytest.fixture
+    def rlhf_hook_recorder(rlhf_pm: RLHFPluginManager) -> Iterator[HookRecorder]:
+        with record_hooks(rlhf_pm) as recorder:
+            yield recorder

@@ -71,36 +71,57 @@ def _check_callable(obj: Component, attr: str) -> None:
 
 @dataclass(frozen=True)
 class PlacementStrategy(Component):
-    """Where every role lives. ``factory(config, plugin_spec, roles=(...))`` returns a
-    placement object with ``create_role(role, cls, *args, **kwargs)`` (the role
-    object, or a proxy with the same methods) and ``shutdown()``.
+    """Where every role lives. ``factory(ctx: PlacementContext)`` returns a
+    :class:`~rlhf_plugins.Placement`.
 
-    ``same_process`` says whether roles share the driver's process;
-    ``default_sync`` names the weight-sync method used when none is configured.
+    Capabilities, checked once by ``validate``: ``same_process`` (roles share the driver's
+    process), ``multi_rank`` (a role may have several ranks), ``colocated(config)`` (the actor
+    and the generation engine share a node and device with this config; ``colocate_hint`` says
+    how to get that). ``default_sync`` names the weight-sync method used when none is configured.
     """
 
     area: ClassVar[str] = "placement strategy"
     factory: Callable[..., Any]
     same_process: bool = field(default=True, kw_only=True)
+    multi_rank: bool = field(default=False, kw_only=True)
+    colocated: Callable[[Any], bool] | None = field(default=None, kw_only=True)
+    colocate_hint: str = field(default="", kw_only=True)
     default_sync: str = field(default="inprocess", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_callable(self, "factory")
 
+    def colocates(self, config: Any) -> bool:
+        if self.colocated is not None:
+            return bool(self.colocated(config))
+        return self.same_process
+
 
 @dataclass(frozen=True)
 class GenerationBackend(Component):
-    """Turns prompts into samples. ``factory(model_path, config, plugin_spec)``
-    returns an engine class instance with ``generate(prompt_ids, n, sampling)``
-    and ``load_weights(named_tensors)``."""
+    """Turns prompts into samples. ``factory(ctx: BackendContext)`` returns a
+    :class:`~rlhf_plugins.GenerationEngine`.
+
+    Capabilities: ``supports_adapter`` (the engine has ``load_adapter``: LoRA adapters can be
+    synced alone); ``workers(config)`` how many engines the run wants (default 1);
+    ``max_length(config)`` the longest prompt + completion the engine will take (``None``: no
+    limit), named by the config key ``max_length_key`` -- checked against the data before start.
+    """
 
     area: ClassVar[str] = "generation backend"
     factory: Callable[..., Any]
+    supports_adapter: bool = field(default=False, kw_only=True)
+    workers: Callable[[Any], int] | None = field(default=None, kw_only=True)
+    max_length: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
+    max_length_key: str = field(default="", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_callable(self, "factory")
+
+    def num_workers(self, config: Any) -> int:
+        return int(self.workers(config)) if self.workers is not None else 1
 
 
 @dataclass(frozen=True)
@@ -150,10 +171,12 @@ class AdvantageEstimator(Component):
 class PolicyLoss(Component):
     """Policy-gradient surrogate. ``compute(inputs: PolicyLossInputs, options)``
     returns ``(per_token_loss [B, T], metrics)``; aggregation over tokens and
-    sequences is applied by the objective, so every loss supports every mode."""
+    sequences is applied by the objective, so every loss supports every mode.
+    ``default_aggregation`` is used when the user sets none."""
 
     area: ClassVar[str] = "policy loss"
     compute: Callable[..., Any]
+    default_aggregation: str = field(default="token-mean", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -175,14 +198,14 @@ class KLEstimator(Component):
 
 @dataclass(frozen=True)
 class LearnerBackend(Component):
-    """Owns a trainable model and its optimizer. ``factory(load_model, config, role)``
-    returns a learner; ``load_model()`` loads the role's model through the
-    ``rlhf_load_model`` hook, when the learner is ready for it (ZeRO-3 sets up
-    partitioning first). A learner has ``logprobs(batch)``, ``train(batch, objective)``,
-    ``named_weights()``, ``save(path)``, ``state_dict()`` / ``load_state_dict()``."""
+    """Owns a trainable model and its optimizer. ``factory(ctx: BackendContext)`` returns a
+    :class:`~rlhf_plugins.Learner`; ``ctx.load_model()`` loads the role's model through the
+    ``rlhf_load_model`` hook when the learner is ready for it (ZeRO-3 sets up partitioning
+    first). ``multi_rank``: the learner can run several data-parallel ranks."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
+    multi_rank: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,16 +214,20 @@ class LearnerBackend(Component):
 
 @dataclass(frozen=True)
 class WeightSyncMethod(Component):
-    """Moves new actor weights into the generation engine.
-    ``factory(config)`` returns an object with ``sync(actor, engine, step) -> info``.
+    """Moves new actor weights into the generation engine. ``factory(config)`` returns a
+    :class:`~rlhf_plugins.WeightSync`.
 
-    ``same_process``: True when the engine must live in the learner's process,
-    False when it must not, None when either works.
+    Requirements, checked once by ``validate`` against the placement and the engine:
+    ``same_process`` (True: the engine must live in the learner's process; False: it must not;
+    None: either), ``needs_colocation`` (the engine shares the learner's node and device),
+    ``needs_adapter`` (only a LoRA adapter moves: the engine must support adapters).
     """
 
     area: ClassVar[str] = "weight sync method"
     factory: Callable[..., Any]
     same_process: bool | None = field(default=None, kw_only=True)
+    needs_colocation: bool = field(default=False, kw_only=True)
+    needs_adapter: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

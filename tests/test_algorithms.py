@@ -260,21 +260,24 @@ def test_aggregation_modes_match_loops():
         sum(sum(row) / len(row) for row in toks) / r.B, abs=1e-5)
     assert float(aggregate(x, r.mask, "seq-mean-token-sum")) == pytest.approx(
         sum(sum(row) for row in toks) / r.B, abs=1e-5)
-    assert float(aggregate(x, r.mask, "seq-mean-token-sum-norm")) == pytest.approx(
-        sum(sum(row) / r.T for row in toks) / r.B, abs=1e-5)
+    assert float(aggregate(x, r.mask, "seq-mean-token-sum-norm", norm=16)) == pytest.approx(
+        sum(sum(row) / 16 for row in toks) / r.B, abs=1e-5)
     with pytest.raises(ValueError, match="unknown loss aggregation 'x'"):
         aggregate(x, r.mask, "x")
+    with pytest.raises(ValueError, match="needs a constant length norm"):
+        aggregate(x, r.mask, "seq-mean-token-sum-norm")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batch_weights_reproduce_the_full_batch(mode):
     r = ragged(prompts=4, group=3, seed=13)
     x = torch.randn(r.B, r.T, generator=r.g)
-    full = float(aggregate(x, r.mask, mode))
+    r.mask[2] = 0.0  # an empty completion: counts in no sequence mean
+    full = float(aggregate(x, r.mask, mode, norm=9))
     parts = 0.0
     for s in range(0, r.B, 5):
         m = r.mask[s : s + 5]
-        parts += float(aggregate(x[s : s + 5], m, mode)) * micro_batch_weight(m, r.mask, mode)
+        parts += float(aggregate(x[s : s + 5], m, mode, norm=9)) * micro_batch_weight(m, r.mask, mode)
     assert parts == pytest.approx(full, abs=1e-5)
 
 
@@ -282,8 +285,8 @@ def test_micro_batch_weights_reproduce_the_full_batch(mode):
 
 from rlhf_plugins.algorithms.kl_control import AdaptiveKLController, FixedKLController  # noqa: E402
 from rlhf_plugins.algorithms.mismatch import importance_weights  # noqa: E402
+from rlhf_plugins.algorithms.shaping import RewardShaper, RunningMoments, keep_groups  # noqa: E402
 from rlhf_plugins.algorithms.value import clipped_value_loss  # noqa: E402
-from rlhf_plugins.shaping import RewardShaper, RunningMoments, keep_groups  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
@@ -376,3 +379,135 @@ def test_keep_groups():
     # group 1 has mean 1/3, group 3 mean 2/3: a range (0.5, 1) keeps group 3 only
     assert keep_groups(scores, 3, [0.5, 1.0]) == [3]
     assert keep_groups([0, 1, 1, 1, 0, 1], 3, [0.0, 1.0]) == [0, 1]
+
+
+# --- conventions of the numerics issue: constant norm, KL in the reward, outliers ----------------
+
+from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
+
+
+def loss_opts(**kw):
+    base = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation="token-mean", entropy_coef=0.0,
+                mismatch="none", mismatch_low=0.5, mismatch_high=2.0, tis_floor=0.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def pad_to(x, T):
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_padding_width_changes_neither_loss_nor_gradient(mode):
+    """The same tokens padded to T and to 3T: Dr. GRPO divides by the generation budget, never
+    by the padded width of the rollout."""
+    r = ragged(prompts=3, group=2, T=5, seed=31)
+    lp0 = torch.randn(r.B, r.T, generator=r.g) * 0.3
+    old0 = lp0 + torch.randn(r.B, r.T, generator=r.g) * 0.1
+    adv0 = torch.randn(r.B, r.T, generator=r.g)
+    results = []
+    for width in (r.T, 3 * r.T):
+        lp = pad_to(lp0, width).clone().requires_grad_(True)
+        batch = {"action_mask": pad_to(r.mask, width), "old_logprobs": pad_to(old0, width),
+                 "advantages": pad_to(adv0, width) * pad_to(r.mask, width)}
+        obj = Objective(policy_loss=L.ppo, options=loss_opts(aggregation=mode), norm_length=16)
+        loss, _ = obj({"logprobs": lp}, batch)
+        loss.backward()
+        results.append((float(loss.detach()), lp.grad[:, : r.T].clone(), float(lp.grad[:, r.T:].abs().sum())))
+    (l1, g1, _), (l2, g2, rest) = results
+    assert l1 == pytest.approx(l2, abs=1e-7)
+    assert torch.allclose(g1, g2, atol=1e-8) and rest == 0.0
+
+
+def test_empty_completions_do_not_count_in_sequence_means():
+    x = torch.tensor([[1.0, 3.0], [5.0, 0.0], [7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    # sequences with tokens: row 0 (mean 2, sum 4) and row 2 (mean 7, sum 7)
+    assert float(aggregate(x, mask, "seq-mean-token-mean")) == pytest.approx((2 + 7) / 2)
+    assert float(aggregate(x, mask, "seq-mean-token-sum")) == pytest.approx((4 + 7) / 2)
+    assert float(aggregate(x, mask, "seq-mean-token-sum-norm", norm=4)) == pytest.approx((4 / 4 + 7 / 4) / 2)
+    assert float(aggregate(x, torch.zeros_like(mask), "seq-mean-token-mean")) == 0.0
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
+def test_equal_scores_with_kl_in_the_reward_get_advantages_bounded_by_the_kl(estimator):
+    """Binary rewards often give a group equal scores: its advantages must come from the KL
+    penalty alone (reward-to-go), not from KL noise divided by a tiny std."""
+    r = ragged(prompts=3, group=4, T=6, seed=41)
+    scores = torch.ones(r.B)
+    kl = r.kl * 0.1  # a small penalty, already scaled by the coefficient
+    adv, _ = getattr(A, estimator)(A.AdvantageInputs(scores, r.mask, r.group, kl_penalty=kl))
+    for i in range(r.B):
+        n = r.lengths[i]
+        to_go = [-sum(float(kl[i, s]) for s in range(t, n)) for t in range(n)]
+        assert adv[i, :n].tolist() == pytest.approx(to_go, abs=1e-6)
+    assert float(adv.abs().max()) <= float((kl * r.mask).sum(-1).max()) + 1e-7
+    # the old order amplifies the noise to O(1) advantages
+    old, _ = getattr(A, estimator)(A.AdvantageInputs(scores, r.mask, r.group, kl_penalty=kl, kl_in_baseline=True))
+    if estimator == "group_norm":
+        assert float(old.abs().max()) > 0.5
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_group_advantages_with_kl_in_the_reward_match_a_loop(seed):
+    r = ragged(prompts=4, group=3, seed=seed)
+    adv, _ = A.group_norm(inputs(r, kl_penalty=r.kl))
+    for i in range(r.B):
+        grp = _group(r, i)
+        mean = sum(grp) / len(grp)
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (len(grp) - 1))
+        a = (float(r.scores[i]) - mean) / (std + 1e-6)
+        n = r.lengths[i]
+        expect = [a - sum(float(r.kl[i, s]) for s in range(t, n)) for t in range(n)]
+        assert adv[i, :n].tolist() == pytest.approx(expect, abs=1e-5)
+        assert float(adv[i, n:].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("loss_fn", [L.ppo, L.gspo])
+def test_extreme_log_ratios_give_finite_loss_and_gradients(loss_fn):
+    lp = torch.tensor([[0.0, -1.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0, -25.0], [1000.0, 0.0, 0.0]])
+    mask = torch.ones(2, 3)
+    for sign in (1.0, -1.0):
+        adv = torch.full((2, 3), sign)
+        loss, m = loss_fn(L.PolicyLossInputs(lp, old, adv, mask), loss_opts())
+        total = loss.mean()
+        (grad,) = torch.autograd.grad(total, lp)
+        assert math.isfinite(float(total.detach())) and bool(torch.isfinite(grad).all())
+        assert float(loss.detach().abs().max()) <= math.exp(L.LOG_RATIO_CLAMP) * 1.0001
+        assert float(m["loss/ratio_clamp_frac"]) > 0
+
+
+def test_kl_estimators_are_clamped_to_one_convention():
+    lp = torch.tensor([0.0, -50.0, 0.0, -3.0], requires_grad=True)
+    ref = torch.tensor([-50.0, 0.0, -1e4, -3.0])
+    for name in ("k1", "k2", "k3"):
+        out = getattr(K, name)(lp, ref)
+        (grad,) = torch.autograd.grad(out.sum(), lp)
+        assert float(out.detach().abs().max()) <= K.CLAMP and bool(torch.isfinite(grad).all()), name
+        assert float(out[3].detach()) == 0.0
+    assert K.k1(lp, ref)[:2].tolist() == [10.0, -10.0]
+    assert float(K.k3(lp, ref)[1]) == 10.0  # log(q/p) = 50 is capped before exp: no overflow
+
+
+def test_tis_floor_truncates_from_below():
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    roll = torch.tensor([[math.log(10.0), 0.0, -math.log(4.0)]])  # ratios 0.1, 1, 4
+    mask = torch.ones(1, 3)
+    w, _ = importance_weights(old, roll, mask, "tis", 0.5, 2.0)
+    assert w[0].tolist() == pytest.approx([0.1, 1.0, 2.0])
+    w, _ = importance_weights(old, roll, mask, "tis", 0.5, 5.0, floor=0.5)  # OpenRLHF's band
+    assert w[0].tolist() == pytest.approx([0.5, 1.0, 4.0])
+
+
+def test_gspo_defaults_to_the_sequence_mean_and_dr_grpo_to_the_budget():
+    from rlhf_plugins.api import prepare
+
+    c, _, _ = prepare({"algo": {"policy_loss": {"name": "gspo"}}, "generation": {"max_new_tokens": 12}}, autoload=False)
+    assert c.algo.policy_loss.aggregation == "seq-mean-token-mean"
+    assert c.algo.policy_loss.norm_length == 12
+    c, _, _ = prepare({"algo": {"policy_loss": {"name": "gspo", "aggregation": "token-mean", "norm_length": 64}}},
+                      autoload=False)
+    assert c.algo.policy_loss.aggregation == "token-mean" and c.algo.policy_loss.norm_length == 64
+    c, _, _ = prepare({}, autoload=False)
+    assert c.algo.policy_loss.aggregation == "token-mean"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, block_import, run_subprocess, short_run
+from tests.helpers import EXAMPLES, block_import, run_subprocess, short_run
 
 
 def no_run_dirs(path: Path = Path("runs")) -> bool:
@@ -41,21 +41,22 @@ def write(path: Path, text: str) -> str:
         (["--config", "nope.yaml"], "config file 'nope.yaml' does not exist"),
         (["--generation.n_samples_per_prompt", "1"], "needs generation.n_samples_per_prompt >= 2"),
         (["--algo.policy_loss.aggregation", "mean"], "unknown loss aggregation 'mean'"),
-        (["--algo.policy_loss.dual_clip", "1"], "dual_clip must be > 1"),
+        (["--algo.policy_loss.dual_clip", "1"], "config key 'algo.policy_loss.dual_clip' must be > 1; got 1.0"),
         (["--model.path", "."], "is not a save_pretrained folder"),
         (["--reward.functions", "nope"], "unknown reward function 'nope'; choose one of: exact_match"),
         (["stray"], "unexpected argument 'stray'"),
         (["--algo.advantage.estimator", "gae", "--critic.enabled", "false"], "'gae' needs a critic, but critic.enabled is false"),
         (["--algo.advantage.estimator", "rloo", "--generation.n_samples_per_prompt", "1"], "'rloo' compares samples"),
-        (["--algo.policy_loss.clip_low", "1.5"], "algo.policy_loss.clip_low must be in [0, 1); got 1.5"),
-        (["--algo.policy_loss.clip_high", "-0.1"], "algo.policy_loss.clip_high must be >= 0"),
+        (["--algo.policy_loss.clip_low", "1.5"], "config key 'algo.policy_loss.clip_low' must be >= 0 and < 1; got 1.5"),
+        (["--algo.policy_loss.clip_high", "-0.1"], "config key 'algo.policy_loss.clip_high' must be >= 0; got -0.1"),
         (["--reward.filter_range", "[1, 0]"], "reward.filter_range must be [low, high] with low < high"),
         (["--reward.dynamic_filtering", "true", "--algo.advantage.estimator", "reinforce",
           "--generation.n_samples_per_prompt", "1"], "reward.dynamic_filtering compares samples"),
         (["--algo.kl.controller", "adaptive", "--algo.kl.coef", "0"], "adaptive KL controller needs a starting"),
         (["--algo.kl.controller", "pid"], "config key 'algo.kl.controller' must be one of 'fixed' | 'adaptive'"),
-        (["--algo.policy_loss.mismatch", "tis", "--algo.policy_loss.mismatch_high", "0.5"], "mismatch band"),
-        (["--critic.path", "nowhere"], "critic.path 'nowhere' is not a save_pretrained folder"),
+        (["--algo.policy_loss.mismatch", "tis", "--algo.policy_loss.mismatch_high", "0.5"],
+         "config key 'algo.policy_loss.mismatch_high' must be >= 1; got 0.5"),
+        (["--critic.path", "nowhere"], "critic.path 'nowhere' does not exist or is not a folder"),
         (["--reward.overlong_buffer", "99"], "must not exceed generation.max_new_tokens"),
     ],
 )
@@ -108,8 +109,14 @@ def test_reward_error_at_a_later_step(rlhf, tmp_path):
                 raise RuntimeError("quota exceeded")
             return [0.0] * len(completions)
     """)
-    code, _, err = rlhf("train", "--plugin", path, *short_run("--train.steps", "5"))
-    check_one_line_error(code, err, "reward 'late' (plugin 'late') at step 2 raised RuntimeError: quota exceeded")
+    code, _, err = rlhf("train", "--plugin", path, *short_run("--train.steps", "5", "--train.run_name", "late"))
+    assert code == 2
+    (line,) = [line for line in err.strip().splitlines() if line.strip()]
+    assert line.startswith("rlhf: error: reward 'late' (plugin 'late') at step 2 raised RuntimeError: quota exceeded")
+    # two steps were done: the run is kept, with how to continue it
+    assert line.endswith(f"the run is kept in {Path('runs/late')} (last complete step 2); after the fix, "
+                         f"resume with: rlhf train --resume {Path('runs/late')}")
+    assert (Path("runs/late") / "checkpoints" / "step-000002" / "manifest.json").is_file()
 
 
 def test_several_plugin_rewards_must_be_chosen(rlhf, tmp_path):
@@ -145,7 +152,7 @@ def test_plugins_command_table_and_json(rlhf):
 def test_console_script_help_and_exit_status(tmp_path):
     proc = run_subprocess("train", "--train.steps", "0", cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "rlhf: error: train.steps must be >= 1; got 0"
+    assert proc.stderr.strip() == "rlhf: error: config key 'train.steps' must be >= 1; got 0"
     proc = run_subprocess("--help", cwd=tmp_path)
     assert proc.returncode == 0 and "train" in proc.stdout
 
@@ -169,3 +176,60 @@ def test_a_missing_extra_is_named(rlhf, monkeypatch, module, flags, expected):
     block_import(monkeypatch, module)
     code, _, err = rlhf("train", *flags)
     check_one_line_error(code, err, expected)
+
+
+# --- discoverable options ------------------------------------------------------------------------
+
+def _schema_keys(plugins=()):
+    from rlhf_plugins.config.options import OptionRegistry
+    from rlhf_plugins.config.reference import all_keys, sections
+    from rlhf_plugins.core.manager import create_manager
+
+    options = OptionRegistry()
+    create_manager(list(plugins), autoload=False).add_options(options)
+    return all_keys(sections(options))
+
+
+def test_train_help_lists_every_config_key_with_type_default_and_meaning(rlhf, tmp_path, capsys):
+    plugin = tmp_path / "judge.py"
+    plugin.write_text("from dataclasses import dataclass\nfrom rlhf_plugins import hookimpl, setting\n"
+                      "@dataclass\nclass JudgeOptions:\n    #: seconds the judge may think\n"
+                      "    patience: float = setting(2.5, gt=0)\n"
+                      "@hookimpl\ndef rlhf_add_options(options):\n    options.add_section('judge', JudgeOptions)\n")
+    with pytest.raises(SystemExit) as exit_:
+        rlhf("train", "--plugin", str(plugin), "--help")
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    keys = _schema_keys([str(plugin)])
+    assert len(keys) > 130
+    for key in keys:
+        assert f"  --{key.path} {key.type} (default: " in text, key.path
+    assert "judge  (plugin: judge)" in text
+    assert "  --judge.patience float (default: 2.5; > 0)\n      seconds the judge may think" in text
+    for section in ("ray  (plugin: placement_ray)", "vllm  (plugin: generation_vllm)", "lora  (plugin: lora)",
+                    "deepspeed  (plugin: learner_deepspeed)"):
+        assert section in text
+
+
+def test_every_config_key_says_what_it_does():
+    undocumented = [k.path for k in _schema_keys() if not k.doc]
+    assert not undocumented, undocumented
+
+
+def test_config_template_round_trips_to_the_defaults(rlhf, tmp_path, capsys):
+    import yaml
+
+    from rlhf_plugins.api import prepare
+
+    code, out, err = rlhf("config")
+    assert code == 0, err
+    template = yaml.safe_load(out)
+    assert {"model", "data", "algo", "train", "eval", "ray", "vllm", "lora", "deepspeed"} <= set(template)
+    from_template, _, _ = prepare(template, autoload=False)
+    default, _, _ = prepare({}, autoload=False)
+    assert from_template.to_dict() == default.to_dict()
+    assert "  # float, >= 0 and < 1: hold out this fraction of the training prompts" in out
+    code, out, err = rlhf("config", "algo")
+    assert code == 0 and list(yaml.safe_load(out)) == ["algo"]
+    code, out, err = rlhf("config", "nope")
+    assert code == 2 and "unknown config section 'nope'; choose one of: model, data, generation" in err

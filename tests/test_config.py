@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from rlhf_plugins import ConfigError, PluginError
-from rlhf_plugins.config import Config, OptionRegistry
-from rlhf_plugins.config_loading import build_config, load_yaml, merge, parse_overrides
+from rlhf_plugins.config.loading import build_config, load_yaml, merge, parse_overrides
+from rlhf_plugins.config.options import OptionRegistry
+from rlhf_plugins.config.schema import Config
 
 
 def test_defaults_and_yaml_roundtrip():
@@ -33,6 +34,12 @@ def test_optional_and_literal_types():
     assert build_config(parse_overrides(["--algo.policy_loss.dual_clip", "null"])).algo.policy_loss.dual_clip is None
     with pytest.raises(ConfigError, match="config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'"):
         build_config({"model": {"dtype": "int8"}})
+
+
+@pytest.mark.parametrize("word, flag", [("off", False), ("on", True), ("yes", True), ("no", False)])
+def test_yaml_11_words_stay_text_in_text_keys_and_work_in_boolean_keys(word, flag):
+    c = build_config(parse_overrides(["--train.run_name", word, "--train.progress", word]))
+    assert c.train.run_name == word and c.train.progress is flag
 
 
 @pytest.mark.parametrize(

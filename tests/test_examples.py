@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import EXAMPLES, run_subprocess, short_run
+from tests.helpers import EXAMPLES, metrics_of, run_subprocess, short_run
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_train_picks_the_example_by_entry_point_name(installed_example, tmp_path
     assert saved["reward"]["functions"] == ["closeness"]
     assert saved["closeness"] == {"scale": 5.0}
     assert "my_reward" in saved["plugins"]
-    rewards = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in metrics_of(run)]
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
 
 
@@ -55,10 +55,12 @@ def test_blocking_the_example(installed_example, tmp_path):
     assert "my_reward" not in {p["name"] for p in json.loads(proc.stdout)["plugins"]}
 
 
-def test_example_reward_numbers():
-    sys.path.insert(0, str(EXAMPLES / "my_reward"))
-    try:
-        from my_reward import closeness
-    finally:
-        sys.path.pop(0)
+def test_example_reward_numbers(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("my_reward", EXAMPLES / "my_reward" / "my_reward" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "my_reward", module)
+    spec.loader.exec_module(module)
+    closeness = module.closeness
     assert closeness([""] * 4, ["7", "5", "x", "20"], ["7", "7", "7", "7"], scale=10.0) == [1.0, 0.8, 0.0, 0.0]

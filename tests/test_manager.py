@@ -10,11 +10,12 @@ from rlhf_plugins import (
     ConfigError,
     GenerationBackend,
     PluginError,
+    PolicyLoss,
     RewardFunction,
     hookimpl,
 )
 from rlhf_plugins.builtin_plugins import DEFAULT_PLUGINS
-from rlhf_plugins.manager import create_manager
+from rlhf_plugins.core.manager import create_manager
 from rlhf_plugins.testing import record_hooks, registered
 
 
@@ -193,18 +194,69 @@ def test_lifecycle_observer_failure_is_a_warning(rlhf_pm):
     assert rlhf_pm.warnings == ["plugin 'bad' failed in rlhf_after_step: ValueError: observer broke"]
 
 
-def test_hook_recorder_sees_decision_and_lifecycle_hooks(rlhf_pm, tiny_model):
-    from rlhf_plugins.config import Config
+def test_a_lifecycle_wrapper_sees_every_call_and_the_observers_results(rlhf_pm):
+    """Observers are called through pluggy: a new-style wrapper runs around all of them."""
+    order = []
 
-    with record_hooks(rlhf_pm) as rec:
-        rlhf_pm.load_model("reference", tiny_model, Config())
-        rlhf_pm.notify("rlhf_after_weight_sync", step=1, info={"tensors": 3})
-    assert rec.names() == ["rlhf_load_model", "rlhf_after_weight_sync"]
+    class Timer:
+        @hookimpl(wrapper=True)
+        def rlhf_after_step(self, step, metrics):
+            order.append("before")
+            result = yield
+            order.append(("after", len(result)))
+            return result
+
+    class Observer:
+        @hookimpl
+        def rlhf_after_step(self, step, metrics):
+            order.append(("observed", step))
+
+    class Broken:
+        @hookimpl
+        def rlhf_after_step(self, step, metrics):
+            raise KeyError("x")
+
+    with registered(rlhf_pm, Timer(), "timer"), registered(rlhf_pm, Observer(), "obs"), \
+            registered(rlhf_pm, Broken(), "broken"):
+        rlhf_pm.notify("rlhf_after_step", step=7, metrics={})
+    assert order == ["before", ("observed", 7), ("after", 0)]
+    assert rlhf_pm.warnings == ["plugin 'broken' failed in rlhf_after_step: KeyError: 'x'"]
+
+
+def test_sys_exit_in_an_observer_is_an_error_naming_the_plugin(rlhf_pm):
+    import sys
+
+    from rlhf_plugins.errors import PluginError
+
+    class Quits:
+        @hookimpl
+        def rlhf_after_step(self, step, metrics):
+            sys.exit(0)
+
+    with registered(rlhf_pm, Quits(), "quits"), pytest.raises(PluginError, match=r"plugin 'quits' called sys.exit\(0\) in rlhf_after_step"):
+        rlhf_pm.notify("rlhf_after_step", step=1, metrics={})
+
+
+def test_hook_recorder_sees_registration_set_up_decision_and_lifecycle_hooks(tiny_model):
+    from rlhf_plugins.config import OptionRegistry
+    from rlhf_plugins.config.schema import Config
+    from rlhf_plugins.core.manager import create_manager
+
+    pm = create_manager(autoload=False)
+    with record_hooks(pm) as rec:
+        assert "ppo" in pm.components.names(PolicyLoss)
+        pm.add_options(OptionRegistry())
+        pm.load_model("reference", tiny_model, Config())
+        pm.notify("rlhf_after_weight_sync", step=1, info={"tensors": 3})
+    names = rec.names()
+    # registration hooks are collected plugin by plugin: one call per implementing plugin
+    assert names.count("rlhf_policy_losses") == 1 and names.count("rlhf_weight_sync_methods") == 3
+    assert names[-3:] == ["rlhf_add_options", "rlhf_load_model", "rlhf_after_weight_sync"]
     assert rec.of("rlhf_load_model")[0]["role"] == "reference"
 
 
 def test_load_model_wrapper_can_change_the_model(rlhf_pm, tiny_model):
-    from rlhf_plugins.config import Config
+    from rlhf_plugins.config.schema import Config
 
     class Wrap:
         @hookimpl(wrapper=True)
@@ -223,7 +275,7 @@ def test_no_heavy_import_on_plugin_listing():
     import subprocess
 
     code = (
-        "import sys; from rlhf_plugins.manager import create_manager; pm = create_manager(); "
+        "import sys; from rlhf_plugins.core.manager import create_manager; pm = create_manager(); "
         "_ = list(pm.components); from rlhf_plugins.cli import main; "
         "heavy = [m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers', 'trl', 'peft') if m in sys.modules]; "
         "print(heavy)"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_plugins.modeling import group_permutation, policy_forward, split_batch
-from rlhf_plugins.rollout import Rollout, make_batch
+from rlhf_plugins.models.forward import group_permutation, policy_forward, split_batch
+from tests.helpers import random_batch
 
 
 @pytest.fixture(scope="module")
@@ -13,21 +13,6 @@ def model(tiny_model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model)
-
-
-def random_batch(group=4, prompts=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompt_ids, completion_ids = [], []
-    for p in range(prompts):
-        prompt = torch.randint(10, 300, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(group):
-            prompt_ids.append(prompt)
-            completion_ids.append(torch.randint(10, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist())
-    n = len(prompt_ids)
-    r = Rollout(prompts=[""] * n, prompt_ids=prompt_ids, completion_ids=completion_ids, completions=[""] * n,
-                finish_reasons=["stop"] * n, rollout_logprobs=[[0.0] * len(c) for c in completion_ids],
-                columns={}, group_size=group, scores=[0.0] * n)
-    return make_batch(r, pad_id=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -9,14 +9,14 @@ import torch
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.integration
 
-from rlhf_plugins.config import OptionRegistry  # noqa: E402
-from rlhf_plugins.config_loading import build_config  # noqa: E402
+import sys  # noqa: E402
+
+from rlhf_plugins import PlacementContext  # noqa: E402
 from rlhf_plugins.builtin_plugins.placement_ray import RayOptions  # noqa: E402
+from rlhf_plugins.config.loading import build_config  # noqa: E402
+from rlhf_plugins.config.options import OptionRegistry  # noqa: E402
 from rlhf_plugins.placement.ray_cluster import ClusterError  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
-
-
-import sys  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers get Probe by value
 
@@ -51,7 +51,7 @@ def bundles_of(pg):
 
 @pytest.mark.parametrize("strategy", ["PACK", "STRICT_PACK", "SPREAD"])
 def test_one_placement_group_per_role(local_ray, strategy):
-    p = RayPlacement(config(strategy=strategy, actor_workers=2), None, roles=("generation", "actor", "reference", "reward"))
+    p = RayPlacement(PlacementContext(config(strategy=strategy, actor_workers=2), ("generation", "actor", "reference", "reward")))
     try:
         assert set(p.pgs) == {"generation", "actor", "reference", "reward"}
         got_strategy, bundles = bundles_of(p.pgs["actor"])
@@ -73,7 +73,7 @@ def test_one_placement_group_per_role(local_ray, strategy):
 def test_colocation_modes_share_bundles(local_ray, mode, groups, share):
     roles = ("generation", "actor", "reference", "critic", "reward") if mode != "actor_ref" else \
         ("generation", "actor", "reference", "reward")
-    p = RayPlacement(config(colocate=mode), None, roles=roles)
+    p = RayPlacement(PlacementContext(config(colocate=mode), roles))
     try:
         assert set(p.pgs) == groups
         actor = p.create_role("actor", Probe, "a")
@@ -89,7 +89,7 @@ def test_colocation_modes_share_bundles(local_ray, mode, groups, share):
 
 
 def test_rank_environment_and_process_group(local_ray):
-    p = RayPlacement(config(actor_workers=2), None, roles=("actor",))
+    p = RayPlacement(PlacementContext(config(actor_workers=2), ("actor",)))
     try:
         group = p.create_role("actor", Probe, "x")
         infos = group.env_info()
@@ -108,7 +108,7 @@ def test_rank_environment_and_process_group(local_ray):
 
 def test_noset_visible_devices_is_honoured(local_ray, monkeypatch):
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
-    p = RayPlacement(config(actor_workers=2), None, roles=("actor",))
+    p = RayPlacement(PlacementContext(config(actor_workers=2), ("actor",)))
     try:
         infos = p.create_role("actor", Probe, "x").env_info()
         # Ray leaves *_VISIBLE_DEVICES alone; the rank addresses its GPU by id
@@ -121,17 +121,17 @@ def test_noset_visible_devices_is_honoured(local_ray, monkeypatch):
 def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
     start = time.monotonic()
     with pytest.raises(ClusterError, match=r"the roles ask for 6 GPU in all \(actor 6\) but the cluster has 4: 1 node\(s\)"):
-        RayPlacement(config(actor_workers=6), None, roles=("actor",))
+        RayPlacement(PlacementContext(config(actor_workers=6), ("actor",)))
     assert time.monotonic() - start < 5
 
 
 def test_strict_spread_on_one_node_times_out_with_a_reason(local_ray):
     start = time.monotonic()
     with pytest.raises(ClusterError, match="STRICT_SPREAD needs one node per bundle.*not ready after"):
-        RayPlacement(config(actor_workers=2, strategy="STRICT_SPREAD", ready_timeout=2), None, roles=("actor",))
+        RayPlacement(PlacementContext(config(actor_workers=2, strategy="STRICT_SPREAD", ready_timeout=2), ("actor",)))
     assert time.monotonic() - start < 15
     # nothing is left reserved: a feasible request still fits
-    p = RayPlacement(config(actor_workers=4), None, roles=("actor",))
+    p = RayPlacement(PlacementContext(config(actor_workers=4), ("actor",)))
     p.shutdown()
 
 

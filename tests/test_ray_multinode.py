@@ -1,9 +1,8 @@
 """A real two-node Ray cluster on one machine (each node with its own CPUs and fake GPUs)."""
 from __future__ import annotations
 
+import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,14 +11,13 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.integration
 
+from rlhf_plugins import PlacementContext  # noqa: E402
 from rlhf_plugins.algorithms import policy_losses  # noqa: E402
 from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
-from rlhf_plugins.roles import PolicyRole  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_modeling import random_batch  # noqa: E402
+from rlhf_plugins.training.roles import PolicyRole  # noqa: E402
+from tests.helpers import random_batch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +37,14 @@ def two_nodes():
 
 
 def config(**ray_opts):
-    config, pm, _ = prepare({
+    config, pm, plan = prepare({
         "placement": {"strategy": "ray"},
-        "learner": {"backend": "deepspeed", "zero_stage": 2},
+        "learner": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 2},
         "ray": {"ready_timeout": 20, **ray_opts},
         "train": {"prompts_per_step": 4},
         "generation": {"n_samples_per_prompt": 4},
     }, autoload=False)
-    return config, pm
+    return config, pm, plan
 
 
 def nodes_of(pg):
@@ -55,8 +53,8 @@ def nodes_of(pg):
 
 def test_pack_prefers_one_node_and_strict_spread_uses_two(two_nodes):
     for strategy, expected in (("PACK", 1), ("STRICT_SPREAD", 2), ("STRICT_PACK", 1)):
-        cfg, _ = config(strategy=strategy, actor_workers=2)
-        p = RayPlacement(cfg, None, roles=("actor",))
+        cfg, _, _ = config(strategy=strategy, actor_workers=2)
+        p = RayPlacement(PlacementContext(cfg, ("actor",)))
         try:
             assert len(set(nodes_of(p.pgs["actor"]))) == expected, strategy
         finally:
@@ -64,10 +62,10 @@ def test_pack_prefers_one_node_and_strict_spread_uses_two(two_nodes):
 
 
 def test_actor_group_across_nodes_trains_a_step(two_nodes, tiny_model):
-    cfg, pm = config(strategy="STRICT_SPREAD", actor_workers=2)
-    p = RayPlacement(cfg, pm.spec, roles=("actor",))
+    cfg, pm, plan = config(strategy="STRICT_SPREAD", actor_workers=2)
+    p = RayPlacement(PlacementContext(cfg, ("actor",), plugin_spec=pm.spec))
     try:
-        group = p.create_role("actor", PolicyRole, cfg, pm.spec, tiny_model)
+        group = p.create_role("actor", PolicyRole, cfg, pm.spec, tiny_model, plan.learner)
         infos = group.env_info()
         assert infos[0]["node_id"] != infos[1]["node_id"]
         assert [i["RANK"] for i in infos] == ["0", "1"] and all(i["dist_initialized"] for i in infos)
@@ -76,7 +74,7 @@ def test_actor_group_across_nodes_trains_a_step(two_nodes, tiny_model):
         before = dict(group.named_weights())
         metrics = group.train(batch, Objective(policy_losses.ppo, cfg.algo.policy_loss))
         after = dict(group.named_weights())
-        assert metrics["grad_norm"] > 0 and metrics["loss/policy"] == metrics["loss/policy"]
+        assert metrics["grad_norm"] > 0 and math.isfinite(metrics["loss/policy"])
         assert any(not torch.equal(before[k], after[k]) for k in before)
     finally:
         p.shutdown()

@@ -2,8 +2,6 @@
 full-weight gathering, and whole training runs on the Ray path."""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,28 +11,27 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.integration
 
-from conftest import short_run  # noqa: E402
+from rlhf_plugins import PlacementContext  # noqa: E402
 from rlhf_plugins.algorithms import policy_losses  # noqa: E402
 from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
 from rlhf_plugins.learners.torch_learner import TorchLearner  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
-from rlhf_plugins.roles import PolicyRole  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_modeling import random_batch  # noqa: E402
+from rlhf_plugins.testing import backend_context  # noqa: E402
+from rlhf_plugins.training.roles import PolicyRole  # noqa: E402
+from tests.helpers import metrics_of, random_batch, short_run, the_run  # noqa: E402
 
 
 def ds_config(stage: int, lr: float, aggregation: str = "token-mean"):
-    config, pm, _ = prepare({
+    config, pm, plan = prepare({
         "placement": {"strategy": "ray"},
-        "learner": {"backend": "deepspeed", "zero_stage": stage, "lr": lr},
+        "learner": {"backend": "deepspeed", "lr": lr}, "deepspeed": {"zero_stage": stage},
         "ray": {"actor_workers": 2},
         "train": {"prompts_per_step": 4},
         "generation": {"n_samples_per_prompt": 4},
         "algo": {"policy_loss": {"aggregation": aggregation}},
     }, autoload=False)
-    return config, pm
+    return config, pm, plan
 
 
 def the_batch():
@@ -47,20 +44,20 @@ def the_batch():
 @pytest.mark.parametrize("stage, aggregation", [(3, "token-mean"), (2, "seq-mean-token-sum")])
 def test_zero_step_matches_the_torch_learner(local_ray, tiny_model, stage, aggregation):
     lr = 1e-5
-    config, pm = ds_config(stage, lr, aggregation)
+    config, pm, plan = ds_config(stage, lr, aggregation)
     objective = Objective(policy_losses.ppo, config.algo.policy_loss)
     batch = the_batch()
 
     torch_cfg, _, _ = prepare({"learner": {"lr": lr}, "algo": {"policy_loss": {"aggregation": aggregation}}},
                               autoload=False)
-    local = TorchLearner(lambda: pm.load_model("actor", tiny_model, torch_cfg), torch_cfg)
+    local = TorchLearner(backend_context(torch_cfg, "actor", tiny_model, pm))
     before = {k: v.clone() for k, v in local.named_weights()}
     expected = local.train(batch, objective)
     after_local = dict(local.named_weights())
 
-    placement = RayPlacement(config, pm.spec, roles=("actor",))
+    placement = RayPlacement(PlacementContext(config, ("actor",), plugin_spec=pm.spec))
     try:
-        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model)
+        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
         gathered = dict(group.named_weights())  # ZeRO full-weight gathering
         assert gathered.keys() == before.keys()
         assert all(torch.equal(gathered[k], before[k]) for k in before)
@@ -76,19 +73,15 @@ def test_zero_step_matches_the_torch_learner(local_ray, tiny_model, stage, aggre
     assert moved > 0.5 * lr and worst < 0.05 * lr, (moved, worst)
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_ray_zero3_run_learns_like_the_local_run(local_ray, rlhf):
     steps = ["--train.steps", "40", "--train.progress", "false"]
     code, _, err = rlhf("train", *steps, "--train.run_name", "local")
     assert code == 0, err
     code, out, err = rlhf("train", *steps, "--train.run_name", "ray", "--placement.strategy", "ray",
-                          "--learner.backend", "deepspeed", "--learner.zero_stage", "3", "--ray.actor_workers", "2")
+                          "--learner.backend", "deepspeed", "--deepspeed.zero_stage", "3", "--ray.actor_workers", "2")
     assert code == 0, err
-    local, remote = metrics(Path("runs/local")), metrics(Path("runs/ray"))
+    local, remote = metrics_of(Path("runs/local")), metrics_of(Path("runs/ray"))
     assert remote[0]["reward/mean"] == local[0]["reward/mean"]  # same seed, same first rollout
     tail = lambda rows: sum(r["reward/mean"] for r in rows[-10:]) / 10  # noqa: E731
     head = lambda rows: sum(r["reward/mean"] for r in rows[:10]) / 10  # noqa: E731
@@ -104,14 +97,14 @@ def test_ppo_with_a_critic_on_ray(local_ray, rlhf):
                         "--algo.advantage.estimator", "gae", "--ray.critic_workers", "2", "--ray.actor_workers", "2",
                         "--ray.colocate", "all", *short_run())
     assert code == 0, err
-    rows = metrics(next(Path("runs").iterdir()))
+    rows = metrics_of(the_run())
     assert len(rows) == 3 and all("critic/loss" in r for r in rows)
 
 
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--ray.actor_workers", "2"], "the torch learner runs in one process; use --learner.backend deepspeed"),
+        (["--ray.actor_workers", "2"], "learner backend 'torch' runs one rank; choose a multi-rank learner (--learner.backend deepspeed)"),
         (["--learner.backend", "deepspeed", "--ray.actor_workers", "3"], "must be a multiple of ray.actor_workers (3)"),
         (["--sync.method", "inprocess"], "weight sync 'inprocess' needs the engine in the learner's process"),
         (["--ray.address", "127.0.0.1:1", "--ray.connect_timeout", "1"], "cannot reach the Ray cluster at '127.0.0.1:1'"),
@@ -137,14 +130,14 @@ def test_ray_bad_input(local_ray, rlhf, args, expected):
 def test_deepspeed_in_one_process_with_offload_checkpointing_and_sleep(rlhf):
     """Local placement, ZeRO-3 with optimizer and parameter offload and gradient checkpointing;
     sleep is asked for but needs a GPU: said once, not pretended."""
-    code, out, err = rlhf("train", "--learner.backend", "deepspeed", "--learner.zero_stage", "3",
-                          "--learner.offload_optimizer", "true", "--learner.offload_params", "true",
-                          "--learner.gradient_checkpointing", "true", "--learner.sleep", "true", *short_run())
+    code, out, err = rlhf("train", "--learner.backend", "deepspeed", "--deepspeed.zero_stage", "3",
+                          "--deepspeed.offload_optimizer", "true", "--deepspeed.offload_params", "true",
+                          "--learner.gradient_checkpointing", "true", "--deepspeed.sleep", "true", *short_run())
     assert code == 0, err
-    assert err.count("learner.sleep needs a GPU and ZeRO-3") == 1
+    assert err.count("deepspeed.sleep needs a GPU and ZeRO-3") == 1
     run = next(Path("runs").iterdir())
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert sum(p.numel() for p in model.parameters()) > 100_000
-    assert len(metrics(run)) == 3
+    assert len(metrics_of(run)) == 3

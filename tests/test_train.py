@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, short_run
-
-
-def only_run_dir() -> Path:
-    dirs = list(Path("runs").iterdir())
-    assert len(dirs) == 1, dirs
-    return dirs[0]
+from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
 
 
 @pytest.mark.slow
@@ -22,14 +16,21 @@ def test_default_run_learns(rlhf):
     beats the first 10% by at least 0.3."""
     code, out, err = rlhf("train")
     assert code == 0, err
-    run = only_run_dir()
+    run = the_run()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 200
     assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.3, summary
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_of(run)
     assert len(rows) == 200 and {"reward/mean", "kl", "loss/total", "time/step"} <= set(rows[-1])
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert summary["seconds_per_step"] < 1.5  # 200 steps fit the 5-minute budget with room to spare
+    # held-out evaluation on the task's test split, before the first step and after the last
+    evals = eval_rows_of(run)
+    assert [r["step"] for r in evals] == [0, 200]
+    assert {"eval/pass@1", "eval/pass@8", "eval/mean@8", "eval/maj@8", "eval/greedy"} == set(evals[0]) - {"step"}
+    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.2, evals
+    assert summary["eval_first"] == evals[0] and summary["eval_last"] == evals[-1]
+    assert "held-out, step 0 -> 200: pass@1" in out
 
     # the final policy is a normal transformers model that answers the task
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,7 +60,7 @@ def test_reward_from_a_py_file_is_picked_when_it_is_the_only_one(rlhf):
     assert code == 0, err
     import yaml
 
-    saved = yaml.safe_load((only_run_dir() / "config.yaml").read_text())
+    saved = yaml.safe_load((the_run() / "config.yaml").read_text())
     assert saved["reward"]["functions"] == ["bare_number"]
 
 
@@ -165,26 +166,44 @@ def test_datasets_keys_and_labels_reach_the_reward(rlhf, tmp_path, fmt):
     assert json.loads(seen.read_text()) == sorted(str(2 * a) for a in range(6))
 
 
-def test_chat_template_off_uses_raw_prompts(rlhf, tmp_path):
+def test_chat_template_off_uses_raw_prompts(rlhf, tmp_path, tiny_model):
+    """With the template off, the tokens given to the engine are the prompt text's own tokens."""
+    from transformers import AutoTokenizer
+
     path = tmp_path / "raw.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(4)))
-    code, _, err = rlhf("train", "--data.path", str(path), "--data.apply_chat_template", "false",
-                        "--reward.functions", "exact_match", *short_run())
+    seen = tmp_path / "seen.json"
+    plugin = tmp_path / "spy.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            if step == 0:
+                open({str(seen)!r}, "w").write(json.dumps([rollout.prompts, rollout.prompt_ids]))
+    """))
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", str(path), "--data.apply_chat_template",
+                        "false", "--reward.functions", "exact_match", *short_run())
     assert code == 0, err
+    prompts, ids = json.loads(seen.read_text())
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert {p for p in prompts} <= {f"{a}+1=" for a in range(4)}
+    assert ids == [tok(p)["input_ids"] for p in prompts]
+    assert all("<|user|>" not in tok.decode(i) and "<|assistant|>" not in tok.decode(i) for i in ids)
 
 
-def test_checkpoint_state_resumes_exactly(tiny_model, tmp_path, monkeypatch):
-    """Two steps, state_dict, a fresh trainer loads it: steps 2-3 match an uninterrupted run."""
-    import torch
+def test_checkpoint_in_process_resumes_exactly_with_a_critic(tiny_model, tmp_path, monkeypatch):
+    """Two steps, a checkpoint, a fresh trainer loads it: steps 2-3 equal an uninterrupted run,
+    with a critic and several updates per rollout (every piece of state matters)."""
     from transformers import AutoTokenizer
 
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.data import load_prompts
-    from rlhf_plugins.loop import Trainer
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.training.loop import Trainer
 
     monkeypatch.chdir(tmp_path)
     raw = {"train": {"prompts_per_step": 4, "steps": 4}, "generation": {"n_samples_per_prompt": 4},
-           "learner": {"epochs": 2}}
+           "learner": {"epochs": 2}, "algo": {"advantage": {"estimator": "gae"}}}
     config, pm, plan = prepare(raw, autoload=False)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts = load_prompts(config.data, tok)
@@ -199,14 +218,14 @@ def test_checkpoint_state_resumes_exactly(tiny_model, tmp_path, monkeypatch):
     b = trainer()
     for s in range(2):
         b.step(s)
-    state = b.state_dict()
-    torch.save(state, tmp_path / "state.pt")
+    folder = b.save_checkpoint(tmp_path / "run", keep=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["actor", "critic", "manifest.json", "plugins.json", "trainer.pt"]
     c = trainer()
-    c.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    assert c.load_checkpoint(folder) == 2
     resumed = [c.step(s) for s in range(2, 4)]
     for x, y in zip(full[2:], resumed):
-        assert y["reward/mean"] == x["reward/mean"]
-        assert y["loss/total"] == pytest.approx(x["loss/total"], abs=1e-6)
+        same = {k for k in x if not k.startswith(("time/", "throughput/"))}
+        assert {k: y[k] for k in same} == {k: x[k] for k in same}
 
 
 def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
@@ -220,18 +239,18 @@ def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
         def mark(what):
             open(LOG, "a").write(what + "\\n")
 
-        def make_placement(config, spec, roles=()):
+        def make_placement(ctx):
             from rlhf_plugins.placement.local import LocalPlacement
             mark("placement")
-            return LocalPlacement(config, spec, roles)
-        def make_engine(path, config, spec):
+            return LocalPlacement(ctx)
+        def make_engine(ctx):
             from rlhf_plugins.engines.transformers_engine import TransformersEngine
             mark("generation")
-            return TransformersEngine(path, config, spec)
-        def make_learner(load_model, config, role):
+            return TransformersEngine(ctx)
+        def make_learner(ctx):
             from rlhf_plugins.learners.torch_learner import TorchLearner
             mark("learner")
-            return TorchLearner(load_model, config, role)
+            return TorchLearner(ctx)
         class CountingSync:
             def __init__(self, config):
                 pass
@@ -242,7 +261,7 @@ def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
                 return info
         def raw_scores(x):
             mark("advantage")
-            adv = x.broadcast(x.scores - x.scores.mean())
+            adv = x.sequence_to_tokens(x.scores - x.scores.mean())
             return adv, adv
         def vanilla_pg(x, options):
             mark("loss")
@@ -289,3 +308,16 @@ def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
     assert used[:3] == ["placement", "generation", "learner"]
     assert used.count("sync") == 2 and used.count("advantage") == 2
     assert used.count("loss") == 2 and used.count("kl") == 2
+
+
+def test_step_metrics_time_every_phase_and_measure_the_train_inference_gap(rlhf):
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", *short_run())
+    assert code == 0, err
+    for row in metrics_of(the_run()):
+        parts = row["time/generate"] + row["time/prepare"] + row["time/train"] + row["time/sync"]
+        assert row["time/step"] == pytest.approx(parts, abs=1e-3)
+        assert 0 < row["time/reference"] + row["time/critic_values"] <= row["time/prepare"]
+        assert row["throughput/train_tokens_per_s"] > 0 and row["throughput/reference_tokens_per_s"] > 0
+        # the transformers engine samples with the learner's own weights: no train/inference gap
+        assert 0 <= row["mismatch/abs_log_ratio"] < 1e-4
+        assert not any(k.startswith("memory/") for k in row)  # GPU memory is reported only where there is a GPU

@@ -9,18 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, block_import, clean_env, short_run
+from tests.helpers import ROOT, block_import, clean_env, metrics_of, short_run, the_run
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from rlhf_plugins.errors import ConfigError  # noqa: E402
 from rlhf_plugins.integrations.trl import from_grpo_fields  # noqa: E402
-
-
-def the_run(base: Path = Path("runs")) -> Path:
-    (run,) = [p for p in base.iterdir() if p.is_dir()]
-    return run
 
 
 def test_grpo_fields_map_by_hand():
@@ -42,8 +37,41 @@ def test_grpo_fields_map_by_hand():
     assert raw["algo"]["policy_loss"]["clip_low"] == 0.2 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
     assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
     assert raw["algo"]["advantage"]["estimator"] == "dr_grpo"
-    assert "TRL field 'lr_scheduler_type' is ignored: the learning rate is constant" in notes
-    assert any(n.startswith("TRL field 'logging_steps' is ignored") for n in notes)
+    # the optimizer and schedule run as TRL's Trainer would run them
+    assert raw["learner"]["lr_scheduler"] == "cosine" and raw["learner"]["optimizer"] == "adamw"
+    assert raw["learner"]["betas"] == [0.9, 0.999] and raw["learner"]["eps"] == 1e-8
+    assert notes == ["TRL fields logging_steps are trainer bookkeeping (logging, saving, evaluation, devices) "
+                     "that rlhf-plugins does its own way; ignored"]
+
+
+def test_trl_defaults_keep_trls_linear_decay_and_warmup():
+    raw, notes = from_grpo_fields({"warmup_steps": 0.1, "optim": "sgd", "adam_beta1": 0.8})
+    assert raw["learner"]["lr_scheduler"] == "linear" and raw["learner"]["warmup_ratio"] == 0.1
+    assert raw["learner"]["optimizer"] == "sgd" and raw["learner"]["betas"][0] == 0.8
+    raw, notes = from_grpo_fields({"gradient_checkpointing_kwargs": {"use_reentrant": True}, "pad_to_multiple_of": 8})
+    assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant",
+                     "TRL field 'pad_to_multiple_of' is ignored: padding to a multiple does not change the loss"]
+    for field, value, message in (("optim", "adafactor", "TRL optim 'adafactor' has no equivalent"),
+                                  ("lr_scheduler_type", "polynomial", "TRL lr_scheduler_type 'polynomial'"),
+                                  ("neftune_noise_alpha", 5.0, "TRL field 'neftune_noise_alpha' (5.0) changes training")):
+        with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
+            from_grpo_fields({field: value})
+
+
+def test_the_schedule_warms_up_and_decays_as_configured():
+    from types import SimpleNamespace
+
+    from rlhf_plugins.learners.base import lr_factor
+
+    cfg = SimpleNamespace(warmup_steps=2, warmup_ratio=0.0, lr_scheduler="linear", min_lr_ratio=0.0)
+    assert [round(lr_factor(u, cfg, 10), 4) for u in range(10)] == [0.3333, 0.6667, 1.0, 0.875, 0.75, 0.625, 0.5,
+                                                                      0.375, 0.25, 0.125]
+    # as transformers' schedules: the decay ends after the last update
+    cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, lr_scheduler="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, cfg, 10) == pytest.approx(1.0) and lr_factor(10, cfg, 10) == pytest.approx(0.1)
+    assert lr_factor(5, cfg, 10) == pytest.approx(0.1 + 0.9 * 0.5)
+    cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.5, lr_scheduler="constant", min_lr_ratio=0.0)
+    assert lr_factor(4, cfg, 10) == pytest.approx(5 / 6) and lr_factor(5, cfg, 10) == 1.0
 
 
 def test_grpo_field_errors():
@@ -74,15 +102,10 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
         "learning_rate": 1e-3, "num_generations": 4, "per_device_train_batch_size": 16, "max_completion_length": 6,
         "max_steps": 2, "gradient_checkpointing": False, "logging_steps": 1,
     }))
-    import sys
-
-    sys.path.insert(0, str(tmp_path))
-    try:
-        code, out, err = rlhf("train", "--trl-config", str(cfg), "--train.progress", "false")
-    finally:
-        sys.path.remove(str(tmp_path))
+    # the reward module sits in the working directory: imported from there, as `trl grpo` would
+    code, out, err = rlhf("train", "--trl-config", str(cfg), "--train.progress", "false")
     assert code == 0, err
-    assert "TRL field 'logging_steps' is ignored" in err
+    assert "TRL fields logging_steps are trainer bookkeeping" in err
     saved = yaml.safe_load((the_run() / "config.yaml").read_text())
     assert saved["reward"]["functions"] == ["correct"]
     assert saved["generation"]["n_samples_per_prompt"] == 4 and saved["train"]["prompts_per_step"] == 4
@@ -127,7 +150,7 @@ def test_from_trl_doc_runs_on_ray(tmp_path):
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["placement"]["strategy"] == "ray" and saved["reward"]["functions"] == ["correct", "brief"]
     assert saved["reward"]["weights"] == [1.0, 0.5] and saved["algo"]["policy_loss"]["clip_high"] == 0.28
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_of(run)
     assert {"reward/correct", "reward/brief"} <= set(rows[0])  # each function logged on its own
 
 
@@ -152,8 +175,15 @@ def test_lora_trains_only_the_adapter_and_saves_it(rlhf):
 
 
 def test_lora_on_the_critic_with_ppo(rlhf):
+    """The critic's backbone carries LoRA too: its saved folder is an adapter, and it trained."""
     code, _, err = rlhf("train", "--lora.rank", "4", "--algo.advantage.estimator", "gae", *short_run())
     assert code == 0, err
+    critic = the_run() / "critic"
+    adapter = json.loads((critic / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and (critic / "value_head.safetensors").is_file()
+    assert not (critic / "model.safetensors").exists()  # only the adapter, not a full backbone
+    rows = metrics_of(the_run())
+    assert all("critic/loss" in r for r in rows)
 
 
 def test_lora_config_file(rlhf, tmp_path):
@@ -174,10 +204,10 @@ def test_lora_targets_that_match_nothing_list_the_modules(rlhf):
 
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_lora_sync_modes_keep_parity_with_the_transformers_engine(rlhf, mode):
-    code, _, err = rlhf("train", "--lora.rank", "8", "--lora.sync", mode, "--learner.lr", "5e-3",
+    code, _, err = rlhf("train", "--lora.rank", "8", *(["--sync.method", "adapter"] if mode == "adapter" else []), "--learner.lr", "5e-3",
                         "--sync.verify", "true", "--algo.policy_loss.mismatch", "tis", *short_run())
     assert code == 0, err
-    rows = [json.loads(line) for line in (the_run() / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_of(the_run())
     assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
 
 
@@ -193,7 +223,7 @@ def test_lora_with_vllm_doc_commands(rlhf):
         code, _, err = rlhf("train", *args, "--algo.policy_loss.mismatch", "tis",
                             *short_run("--train.run_name", f"doc{i}"))
         assert code == 0, err
-        rows = [json.loads(line) for line in (Path("runs") / f"doc{i}" / "metrics.jsonl").read_text().splitlines()]
+        rows = metrics_of(Path("runs") / f"doc{i}")
         assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows), i
         assert (Path("runs") / f"doc{i}" / "final" / "adapter_config.json").is_file()
     assert (Path("runs") / "doc1" / "final-merged" / "config.json").is_file()
@@ -205,9 +235,10 @@ def test_adapter_sync_into_a_vllm_engine_without_lora_is_refused(tiny_model):
     from rlhf_plugins.api import prepare
     from rlhf_plugins.engines.vllm_engine import VLLMEngine
     from rlhf_plugins.errors import UsageError
+    from rlhf_plugins.testing import backend_context
 
     config, pm, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
-    engine = VLLMEngine(tiny_model, config, pm.spec)
+    engine = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
     try:
         with pytest.raises(UsageError, match="started without LoRA support"):
             engine.load_adapter({}, {"r": 8})
@@ -217,5 +248,5 @@ def test_adapter_sync_into_a_vllm_engine_without_lora_is_refused(tiny_model):
 
 def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
     block_import(monkeypatch, "vllm.lora.request")
-    code, _, err = rlhf("train", "--lora.rank", "8", "--lora.sync", "adapter", "--generation.backend", "vllm")
+    code, _, err = rlhf("train", "--lora.rank", "8", "--sync.method", "adapter", "--generation.backend", "vllm")
     assert code == 2 and "this vLLM build has no LoRA support (vllm.lora)" in err

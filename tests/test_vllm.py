@@ -2,7 +2,6 @@
 weight sync parity by every method, Ray engines, and a training run."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,26 +11,23 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.integration
 
-from conftest import short_run  # noqa: E402
+from rlhf_plugins import SamplingParams  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
-from rlhf_plugins.engines import SamplingParams  # noqa: E402
-from rlhf_plugins.modeling import policy_forward  # noqa: E402
-from rlhf_plugins.rollout import Rollout, make_batch  # noqa: E402
+from rlhf_plugins.models.forward import policy_forward  # noqa: E402
 from rlhf_plugins.sync import verify_parity  # noqa: E402
+from rlhf_plugins.training.rollout import Rollout, make_batch  # noqa: E402
+from tests.helpers import eval_rows_of, metrics_of, run_subprocess, short_run, the_run  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="class")
 def engine(tiny_model):
     from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.testing import backend_context
 
     config, pm, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
-    eng = VLLMEngine(tiny_model, config, pm.spec)
+    eng = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
     yield eng
     eng.shutdown()
 
@@ -67,8 +63,8 @@ def test_a_model_the_engine_rejects_is_one_line_with_the_engines_reason(tmp_path
     """In a subprocess: a failed in-process engine leaves vLLM's process-wide state behind."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import run_subprocess
     from rlhf_plugins.testing import tiny_model_path
+    from tests.helpers import run_subprocess
 
     src = Path(tiny_model_path())
     model = tmp_path / "model"
@@ -123,28 +119,31 @@ def test_local_vllm_run_learns_with_matching_rollout_logprobs(rlhf):
     code, _, err = rlhf("train", "--generation.backend", "vllm", "--algo.policy_loss.mismatch", "tis",
                         "--sync.verify", "true", "--train.steps", "40", "--train.progress", "false")
     assert code == 0, err
-    rows = metrics(next(Path("runs").iterdir()))
+    rows = metrics_of(the_run())
     head = sum(r["reward/mean"] for r in rows[:8]) / 8
     tail = sum(r["reward/mean"] for r in rows[-8:]) / 8
     assert tail - head > 0.1, (head, tail)
     # the engine samples from the learner's exact policy: importance ratios stay at 1
     assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
+    # held-out evaluation ran through the vLLM engine, before and after, and the policy improved on it
+    evals = eval_rows_of(the_run())
+    assert [r["step"] for r in evals] == [0, 40] and evals[1]["eval/pass@1"] > evals[0]["eval/pass@1"]
 
 
 def test_sleep_on_cpu_is_said_once_and_frees_nothing(rlhf):
     code, _, err = rlhf("train", "--generation.backend", "vllm", "--vllm.sleep", "true", *short_run("--train.steps", "2"))
     assert code == 0, err
     assert err.count("vLLM sleep mode is not available on CPU") == 1
-    assert not any("freed" in k for r in metrics(next(Path("runs").iterdir())) for k in r)
+    assert not any("freed" in k for r in metrics_of(the_run()) for k in r)
 
 
 @pytest.mark.parametrize(
     "args",
     [
         ["--sync.bucket_mb", "0"],  # one tensor per bucket
-        ["--vllm.num_engines", "2"],  # prompts spread over two engines, both synced
+        ["--vllm.num_engines", "2", "--eval.enabled", "true"],  # prompts spread over two engines, both synced
         ["--ray.colocate", "all", "--sync.method", "ipc", "--learner.backend", "deepspeed",
-         "--learner.zero_stage", "3", "--ray.actor_workers", "2"],
+         "--deepspeed.zero_stage", "3", "--ray.actor_workers", "2"],
     ],
     ids=["broadcast-per-tensor", "two-engines", "ipc-zero3"],
 )
@@ -153,6 +152,25 @@ def test_ray_engines_and_every_sync_method_keep_parity(rlhf, args):
                         "--generation.backend", "vllm", "--sync.verify", "true", "--algo.policy_loss.mismatch", "tis",
                         *short_run(), *args)
     assert code == 0, err
-    rows = metrics(next(Path("runs").iterdir()))
+    rows = metrics_of(the_run())
     assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
     assert all(r["completion/stopped"] > 0.5 for r in rows)  # a broken sync makes garbage that never stops
+    if "--eval.enabled" in args:  # held-out evaluation through Ray engine actors
+        evals = eval_rows_of(the_run())
+        assert [r["step"] for r in evals] == [0, 3] and all(0 <= r["eval/pass@1"] <= 1 for r in evals)
+
+
+def test_third_party_noise_stays_out_of_the_terminal_unless_verbose(tmp_path):
+    """vLLM's start-up (Triton notice, deprecation warnings, torch's C++ warnings, load bars) is
+    silent on a normal run; -v shows it."""
+    quiet = run_subprocess("train", "--generation.backend", "vllm", *short_run("--train.steps", "1"), cwd=tmp_path,
+                           env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert quiet.returncode == 0, quiet.stderr
+    assert [line for line in quiet.stderr.splitlines() if line.strip() and not line.startswith("rlhf: ")] == []
+    loud = run_subprocess("train", "--generation.backend", "vllm", *short_run("--train.steps", "1"), "-v",
+                          cwd=tmp_path, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert loud.returncode == 0, loud.stderr
+    # which notices the stack prints depends on the machine (Triton's notice, vLLM's log lines, deprecation
+    # warnings); -v lets through whichever there are
+    noise = [line for line in loud.stderr.splitlines() if line.strip() and not line.startswith("rlhf: ")]
+    assert any(word in line for line in noise for word in ("Triton", "Warning", "INFO", "WARNING")), loud.stderr

@@ -2,6 +2,12 @@
 
 Samples of one prompt are contiguous in the batch (``B = prompts * group_size``),
 completions are right-padded and ``action_mask`` marks their tokens.
+
+KL in the reward (``--algo.kl.in_reward``): group estimators baseline the *raw* scores within
+the group, then subtract the KL penalty per token as reward-to-go (OpenRLHF's convention), so a
+group of equal scores gets advantages no larger than its KL penalty. ``--algo.kl.penalty_in_baseline``
+restores the other order (summed KL subtracted from each score before the baseline and the std).
+Group estimators ignore ``gamma`` (it is 1 for them, as in OpenRLHF).
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ class AdvantageInputs:
     lam: float = 0.95
     values: torch.Tensor | None = None
     kl_penalty: torch.Tensor | None = None
+    #: group estimators: subtract the summed KL from the scores before the group baseline
+    kl_in_baseline: bool = False
 
     def token_rewards(self) -> torch.Tensor:
         """The sequence score on each completion's last token, minus the KL penalty."""
@@ -37,18 +45,25 @@ class AdvantageInputs:
         return rewards * mask
 
     def sequence_scores(self) -> torch.Tensor:
-        """Scores minus the summed KL penalty: what sequence-level estimators use."""
-        if self.kl_penalty is None:
+        """What group baselines are computed from: the scores (minus the summed KL penalty
+        only with ``kl_in_baseline``)."""
+        if self.kl_penalty is None or not self.kl_in_baseline:
             return self.scores
         return self.scores - (self.kl_penalty * self.action_mask).sum(-1)
+
+    def sequence_to_tokens(self, advantages: torch.Tensor) -> torch.Tensor:
+        """A sequence advantage ``[B]`` on every token, minus the KL penalty still to come
+        (reward-to-go, gamma 1) when KL is in the reward and not already in the baseline."""
+        mask = self.action_mask.to(advantages.dtype)
+        out = advantages[:, None] * mask
+        if self.kl_penalty is not None and not self.kl_in_baseline:
+            out = out - (self.kl_penalty * mask).flip(-1).cumsum(-1).flip(-1) * mask
+        return out
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % self.group_size:
             raise ValueError(f"batch of {x.shape[0]} is not a multiple of the group size {self.group_size}")
         return x.view(-1, self.group_size)
-
-    def broadcast(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        return per_sequence[:, None] * self.action_mask.to(per_sequence.dtype)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -95,19 +110,21 @@ def reinforce_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return reinforce(inputs)
 
 
+def _group_done(x: AdvantageInputs, per_sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = x.sequence_to_tokens(per_sequence.reshape(-1))
+    return adv, adv
+
+
 def group_norm(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (score - group mean) / (group std + eps), the same for every token."""
     scores = x.grouped(x.sequence_scores())
-    adv = (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6)
-    adv = x.broadcast(adv.reshape(-1))
-    return adv, adv
+    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6))
 
 
 def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO: score minus group mean, no std division (pair with seq-mean-token-sum-norm)."""
     scores = x.grouped(x.sequence_scores())
-    adv = x.broadcast((scores - scores.mean(-1, keepdim=True)).reshape(-1))
-    return adv, adv
+    return _group_done(x, scores - scores.mean(-1, keepdim=True))
 
 
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,5 +132,4 @@ def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     scores = x.grouped(x.sequence_scores())
     g = scores.shape[-1]
     baseline = (scores.sum(-1, keepdim=True) - scores) / (g - 1)
-    adv = x.broadcast((scores - baseline).reshape(-1))
-    return adv, adv
+    return _group_done(x, scores - baseline)

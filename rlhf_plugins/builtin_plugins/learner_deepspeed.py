@@ -1,25 +1,42 @@
-"""Builtin learner ``deepspeed``: ZeRO 1-3 across data-parallel ranks."""
+"""Builtin learner ``deepspeed``: ZeRO 0-3 across data-parallel ranks.
+
+Adds the ``deepspeed`` config section (``--deepspeed.zero_stage 3``, offload, sleep)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl
 from ..errors import ConfigError
+from ..settings import setting
 from ..types import LearnerBackend
+
+
+@dataclass
+class DeepSpeedOptions:
+    #: ZeRO stage 0-3
+    zero_stage: int = setting(2, ge=0, le=3)
+    #: CPU offload of optimizer states (ZeRO 1-3)
+    offload_optimizer: bool = False
+    #: CPU offload of parameters (ZeRO-3 only)
+    offload_params: bool = False
+    #: offload the learner's states while the engine generates (GPU, ZeRO-3)
+    sleep: bool = False
+
+
+@hookimpl
+def rlhf_add_options(options: Any) -> None:
+    options.add_section("deepspeed", DeepSpeedOptions)
 
 
 @hookimpl
 def rlhf_configure(config: Any) -> None:
-    if config.learner.backend != "deepspeed":
-        return
-    l = config.learner
-    if l.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"learner.zero_stage must be 0, 1, 2 or 3; got {l.zero_stage}")
-    if l.offload_params and l.zero_stage != 3:
-        raise ConfigError("learner.offload_params needs learner.zero_stage 3")
-    if l.offload_optimizer and l.zero_stage == 0:
-        raise ConfigError("learner.offload_optimizer needs learner.zero_stage 1, 2 or 3")
+    o = config.section("deepspeed")
+    if o.offload_params and o.zero_stage != 3:
+        raise ConfigError("deepspeed.offload_params needs deepspeed.zero_stage 3")
+    if o.offload_optimizer and o.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage 1, 2 or 3")
 
 
 @hookimpl
@@ -27,7 +44,8 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
     yield LearnerBackend(
         "deepspeed",
         factory=Lazy("rlhf_plugins.learners.deepspeed_learner:DeepSpeedLearner"),
-        description="DeepSpeed ZeRO 1-3, optimizer/parameter offload, bf16, gradient checkpointing",
+        description="DeepSpeed ZeRO 0-3, optimizer/parameter offload, bf16, gradient checkpointing",
         requires=("deepspeed",),
         extra="deepspeed",
+        multi_rank=True,
     )

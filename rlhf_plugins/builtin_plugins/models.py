@@ -6,21 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
 from .._markers import hookimpl
+from ..errors import ConfigError
 
 
 @hookimpl(trylast=True)
 def rlhf_load_model(role: str, path: str, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from ..modeling import DTYPES
+    from ..models.forward import DTYPES
 
     try:
         if role == "critic":
-            from ..value_model import ValueModel
+            from ..models.value_model import ValueModel
 
             return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype])
-        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype])
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype],
+                                                    trust_remote_code=config.model.trust_remote_code)
     except OSError as exc:
         raise ConfigError(f"cannot load the {role} model from '{path}': {str(exc).splitlines()[0]}") from exc

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Literal
 from .._lazy import Lazy
 from .._markers import hookimpl
 from ..errors import ConfigError
+from ..settings import setting
 from ..types import PlacementStrategy
 
 
@@ -18,23 +19,37 @@ from ..types import PlacementStrategy
 class RayOptions:
     #: cluster address; empty: RAY_ADDRESS, the cluster of a `ray job submit`, else a local cluster
     address: str | None = None
+    #: placement-group strategy: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     #: roles sharing bundles: none | actor_ref | critic_reward | all (with the generation engine)
     colocate: Literal["none", "actor_ref", "critic_reward", "all"] = "none"
-    #: data-parallel ranks per role (the DeepSpeed learner shards across them)
-    actor_workers: int = 1
-    critic_workers: int = 1
-    reference_workers: int = 1
-    #: resources of one bundle (one rank); 0 GPUs on a CPU-only cluster
-    gpus_per_worker: float = 1.0
-    cpus_per_worker: float = 1.0
-    #: seconds to wait for placement groups / for a remote address to answer
-    ready_timeout: float = 60.0
-    connect_timeout: float = 10.0
-    #: a local cluster started here: CPUs to declare (empty: max(8, cores)) and fake GPUs (tests, laptops)
-    local_num_cpus: int | None = None
-    local_num_gpus: int = 0
+    #: data-parallel ranks of the actor (the DeepSpeed learner shards across them)
+    actor_workers: int = setting(1, ge=1)
+    #: data-parallel ranks of the critic
+    critic_workers: int = setting(1, ge=1)
+    #: ranks of the reference model (each scores a share of the batch)
+    reference_workers: int = setting(1, ge=1)
+    #: ranks of the reward role; reward models score data-parallel across them
+    reward_workers: int = setting(1, ge=1)
+    #: GPUs of one bundle (one rank); 0 on a CPU-only cluster
+    gpus_per_worker: float = setting(1.0, ge=0)
+    #: CPUs of one bundle (one rank)
+    cpus_per_worker: float = setting(1.0, gt=0)
+    #: seconds to wait for placement groups to be ready
+    ready_timeout: float = setting(60.0, gt=0)
+    #: seconds to wait for --ray.address to answer
+    connect_timeout: float = setting(10.0, gt=0)
+    #: CPUs a local cluster started here declares (empty: max(8, cores))
+    local_num_cpus: int | None = setting(None, ge=1)
+    #: fake GPUs declared to a local cluster (placement without GPUs: tests, laptops)
+    local_num_gpus: int = setting(0, ge=0)
+    #: forward the actors' stdout / stderr to this terminal
     log_to_driver: bool = False
+    #: restarts of dead role actors per run (killed, or their node lost); each continues from the
+    #: latest checkpoint (one is written before the first step when this is > 0)
+    max_restarts: int = setting(0, ge=0)
+    #: seconds a call to a role may take before the run stops naming the role, rank and method (0: no limit)
+    call_timeout: float = setting(3600.0, ge=0)
 
 
 @hookimpl
@@ -42,14 +57,19 @@ def rlhf_add_options(options: Any) -> None:
     options.add_section("ray", RayOptions)
 
 
+def _colocated(config: Any) -> bool:
+    return config.section("ray").colocate == "all"
+
+
 @hookimpl
-def rlhf_configure(config: Any) -> None:
-    if config.placement.strategy != "ray":
+def rlhf_configure(config: Any, plan: Any) -> None:
+    if plan.placement.factory is not PLACEMENT:
         return
     o = config.section("ray")
-    if config.learner.backend == "torch" and (o.actor_workers > 1 or o.critic_workers > 1):
-        raise ConfigError("the torch learner runs in one process; use --learner.backend deepspeed for "
-                          f"ray.actor_workers {o.actor_workers} / ray.critic_workers {o.critic_workers}")
+    if not plan.learner.multi_rank and (o.actor_workers > 1 or o.critic_workers > 1):
+        raise ConfigError(f"learner backend '{plan.learner.name}' runs one rank; choose a multi-rank learner "
+                          f"(--learner.backend deepspeed) for ray.actor_workers {o.actor_workers} / "
+                          f"ray.critic_workers {o.critic_workers}")
     batch = config.train.prompts_per_step * config.generation.n_samples_per_prompt
     for name, n in (("actor_workers", o.actor_workers), ("critic_workers", o.critic_workers)):
         if config.train.prompts_per_step % n:
@@ -59,14 +79,20 @@ def rlhf_configure(config: Any) -> None:
             raise ConfigError(f"learner.mini_batch_size must divide the rollout ({batch}) and be a multiple of ray.{name}")
 
 
+PLACEMENT = Lazy("rlhf_plugins.placement.ray_placement:RayPlacement")
+
+
 @hookimpl
 def rlhf_placement_strategies() -> Iterable[PlacementStrategy]:
     yield PlacementStrategy(
         "ray",
-        factory=Lazy("rlhf_plugins.placement.ray_placement:RayPlacement"),
+        factory=PLACEMENT,
         description="one placement group per role (or colocated roles) on a Ray cluster",
         requires=("ray",),
         extra="ray",
         same_process=False,
+        multi_rank=True,
+        colocated=_colocated,
+        colocate_hint="--ray.colocate all",
         default_sync="broadcast",
     )

@@ -13,4 +13,5 @@ _M = "rlhf_plugins.algorithms.policy_losses"
 @hookimpl
 def rlhf_policy_losses() -> Iterable[PolicyLoss]:
     yield PolicyLoss("ppo", Lazy(f"{_M}:ppo"), description="PPO clipped surrogate, asymmetric and dual clip")
-    yield PolicyLoss("gspo", Lazy(f"{_M}:gspo"), description="GSPO: clipped sequence-level importance ratio")
+    yield PolicyLoss("gspo", Lazy(f"{_M}:gspo"), description="GSPO: clipped sequence-level importance ratio",
+                     default_aggregation="seq-mean-token-mean")

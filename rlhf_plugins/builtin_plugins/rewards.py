@@ -32,3 +32,10 @@ def exact_match(prompts: list[Any], completions: list[str], label: list[Any] | N
 @hookimpl
 def rlhf_reward_functions() -> Iterable[RewardFunction]:
     yield RewardFunction("exact_match", exact_match, description=exact_match.__doc__.splitlines()[0])
+
+
+@hookimpl(trylast=True)
+def rlhf_extract_answer(completion: str, sample: Any) -> Any:
+    from ..evaluation.metrics import extract_answer
+
+    return extract_answer(completion)

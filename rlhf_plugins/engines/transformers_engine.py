@@ -10,10 +10,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..manager import PluginSpec, get_manager
-from ..modeling import position_ids
-from ..weights import load_named_weights
-from . import SamplingParams, Samples
+from ..models.forward import position_ids
+from ..models.weights import load_named_weights
+from ..protocols import BackendContext, Samples, SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -32,13 +31,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class TransformersEngine:
     """Engine of the ``transformers`` generation backend."""
 
-    def __init__(self, model_path: str, config: Any, plugin_spec: PluginSpec) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
         from transformers import AutoTokenizer
 
-        pm = get_manager(plugin_spec)
-        self.model = pm.load_model("generation", model_path, config)
+        self.model = ctx.load_model()
         self.model.eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(ctx.model_path, trust_remote_code=ctx.config.model.trust_remote_code)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -106,46 +104,41 @@ class TransformersEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         return load_named_weights(self.model, named_tensors)
 
-    def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
-        from ..sync.groups import SyncGroup
-
-        self.sync_group = SyncGroup(address, port, world_size, rank, backend)
-
-    def receive_bucket(self, bucket: Any) -> dict[str, Any]:
-        from ..sync.broadcast import receive_bucket
-
-        flat = receive_bucket(self.sync_group, bucket)
-        return load_named_weights(self.model, bucket.unpack(flat))
-
     def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
         """LoRA adapter sync: wrap the model with PEFT once, then load the adapter's tensors."""
         from peft import get_peft_model, set_peft_model_state_dict
 
-        from ..integrations.peft import lora_config_from_dict, peft_info
+        from ..models.lora import lora_config_from_dict, peft_info
 
         if peft_info(self.model) is None:
             self.model = get_peft_model(self.model, lora_config_from_dict(config)).eval().requires_grad_(False)
         result = set_peft_model_state_dict(self.model, weights)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
-            from ..weights import WeightSyncError
+            from ..models.weights import WeightSyncError
 
             raise WeightSyncError(f"adapter sync: the engine has no LoRA tensor named '{unexpected[0]}'")
         return {"tensors": len(weights)}
 
-    def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
-        from ..sync.ipc import IPCReceiver
+    def share_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """Point the parameters at shared tensors (IPC sync) when every one matches in shape,
+        dtype and device; later updates of the shared memory reach the model with no copy."""
+        params = dict(self.model.named_parameters())
+        pairs = list(named)
+        if not all(n in params and params[n].shape == v.shape and params[n].dtype == v.dtype
+                   and params[n].device == v.device for n, v in pairs):
+            return False
+        with torch.no_grad():
+            for name, view in pairs:
+                params[name].data = view
+        return True
 
-        if not hasattr(self, "ipc_receiver"):
-            self.ipc_receiver = IPCReceiver()
-        return self.ipc_receiver.receive(self.model, bucket, handle, index)
-
-    def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.model.state_dict().items()}
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs of given completions under the engine's weights (sync parity probe)."""
-        from ..modeling import policy_forward
+        from ..models.forward import policy_forward
 
         with torch.inference_mode():
             return policy_forward(self.model, batch)["logprobs"]

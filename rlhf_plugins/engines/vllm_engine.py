@@ -4,7 +4,12 @@ The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) --
 the learner's process under local placement, the generation role's Ray actor
 under Ray placement -- so weights can be handed to the worker directly. With
 ``tensor_parallel_size > 1`` (GPU) vLLM spreads the model over Ray workers of its
-own, reached through ``collective_rpc``.
+own; sync methods reach them through ``model_workers`` (``collective_rpc`` with a function).
+
+vLLM builds its own model from the folder, so the ``rlhf_load_model`` hook is not used here:
+whatever a plugin changes in the learner's model reaches the engine through weight sync
+(LoRA merged in, or the adapter alone with ``--sync.method adapter``), and a custom
+architecture must be one vLLM knows.
 
 Log-probs are vLLM's ``processed_logprobs``: the sampling distribution after
 temperature / top-k / top-p, as the learner computes them when top-k/top-p are off.
@@ -19,11 +24,9 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import UsageError
-from . import SamplingParams, Samples
+from ..protocols import BackendContext, Samples, SamplingParams
 
 logger = logging.getLogger("rlhf_plugins")
-
-EXTENSION = "rlhf_plugins.engines.vllm_worker.WorkerExtension"
 
 
 class EngineStartError(UsageError):
@@ -37,7 +40,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, config: Any, plugin_spec: Any) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
+        config, model_path = ctx.config, ctx.model_path
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
@@ -52,6 +56,7 @@ class VLLMEngine:
         self.asleep = False
         kwargs: dict[str, Any] = dict(
             model=model_path,
+            trust_remote_code=config.model.trust_remote_code,
             dtype=config.model.dtype,
             seed=config.train.seed,
             gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if self.cpu else 0.85),
@@ -60,14 +65,13 @@ class VLLMEngine:
             enable_prefix_caching=o.enable_prefix_caching,
             tensor_parallel_size=o.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
             enable_sleep_mode=self.sleep_enabled,
+            use_tqdm_on_load=False,  # our own output says what is loading
         )
         self.lora_request: Any = None
         self.lora_dir: Path | None = None
-        if config.sync.method == "adapter":  # LoRA adapters travel alone: vLLM applies them
-            rank = config.section("lora").rank or 16
-            kwargs.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank))
+        if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them
+            kwargs.update(enable_lora=True, max_lora_rank=o.max_lora_rank)
         if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
             kwargs["distributed_executor_backend"] = "ray"
         try:
@@ -139,28 +143,33 @@ class VLLMEngine:
                 self.asleep = False
 
     def _local_worker(self) -> Any:
+        if self.opts.tensor_parallel_size != 1:
+            return None
         try:
             return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         except AttributeError:
             return None
 
-    def _on_workers(self, method: str, *args: Any) -> list[Any]:
-        worker = self._local_worker()
-        if worker is not None and self.opts.tensor_parallel_size == 1:
-            return [getattr(worker, method)(*args)]
-        return self.llm.collective_rpc(method, args=args)  # pragma: no cover - multi-process workers
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    def model_workers(self, fn: Any, *args: Any) -> list[Any]:
+        """Run ``fn(worker, *args)`` in every vLLM worker (here when in-process, else through
+        ``collective_rpc``); the prefix cache is reset after (its KV may be from old weights)."""
         self._wake("weights")
         worker = self._local_worker()
-        if worker is None or self.opts.tensor_parallel_size != 1:
-            raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method broadcast")
-        named = [(n, t) for n, t in named_tensors]
-        worker.rlhf_load_weights(named)
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+        if worker is not None:
+            out = [fn(VLLMModelWorker(worker), *args)]
+        else:  # pragma: no cover - workers in other processes (tensor parallel on GPU)
+            out = self.llm.collective_rpc(_on_worker, args=(fn, *args))
+        self.llm.reset_prefix_cache()
+        return out
 
-    def weight_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        worker = self._local_worker()
+        if worker is None:
+            raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method broadcast")
+        named = list(named_tensors)
+        return self.model_workers(_load, named)[0]
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """The checkpoint names and shapes vLLM's loader accepts (read from the model folder)."""
         from safetensors import safe_open
 
@@ -172,23 +181,6 @@ class VLLMEngine:
                     out[name] = (tuple(sl.get_shape()), str(getattr(torch, _DTYPES.get(sl.get_dtype(), "float32"))))
         return out
 
-    def sync_ranks(self) -> int:
-        return self.opts.tensor_parallel_size
-
-    def init_weight_sync(self, address: str, port: int, world_size: int, rank: int, backend: str) -> None:
-        self._on_workers("rlhf_init_sync", address, port, world_size, rank, backend)
-
-    def receive_bucket(self, bucket: Any) -> dict[str, Any]:
-        self._wake("weights")
-        self._on_workers("rlhf_receive_bucket", bucket.dtype, bucket.names, [list(s) for s in bucket.shapes], bucket.numel)
-        return {"tensors": len(bucket.names)}
-
-    def receive_ipc(self, bucket: Any, handle: bytes, index: int) -> dict[str, Any]:
-        self._wake("weights")
-        self._on_workers("rlhf_receive_ipc", bucket.dtype, bucket.names, [list(s) for s in bucket.shapes],
-                         bucket.numel, handle, index)
-        return {"tensors": len(bucket.names)}
-
     def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
         """LoRA adapter sync: write the adapter where vLLM reads it; the next request reloads it in place."""
         import json
@@ -197,9 +189,14 @@ class VLLMEngine:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        if not self.llm.llm_engine.vllm_config.lora_config:
-            raise UsageError("this vLLM engine was started without LoRA support; adapter sync needs --lora.sync adapter "
-                             "from the start (or use --lora.sync merged)")
+        lora = self.llm.llm_engine.vllm_config.lora_config
+        if not lora:
+            raise UsageError("this vLLM engine was started without LoRA support; adapter sync needs "
+                             "--sync.method adapter from the start")
+        rank = int(config.get("r", 0))
+        if rank > lora.max_lora_rank:
+            raise UsageError(f"the LoRA adapter has rank {rank} but the vLLM engine was started with "
+                             f"max_lora_rank {lora.max_lora_rank}; set --vllm.max_lora_rank {rank}")
         if self.lora_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.lora_dir = Path(tempfile.mkdtemp(prefix="rlhf-lora-", dir=base))
@@ -217,11 +214,6 @@ class VLLMEngine:
             self.lora_request = LoRARequest(request.lora_name, request.lora_int_id, request.lora_path)
         return request
 
-    def commit_weights(self) -> dict[str, Any]:
-        loaded = sum(self._on_workers("rlhf_commit_weights"))
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        return {"tensors": loaded}
-
     def shutdown(self) -> None:
         """Drop the engine; in-process, its KV cache is freed once the references are gone."""
         import gc
@@ -234,3 +226,26 @@ class VLLMEngine:
 
 
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32"}
+
+
+class VLLMModelWorker:
+    """A vLLM worker as a :class:`rlhf_plugins.ModelWorker`: weights load through vLLM's in-place
+    ``reload_weights`` (it fuses and repacks per layer, so give it whole layers at once)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rank = int(getattr(worker, "rank", 0))
+        self.state = worker.__dict__.setdefault("_rlhf_state", {})
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        named = list(named)
+        self.worker.reload_weights(weights_iterator=iter(named))
+        return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+
+def _on_worker(worker: Any, fn: Any, *args: Any) -> Any:  # pragma: no cover - runs in vLLM's workers
+    return fn(VLLMModelWorker(worker), *args)
+
+
+def _load(worker: VLLMModelWorker, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    return worker.load_weights(named)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from .._markers import hookspec
 
 if TYPE_CHECKING:
-    from ..config import Config, OptionRegistry
+    from ..config.options import OptionRegistry
+    from ..config.schema import Config
+    from ..config.validate import Plan
 
 
 @hookspec(historic=True)
@@ -36,17 +38,20 @@ def rlhf_add_options(options: OptionRegistry) -> None:
 
 
 @hookspec(historic=True)
-def rlhf_configure(config: Config) -> None:
+def rlhf_configure(config: Config, plan: Plan) -> None:
     """See (and check) the final config before any process, model or GPU is taken.
 
-    Called once after the config is parsed and every component name resolved;
-    historic. Raise :class:`rlhf_plugins.ConfigError` with one line to reject a
-    combination; the CLI prints it and exits with status 2. Return nothing.
+    Called once after the config is parsed, every component resolved and every built-in
+    combination checked; historic. ``plan`` holds the resolved components (``plan.placement``,
+    ``plan.engine``, ``plan.learner``, ``plan.sync``, ``plan.estimator``, ``plan.policy_loss``,
+    ``plan.kl``) with their capabilities, and which roles run. Check; do not modify: the config is
+    final. Raise :class:`rlhf_plugins.ConfigError` with one line to reject a combination; the CLI
+    prints it and exits with status 2. Return nothing.
 
     Example::
 
         @hookimpl
-        def rlhf_configure(config):
-            if config.section("judge").timeout <= 0:
-                raise ConfigError("judge.timeout must be > 0; got %s" % config.section("judge").timeout)
+        def rlhf_configure(config, plan):
+            if plan.learner.multi_rank is False and config.section("judge").shards > 1:
+                raise ConfigError("judge.shards > 1 needs a learner that runs several ranks")
     """

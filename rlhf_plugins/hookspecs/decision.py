@@ -6,12 +6,12 @@ integration does to add LoRA adapters to whatever model was loaded.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .._markers import hookspec
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config.schema import Config
 
 
 @hookspec(firstresult=True)
@@ -33,4 +33,23 @@ def rlhf_load_model(role: str, path: str, config: Config) -> Any:
             if role == "actor":
                 model.gradient_checkpointing_enable()
             return model
+    """
+
+
+@hookspec(firstresult=True)
+def rlhf_extract_answer(completion: str, sample: Mapping[str, Any]) -> Any:
+    """The answer a completion gives, for majority voting (``eval/maj@k``).
+
+    Called in the driver for every evaluation sample; first-result. ``sample`` holds the
+    prompt (``"prompt"``) and every other column of its dataset row (the label as ``"label"``).
+    Return something comparable with ``str(label)`` -- answers equal as strings vote together --
+    or ``None`` to let the next implementation decide. The builtin (``trylast``) takes the first
+    number of the first line (``"12.0 apples"`` -> ``"12"``), else the first line.
+
+    Example (``\\boxed{...}`` answers)::
+
+        @hookimpl
+        def rlhf_extract_answer(completion, sample):
+            found = re.search(r"\\\\boxed\\{([^}]*)\\}", completion)
+            return found.group(1).strip() if found else None
     """

@@ -1,8 +1,9 @@
 """Lifecycle hooks: observers of a run.
 
-All are collecting and return ``None``. An observer must not break the run: the
-manager calls each implementation on its own and turns an exception into a
-warning naming the plugin. ``rlhf_on_error`` tells every observer, then the
+All are collecting and return ``None``. An observer must not break the run: an
+implementation that raises becomes a warning naming its plugin, and the other
+observers still run. They are called through pluggy, so a new-style wrapper
+(``@hookimpl(wrapper=True)``) sees every call (and its exceptions are its own). ``rlhf_on_error`` tells every observer, then the
 error is re-raised.
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 from .._markers import hookspec
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..rollout import Rollout
+    from ..config.schema import Config
+    from ..training.rollout import Rollout
 
 
 @hookspec
@@ -52,6 +53,18 @@ def rlhf_after_step(step: int, metrics: Mapping[str, float]) -> None:
         @hookimpl
         def rlhf_after_step(step, metrics):
             wandb.log(dict(metrics), step=step)
+    """
+
+
+@hookspec
+def rlhf_after_eval(step: int, metrics: Mapping[str, float]) -> None:
+    """Called after each held-out evaluation with its metrics (``eval/pass@1``, ``eval/pass@8``,
+    ``eval/mean@8``, ``eval/maj@8``, ``eval/greedy``); ``step`` is the number of updates the
+    evaluated policy has had (0: before training). Example::
+
+        @hookimpl
+        def rlhf_after_eval(step, metrics):
+            print(f"after {step} updates: pass@1 {metrics['eval/pass@1']:.2f}")
     """
 
 

@@ -30,13 +30,15 @@ def rlhf_placement_strategies() -> Iterable[PlacementStrategy]:
     """Register placement strategies (``--placement.strategy NAME``).
 
     Called once at start-up; collecting. Return an iterable of
-    :class:`~rlhf_plugins.PlacementStrategy`.
+    :class:`~rlhf_plugins.PlacementStrategy`; ``factory(ctx: PlacementContext)`` returns a
+    :class:`~rlhf_plugins.Placement`.
 
     Example::
 
         @hookimpl
         def rlhf_placement_strategies():
-            yield PlacementStrategy("slurm", factory=SlurmPlacement)
+            yield PlacementStrategy("slurm", factory=SlurmPlacement, same_process=False, multi_rank=True,
+                                    default_sync="broadcast")
     """
 
 
@@ -45,7 +47,8 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
     """Register generation backends (``--generation.backend NAME``).
 
     Called once at start-up; collecting. Return an iterable of
-    :class:`~rlhf_plugins.GenerationBackend`.
+    :class:`~rlhf_plugins.GenerationBackend`; ``factory(ctx: BackendContext)`` returns a
+    :class:`~rlhf_plugins.GenerationEngine`.
 
     Example::
 
@@ -86,7 +89,7 @@ def rlhf_advantage_estimators() -> Iterable[AdvantageEstimator]:
 
         @hookimpl
         def rlhf_advantage_estimators():
-            yield AdvantageEstimator("raw", compute=lambda x: (x.token_scores(), x.token_scores()))
+            yield AdvantageEstimator("raw", compute=lambda x: (x.token_rewards(), x.token_rewards()))
     """
 
 
@@ -127,13 +130,14 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
     """Register learner backends (``--learner.backend NAME``).
 
     Called once at start-up; collecting. Return an iterable of
-    :class:`~rlhf_plugins.LearnerBackend`.
+    :class:`~rlhf_plugins.LearnerBackend`; ``factory(ctx: BackendContext)`` returns a
+    :class:`~rlhf_plugins.Learner`.
 
     Example::
 
         @hookimpl
         def rlhf_learner_backends():
-            yield LearnerBackend("fsdp", factory=FSDPLearner, requires=("torch",))
+            yield LearnerBackend("fsdp", factory=FSDPLearner, requires=("torch",), multi_rank=True)
     """
 
 
@@ -142,11 +146,12 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
     """Register weight-sync methods (``--sync.method NAME``).
 
     Called once at start-up; collecting. Return an iterable of
-    :class:`~rlhf_plugins.WeightSyncMethod`.
+    :class:`~rlhf_plugins.WeightSyncMethod`; ``factory(config)`` returns a
+    :class:`~rlhf_plugins.WeightSync`.
 
     Example::
 
         @hookimpl
         def rlhf_weight_sync_methods():
-            yield WeightSyncMethod("disk", factory=DiskSync)
+            yield WeightSyncMethod("disk", factory=DiskSync, same_process=False)
     """

@@ -30,6 +30,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "num_iterations": ("learner.epochs", int),
     "max_grad_norm": ("learner.max_grad_norm", float),
     "weight_decay": ("learner.weight_decay", float),
+    "adam_epsilon": ("learner.eps", float),
     "seed": ("train.seed", int),
     "entropy_coef": ("algo.policy_loss.entropy_coef", float),
     "gradient_checkpointing": ("learner.gradient_checkpointing", bool),
@@ -44,8 +45,13 @@ DERIVED = {
     "epsilon_high", "loss_type", "scale_rewards", "importance_sampling_level", "per_device_train_batch_size",
     "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
-    "bf16", "fp16", "output_dir", "run_name", "use_cpu",
+    "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "warmup_steps",
 }
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+              "adam": "adam", "sgd": "sgd"}
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+              "cosine_with_min_lr": "cosine"}
 LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
               "dr_grpo": "seq-mean-token-sum-norm"}
 SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
@@ -63,15 +69,27 @@ UNSUPPORTED = {
     "use_bias_correction_kl": "no bias-corrected KL",
     "delta": "no two-sided (delta) clipping",
 }
-#: why the remaining fields are ignored (shown when a field differs from TRL's default)
+#: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
     "num_train_epochs": "rlhf-plugins counts rollout steps: set max_steps",
-    "lr_scheduler_type": "the learning rate is constant",
-    "warmup_steps": "no warm-up", "warmup_ratio": "no warm-up",
-    "optim": "the learners use AdamW", "adam_beta1": "AdamW defaults", "adam_beta2": "AdamW defaults",
-    "adam_epsilon": "AdamW defaults",
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
+    "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
+    "pad_to_multiple_of": "padding to a multiple does not change the loss",
+    "use_cache": "the learner never caches; generation always does",
+    "disable_dropout": "the builtin models have no dropout",
+    "ds3_gather_for_generation": "weights reach the engine by weight sync",
+    "trust_remote_code": "set --model.trust_remote_code",
 }
+#: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
+BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
+                        "ddp_", "fsdp", "trackio", "include_", "skip_memory", "num_completions_to_print",
+                        "per_device_eval", "torch_empty_cache", "tf32", "full_determinism", "data_seed",
+                        "prediction_loss_only", "remove_unused_columns", "label_names", "length_column_name",
+                        "load_best_model", "metric_for_best", "greater_is_better", "ignore_data_skip",
+                        "resume_from_checkpoint", "restore_callback", "overwrite_output_dir", "do_", "debug",
+                        "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
+                        "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
+                        "shuffle_dataset", "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
 
 
 def grpo_defaults() -> dict[str, Any]:
@@ -87,7 +105,7 @@ def grpo_defaults() -> dict[str, Any]:
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    from ..config_loading import set_dotted
+    from ..config.loading import set_dotted
 
     set_dotted(tree, dotted, value)
 
@@ -104,6 +122,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
         raise ConfigError(f"'{unknown[0]}' is not a field of trl.GRPOConfig{hint}")
     f = {**defaults, **fields}
     changed = {k for k in fields if fields[k] != defaults.get(k)}
+    fields = f
     raw: dict[str, Any] = {}
     notes: list[str] = []
     for name, why in UNSUPPORTED.items():
@@ -112,7 +131,10 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                               "remove it from the TRL config")
     for name, (key, conv) in DIRECT.items():
         if name in f and (name in changed or not name.startswith("vllm_")):
-            _set(raw, key, conv(f[name]))
+            try:
+                _set(raw, key, conv(f[name]))
+            except (TypeError, ValueError):
+                raise ConfigError(f"TRL field '{name}' expects {getattr(conv, '__name__', 'a value')}; got {f[name]!r}") from None
     _set(raw, "algo.policy_loss.clip_high", float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"]))
     _set(raw, "algo.kl.estimator", "k3")
     loss = f["loss_type"]
@@ -151,6 +173,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
         _set(raw, "train.output_dir", str(f["output_dir"]))
     if f.get("run_name"):
         _set(raw, "train.run_name", str(f["run_name"]))
+    _optimizer(f, raw)
     if f["use_vllm"]:
         _set(raw, "generation.backend", "vllm")
         if f["vllm_importance_sampling_correction"]:
@@ -158,15 +181,47 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             if f["vllm_importance_sampling_cap"] is not None:
                 _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
     handled = set(DIRECT) | DERIVED | set(UNSUPPORTED)
+    bookkeeping = []
     for name in sorted(changed - handled):
-        why = IGNORED_WHY.get(name, "trainer bookkeeping (logging, saving, hub, evaluation) that rlhf-plugins does its own way")
-        notes.append(f"TRL field '{name}' is ignored: {why}")
+        if name in IGNORED_WHY:
+            notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
+        elif name.startswith(BOOKKEEPING_PREFIXES):
+            bookkeeping.append(name)
+        else:
+            raise ConfigError(f"TRL field '{name}' ({fields[name]!r}) changes training and has no equivalent in "
+                              "rlhf-plugins; remove it from the TRL config")
+    if bookkeeping:
+        notes.append(f"TRL fields {', '.join(bookkeeping)} are trainer bookkeeping (logging, saving, evaluation, "
+                     "devices) that rlhf-plugins does its own way; ignored")
     return raw, notes
+
+
+def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Optimizer and schedule, as TRL's Trainer would run them (its default decays linearly)."""
+    optim, schedule = str(f["optim"]), str(f["lr_scheduler_type"])
+    if optim not in OPTIMIZERS:
+        raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
+    if schedule not in SCHEDULERS:
+        raise ConfigError(f"TRL lr_scheduler_type '{schedule}' has no equivalent; choose one of: {', '.join(SCHEDULERS)}")
+    _set(raw, "learner.optimizer", OPTIMIZERS[optim])
+    _set(raw, "learner.betas", [float(f["adam_beta1"]), float(f["adam_beta2"])])
+    _set(raw, "learner.lr_scheduler", SCHEDULERS[schedule])
+    kwargs = f.get("lr_scheduler_kwargs") or {}
+    if schedule == "cosine_with_min_lr":
+        ratio = kwargs.get("min_lr_rate")
+        if ratio is None and kwargs.get("min_lr") is not None:
+            ratio = float(kwargs["min_lr"]) / float(f["learning_rate"])
+        _set(raw, "learner.min_lr_ratio", float(ratio or 0.0))
+    warmup = float(f.get("warmup_steps") or 0)
+    if 0 < warmup < 1:  # transformers 5 reads a warmup_steps below 1 as a ratio
+        _set(raw, "learner.warmup_ratio", warmup)
+    else:
+        _set(raw, "learner.warmup_steps", int(warmup))
 
 
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
-    from ..config_loading import load_yaml
+    from ..config.loading import load_yaml
 
     data = load_yaml(path)
     plugins: list[str] = []
@@ -203,7 +258,7 @@ class TRLRewards:
         self.funcs = list(funcs)
 
     def rlhf_reward_functions(self) -> Iterable[Any]:
-        from .reward_functions import as_reward_function
+        from ..rewards.callables import as_reward_function
 
         seen: set[str] = set()
         for fn in self.funcs:
@@ -232,7 +287,7 @@ class GRPOTrainer:
 
     def __init__(self, model: str, reward_funcs: Any, args: Any = None, train_dataset: Any = None,
                  processing_class: Any = None, peft_config: Any = None, rlhf: dict[str, Any] | None = None) -> None:
-        from ..config_loading import merge
+        from ..config.loading import merge
 
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)} if args is not None else {}
         defaults = grpo_defaults()
@@ -242,7 +297,7 @@ class GRPOTrainer:
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.plugins = [f.rpartition(".")[0] for f in funcs if isinstance(f, str)]
         callables = [f for f in funcs if not isinstance(f, str)]
-        from .reward_functions import component_name
+        from ..rewards.callables import component_name
 
         names = [f.rpartition(".")[2] if isinstance(f, str) else component_name(f.__name__) for f in funcs]
         _set(raw, "reward.functions", names)
@@ -253,15 +308,13 @@ class GRPOTrainer:
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
 
     def train(self) -> Path:
+        """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns the run directory."""
         from rich.console import Console
 
-        from ..api import offline_defaults, prepare
-        from ..run import run_training
+        from ..api import train
 
-        offline_defaults()
-        inline = [("trl_rewards", self.rewards)] if self.rewards is not None else []
-        config, pm, plan = prepare(self.raw, self.plugins, inline=inline)
         console = Console()
         for note in self.notes:
             console.print(f"[yellow]note:[/] {note}")
-        return run_training(config, pm, plan, console, rows=self.rows)
+        inline = [("trl_rewards", self.rewards)] if self.rewards is not None else []
+        return train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)

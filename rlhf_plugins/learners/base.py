@@ -8,18 +8,53 @@ backward and the optimizer step.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ..modeling import group_permutation, policy_forward, split_batch, value_forward
+from ..models.forward import group_permutation, policy_forward, split_batch, value_forward
+
+
+def make_optimizer(params: list[Any], cfg: Any, lr: float) -> torch.optim.Optimizer:
+    """``learner.optimizer`` with its settings (betas, eps, momentum, weight decay)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def updates_per_run(config: Any) -> int:
+    """Optimizer updates of the whole run (the schedule's length): epochs x mini batches per rollout."""
+    batch = config.train.prompts_per_step * config.generation.n_samples_per_prompt
+    mini = config.learner.mini_batch_size or batch
+    return max(1, config.train.steps * config.learner.epochs * math.ceil(batch / mini))
+
+
+def lr_factor(update: int, cfg: Any, total: int) -> float:
+    """The learning rate's multiplier at ``update``: linear warm-up, then constant / linear / cosine
+    decay to ``min_lr_ratio`` at the last update."""
+    warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * total))
+    if update < warmup:
+        return (update + 1) / (warmup + 1)
+    if cfg.lr_scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))
+    shape = 1.0 - progress if cfg.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    total = updates_per_run(config)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: lr_factor(update, config.learner, total))
 
 
 class Learner:
     world_size = 1
 
     def _init_learner(self, config: Any, role: str, seed_offset: int = 0) -> None:
+        """Shared set-up: the role's forward (log-probs, or values for a critic) and learning rate."""
         self.role = role
         self.cfg = config.learner
         self.temperature = config.generation.temperature
@@ -89,10 +124,37 @@ class Learner:
         return metrics
 
     def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's own tensors and names (PEFT names under LoRA); every rank iterates."""
         raise NotImplementedError
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the generation engine loads (LoRA merged in under base names)."""
-        from ..integrations.peft import export_weights
+        from ..models.lora import export_weights
 
         return export_weights(self.model, self.raw_named_weights())
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The LoRA adapter alone (PEFT's saved names) and its config, for adapter sync."""
+        from ..errors import UsageError
+        from ..models.lora import adapter_weights, config_dict, peft_info
+
+        info = peft_info(self.model)
+        if info is None:
+            raise UsageError("adapter sync needs LoRA on the actor: set --lora.rank (or --lora.config)")
+        weights = adapter_weights((n, t.cpu()) for n, t in self.raw_named_weights())
+        return weights, config_dict(info[0])
+
+    def _save_progress(self, file: Any) -> None:
+        """Update count and random state of this rank (the generator orders mini batches; the
+        process RNG drives dropout)."""
+        torch.save({"updates": self.updates, "generator": self.generator.get_state(),
+                    "torch_rng": torch.get_rng_state()}, file)
+
+    def _load_progress(self, file: Any) -> None:
+        state = torch.load(file, weights_only=True)
+        self.updates = int(state["updates"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def shutdown(self) -> None:
+        pass

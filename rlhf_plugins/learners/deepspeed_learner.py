@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
-from .base import Learner
+from ..protocols import BackendContext
+from .base import Learner, make_optimizer, make_scheduler
 
 logger = logging.getLogger("rlhf_plugins")
+#: DeepSpeed checkpoint tag inside a learner's checkpoint folder
+TAG = "zero"
 
 
 def deepspeed_config(config: Any, role: str, world_size: int) -> dict[str, Any]:
-    l = config.learner
-    stage = l.zero_stage
+    l, o = config.learner, config.section("deepspeed")
+    stage = o.zero_stage
     zero: dict[str, Any] = {"stage": stage}
-    if l.offload_optimizer and stage > 0:
+    if o.offload_optimizer and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if l.offload_params and stage == 3:
+    if o.offload_params and stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -72,14 +76,15 @@ def init_distributed() -> None:
 
 
 class DeepSpeedLearner(Learner):
-    def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
+    def __init__(self, ctx: BackendContext) -> None:
         import deepspeed
         import torch.distributed as dist
 
+        config, role = ctx.config, ctx.role
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._init_learner(config, role, seed_offset=self.rank)
-        self.stage = self.cfg.zero_stage
+        self.stage = config.section("deepspeed").zero_stage
         ds_config = deepspeed_config(config, role, self.world_size)
         hf_ds_config = None
         if self.stage == 3:
@@ -88,15 +93,17 @@ class DeepSpeedLearner(Learner):
             # alive while from_pretrained runs, so it loads partitioned; dropped afterwards so that
             # other models of this process (a local reference model) load whole
             hf_ds_config = HfDeepSpeedConfig(ds_config)
-        model = load_model()
+        model = ctx.load_model()
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.cfg.weight_decay)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        optimizer = make_optimizer(params, self.cfg, self.lr)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config,
+            lr_scheduler=lambda opt: make_scheduler(opt, config))
         del hf_ds_config
         self.model = self.engine.module
-        self._sleep = self.cfg.sleep
+        self._sleep = config.section("deepspeed").sleep
         self._warned_sleep = False
 
     # --- the update loop's parts -------------------------------------------------------
@@ -127,7 +134,7 @@ class DeepSpeedLearner(Learner):
             return
         if not torch.cuda.is_available() or self.stage != 3:
             if not self._warned_sleep:
-                logger.warning("learner.sleep needs a GPU and ZeRO-3; states stay where they are")
+                logger.warning("deepspeed.sleep needs a GPU and ZeRO-3; states stay where they are")
                 self._warned_sleep = True
             return
         self.engine.offload_states()
@@ -158,18 +165,27 @@ class DeepSpeedLearner(Learner):
             unwrapped = self.model
             unwrapped.save_pretrained(path, state_dict=state)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Full weights and the update count. DeepSpeed's optimizer state is partitioned
-        per rank; it is not part of this portable state."""
-        return {"model": self.full_state_dict(), "updates": self.updates}
+    def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed's own checkpoint (every rank writes its ZeRO partitions of the fp32 master
+        weights and optimizer states; collective), plus each rank's counters and random state."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.wake()
+        self.engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        self._save_progress(folder / f"learner-rank{self.rank}.pt")
+        self.sleep()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from ..errors import UsageError
+    def load_checkpoint(self, path: str) -> None:
+        folder = Path(path)
+        self.wake()
+        loaded, _ = self.engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if loaded is None:
+            from ..errors import UsageError
 
-        # ZeRO keeps partitioned fp32 master weights inside the optimizer: copying into the
-        # module would be silently overwritten at the next step.
-        raise UsageError("resuming a DeepSpeed learner from a state dict is not supported; "
-                         "use DeepSpeed's own checkpoints (engine.save_checkpoint / load_checkpoint)")
+            raise UsageError(f"no DeepSpeed checkpoint under '{folder}' (expected the '{TAG}' tag)")
+        self._load_progress(folder / f"learner-rank{self.rank}.pt")
+        self.sleep()
 
     def shutdown(self) -> None:
         destroy = getattr(self.engine, "destroy", None)

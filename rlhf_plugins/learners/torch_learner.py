@@ -1,21 +1,25 @@
-"""The plain torch learner: one process, AdamW, gradient accumulation (see ``base``)."""
+"""The plain torch learner: one process, AdamW (or Adam, SGD) with a learning-rate schedule,
+gradient accumulation (see ``base``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
-from .base import Learner
+from ..protocols import BackendContext
+from .base import Learner, make_optimizer, make_scheduler
 
 
 class TorchLearner(Learner):
-    def __init__(self, load_model: Callable[[], torch.nn.Module], config: Any, role: str = "actor") -> None:
-        self._init_learner(config, role)
-        self.model = model = load_model()
+    def __init__(self, ctx: BackendContext) -> None:
+        self._init_learner(ctx.config, ctx.role)
+        self.model = model = ctx.load_model()
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.cfg.weight_decay)
+        self.optimizer = make_optimizer(params, self.cfg, self.lr)
+        self.scheduler = make_scheduler(self.optimizer, ctx.config)
 
     def _module(self) -> Any:
         return self.model
@@ -27,6 +31,7 @@ class TorchLearner(Learner):
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
@@ -41,16 +46,24 @@ class TorchLearner(Learner):
     def save(self, path: str) -> None:
         self.model.save_pretrained(path)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-            "generator": self.generator.get_state(),
-        }
+    def save_checkpoint(self, path: str) -> None:
+        """Weights as safetensors (every tensor of the model, LoRA included), the optimizer's state
+        and the learner's counters and random state."""
+        from safetensors.torch import save_model
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(folder / "model.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   folder / "optimizer.pt")
+        self._save_progress(folder / "learner.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_model
+
+        folder = Path(path)
+        load_model(self.model, str(folder / "model.safetensors"))
+        state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = state["updates"]
-        self.generator.set_state(state["generator"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._load_progress(folder / "learner.pt")

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocols import PlacementContext
+
 
 class LocalPlacement:
-    """Roles are constructed in place; the loop calls their methods directly."""
+    """Roles are constructed in place (one rank each); the loop calls their methods directly."""
 
-    same_process = True
-
-    def __init__(self, config: Any, plugin_spec: Any, roles: tuple[str, ...] = ()) -> None:
-        self.config = config
+    def __init__(self, ctx: PlacementContext) -> None:
+        self.config = ctx.config
         self.roles: dict[str, Any] = {}
 
-    def create_role(self, role: str, cls: type, *args: Any, num_workers: int = 1, **kwargs: Any) -> Any:
+    def create_role(self, role: str, cls: type, *args: Any, **kwargs: Any) -> Any:
         obj = cls(*args, **kwargs)
         self.roles[role] = obj
         return obj

@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any
 
-from ..errors import ConfigError, UsageError
+from ..errors import UsageError
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -39,6 +39,9 @@ def connect(opts: Any) -> bool:
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
         target = _host_port(address)
+        if target is None and address != "auto":
+            raise ClusterError(f"ray.address '{address}' is not an address; give HOST:PORT (e.g. 127.0.0.1:6379), "
+                               "ray://HOST:PORT, auto, or leave it empty to start a local cluster")
         if target is not None:
             try:
                 socket.create_connection(target, timeout=opts.connect_timeout).close()
@@ -47,6 +50,7 @@ def connect(opts: Any) -> bool:
                     f"cannot reach the Ray cluster at '{address}' within {opts.connect_timeout:g} s ({exc}); "
                     "check --ray.address or RAY_ADDRESS, or omit both to start a local cluster"
                 ) from exc
+            _speaks_grpc(address, target, opts.connect_timeout)
         ray.init(address=address, log_to_driver=opts.log_to_driver, logging_level=logging.ERROR)
         return False
     num_cpus = opts.local_num_cpus or max(8, os.cpu_count() or 1)
@@ -58,6 +62,21 @@ def connect(opts: Any) -> bool:
         logging_level=logging.ERROR,
     )
     return True
+
+
+def _speaks_grpc(address: str, target: tuple[str, int], timeout: float) -> None:
+    """A Ray head answers gRPC (HTTP/2); some other service on the port would leave ``ray.init``
+    retrying for minutes, so say so now."""
+    import grpc
+
+    channel = grpc.insecure_channel(f"{target[0]}:{target[1]}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise ClusterError(f"'{address}' answers, but not as a Ray cluster (no gRPC within {timeout:g} s); check "
+                           "--ray.address (a Ray head's GCS port, 6379 by default)") from None
+    finally:
+        channel.close()
 
 
 def describe_cluster() -> str:
@@ -86,9 +105,13 @@ def check_capacity(layout: dict[str, list[dict[str, float]]]) -> None:
         need = sum(parts.values())
         if need > free.get(key, 0) + 1e-9:
             detail = ", ".join(f"{name} {v:g}" for name, v in parts.items() if v)
+            hint = "lower ray.*_workers or colocate roles (--ray.colocate)"
+            if key == "GPU" and not free.get("GPU"):
+                hint = ("this cluster has no GPUs: run on CPUs with --ray.gpus_per_worker 0, or give a local cluster "
+                        "fake GPUs with --ray.local_num_gpus N")
             raise ClusterError(
                 f"the roles ask for {need:g} {key} in all ({detail}) but the cluster has {free.get(key, 0):g}: "
-                f"{describe_cluster()}; lower ray.*_workers or colocate roles (--ray.colocate)"
+                f"{describe_cluster()}; {hint}"
             )
 
 
@@ -124,7 +147,8 @@ def release(pg: Any, timeout: float = 10.0) -> None:
 
 
 def check_options(opts: Any) -> None:
-    if opts.actor_workers < 1 or opts.critic_workers < 1 or opts.reference_workers < 1:
-        raise ConfigError("ray.actor_workers, ray.critic_workers and ray.reference_workers must be >= 1")
-    if opts.gpus_per_worker < 0 or opts.cpus_per_worker <= 0:
-        raise ConfigError("ray.gpus_per_worker must be >= 0 and ray.cpus_per_worker > 0")
+    """The ``ray`` section within its declared bounds (validation does it too; a placement built
+    directly, as in tests, checks here)."""
+    from ..settings import check_bounds
+
+    check_bounds(opts, "ray.")

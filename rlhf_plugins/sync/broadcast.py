@@ -1,20 +1,24 @@
-"""Bucketed broadcast weight sync.
+"""``--sync.method broadcast``: bucketed broadcast from the learner's rank 0 to every engine worker.
 
-The learner's rank 0 packs weights (same dtype) into flat buckets of about
-``sync.bucket_mb``; per bucket it makes *one* call per engine (the bucket's names,
-shapes and offsets) and *one* broadcast over the sync group. A per-parameter
-scheme (one call and one broadcast per tensor) pays the round trip hundreds of
-times per sync; see ``bench/weight_sync.py``.
+This module owns both ends. Rank 0 of the actor packs weights (same dtype) into flat buckets of
+about ``sync.bucket_mb``; per bucket it makes *one* call per engine (the bucket's names, shapes
+and offsets) and *one* broadcast over a process group spanning itself and every worker of every
+engine (NCCL on GPU, gloo on CPU). Each engine worker keeps what it received and loads it all in
+one ``load_weights`` at the end (vLLM processes weights layer by layer and needs a layer's tensors
+together). A per-parameter scheme (one call and one broadcast per tensor, ``--sync.bucket_mb 0``)
+pays the round trip hundreds of times per sync; see ``bench/weight_sync.py``.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..weights import WeightSyncError
+from ..models.weights import WeightSyncError
+from ..protocols import ModelWorker, RankContext, on_model_workers
+
+KEY = "broadcast_sync"
 
 
 @dataclass
@@ -62,35 +66,9 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield current, parts
 
 
-def send_buckets(named: Iterable[tuple[str, torch.Tensor]], group: Any, engines: list[Any], bucket_bytes: int
-                 ) -> dict[str, Any]:
-    """Run on every learner rank; only the rank holding ``group`` (rank 0) sends."""
-    if group is None:
-        for _ in named:  # take part in collective gathers (ZeRO-3)
-            pass
-        return {}
-    futures, tensors, nbytes, count = [], 0, 0, 0
-    for bucket, parts in buckets(named, bucket_bytes):
-        flat = torch.cat(parts)
-        futures += [engine.submit("receive_bucket", bucket) for engine in engines]
-        group.broadcast(flat.to(group.device), src=0)
-        tensors += len(bucket.names)
-        nbytes += flat.numel() * flat.element_size()
-        count += 1
-    futures += [engine.submit("commit_weights") for engine in engines]
-    engines[0].wait(futures)
-    return {"tensors": tensors, "bytes": nbytes, "buckets": count, "rpcs": len(futures)}
-
-
 def bucket_bytes(config: Any) -> int:
     """``sync.bucket_mb`` in bytes; 0 means one tensor per bucket."""
     return int(config.sync.bucket_mb * 2**20)
-
-
-def receive_bucket(group: Any, bucket: Bucket) -> torch.Tensor:
-    flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=group.device)
-    group.broadcast(flat, src=0)
-    return flat
 
 
 def check_names(learner: dict[str, Any], engine: dict[str, Any]) -> None:
@@ -114,11 +92,98 @@ def _is_float(dtype: str) -> bool:
     return any(k in dtype for k in ("float", "bfloat"))
 
 
+def pending(worker: ModelWorker) -> list[tuple[str, torch.Tensor]]:
+    """What a model worker received since its last commit."""
+    return worker.state.setdefault("pending_weights", [])
+
+
+def commit_worker(worker: ModelWorker) -> int:
+    """Load everything received since the last commit at once."""
+    received = pending(worker)
+    if received:
+        worker.load_weights(list(received))
+    count = len(received)
+    received.clear()
+    return count
+
+
+def commit(ctx: RankContext) -> int:
+    """Engine side, after the last bucket of a sync."""
+    return sum(on_model_workers(ctx.backend, commit_worker))
+
+
+# --- process-group set-up -------------------------------------------------------------------
+
+
+def _free_address(ctx: RankContext) -> tuple[str, int, str]:
+    from .groups import default_backend, free_address
+
+    return (*free_address(), default_backend())
+
+
+def _worker_rank(worker: ModelWorker) -> int:
+    return int(worker.rank)
+
+
+def _model_workers(ctx: RankContext) -> int:
+    return len(on_model_workers(ctx.backend, _worker_rank))
+
+
+def _learner_join(ctx: RankContext, address: str, port: int, world: int, backend: str) -> None:
+    from .groups import SyncGroup
+
+    ctx.state[KEY] = SyncGroup(address, port, world, 0, backend)
+
+
+def _worker_join(worker: ModelWorker, address: str, port: int, world: int, offset: int, backend: str) -> int:
+    from .groups import SyncGroup
+
+    rank = offset + int(worker.rank)
+    worker.state[KEY] = SyncGroup(address, port, world, rank, backend)
+    return rank
+
+
+def _engine_join(ctx: RankContext, address: str, port: int, world: int, offset: int, backend: str) -> list[int]:
+    return on_model_workers(ctx.backend, _worker_join, address, port, world, offset, backend)
+
+
+# --- one sync --------------------------------------------------------------------------------
+
+
+def _worker_receive(worker: ModelWorker, bucket: Bucket) -> int:
+    group = worker.state[KEY]
+    flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=group.device)
+    group.broadcast(flat, src=0)
+    pending(worker).extend(bucket.unpack(flat))
+    return len(bucket.names)
+
+
+def _receive(ctx: RankContext, bucket: Bucket) -> int:
+    return sum(on_model_workers(ctx.backend, _worker_receive, bucket))
+
+
+def _send(ctx: RankContext, engines: list[Any], size: int) -> dict[str, Any]:
+    """Every learner rank iterates the weights (ZeRO-3 gathers are collective); rank 0 sends."""
+    named = ctx.backend.named_weights()
+    group = ctx.state.get(KEY)
+    if group is None:
+        for _ in named:
+            pass
+        return {}
+    futures, tensors, nbytes, count = [], 0, 0, 0
+    for bucket, parts in buckets(named, size):
+        flat = torch.cat(parts)
+        futures += [engine.submit(_receive, bucket) for engine in engines]
+        group.broadcast(flat.to(group.device), src=0)
+        tensors += len(bucket.names)
+        nbytes += flat.numel() * flat.element_size()
+        count += 1
+    futures += [engine.submit(commit) for engine in engines]
+    engines[0].wait(futures)
+    return {"tensors": tensors, "bytes": nbytes, "buckets": count, "rpcs": len(futures)}
+
+
 class BroadcastSync:
-    """``--sync.method broadcast``: learner rank 0 -> every engine worker."""
-
-    same_process = False
-
     def __init__(self, config: Any) -> None:
         self.bucket_bytes = bucket_bytes(config)
         self.engines: list[Any] | None = None
@@ -126,22 +191,17 @@ class BroadcastSync:
     def setup(self, actor: Any, engine: Any) -> None:
         check_names(actor.weight_shapes(), engine.weight_shapes())
         self.engines = engine.endpoints()
-        source = actor.endpoints()[0]
-        address, port = source.call("free_address")
-        backend = source.call("sync_backend")
-        ranks = [e.call("sync_ranks") for e in self.engines]
-        world = 1 + sum(ranks)
-        futures = [source.submit("init_weight_sync", address, port, world, backend)]
+        address, port, backend = actor.run(_free_address, rank=0)
+        workers = [e.call(_model_workers) for e in self.engines]
+        world = 1 + sum(workers)
+        futures = [actor.endpoints()[0].submit(_learner_join, address, port, world, backend)]
         offset = 1
-        for endpoint, n in zip(self.engines, ranks):
-            futures.append(endpoint.submit("init_weight_sync", address, port, world, offset, backend))
+        for endpoint, n in zip(self.engines, workers):
+            futures.append(endpoint.submit(_engine_join, address, port, world, offset, backend))
             offset += n
-        source.wait(futures)
+        actor.endpoints()[0].wait(futures)
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:
-        start = time.perf_counter()
         if self.engines is None:
             self.setup(actor, engine)
-        info = actor.broadcast_weights(self.engines, self.bucket_bytes)
-        info.update(method="broadcast", seconds=time.perf_counter() - start)
-        return info
+        return actor.run(_send, self.engines, self.bucket_bytes)[0]

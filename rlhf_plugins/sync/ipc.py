@@ -1,21 +1,23 @@
-"""Colocated weight sync by IPC handle: CUDA IPC on GPU, shared memory on CPU.
+"""``--sync.method ipc``: colocated weight sync by IPC handle (CUDA IPC on GPU, shared memory on CPU).
 
-The learner's rank 0 keeps one shared buffer per bucket for the whole run. A sync
-copies the weights into the buffers and sends each engine one call per bucket
-with the buffer's handle (the handle is opened once per engine). An engine whose
-model can alias the buffer (same dtype, the transformers engine) points its
-parameters at it -- zero copies on the receiving side; vLLM copies (its CPU
-kernels repack weights).
+This module owns both ends. The learner's rank 0 keeps one shared buffer per bucket for the whole
+run; a sync copies the weights into the buffers and sends each engine one call per bucket with the
+buffer's handle (opened once per model worker). A worker that can alias the buffer (same dtype,
+``share_weights``: the transformers engine) points its parameters at it -- zero copies on the
+receiving side, later syncs move nothing; others (vLLM repacks weights for its CPU kernels) load
+from the buffer at the commit. Needs the engine on the learner's node and device.
 """
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any, Iterable
 
 import torch
 
-from .broadcast import Bucket, bucket_bytes, buckets, check_names
+from ..protocols import ModelWorker, RankContext, on_model_workers, share_weights
+from .broadcast import Bucket, bucket_bytes, buckets, check_names, commit, pending
+
+KEY = "ipc_sync"
 
 
 def ipc_handle(tensor: torch.Tensor) -> bytes:
@@ -72,61 +74,53 @@ class IPCSender:
             for part in parts:
                 buf[offset : offset + part.numel()].copy_(part)
                 offset += part.numel()
-            futures += [engine.submit("receive_ipc", bucket, handle, index) for engine in engines]
+            futures += [engine.submit(_receive, bucket, handle, index) for engine in engines]
             tensors += len(bucket.names)
             nbytes += buf.numel() * buf.element_size()
-        futures += [engine.submit("commit_weights") for engine in engines]
+        futures += [engine.submit(commit) for engine in engines]
         engines[0].wait(futures)  # buffers are rewritten only after every engine has read them
         return {"tensors": tensors, "bytes": nbytes, "buckets": len(self.buffers), "rpcs": len(futures)}
 
 
-class IPCReceiver:
-    """Lives in an engine: opened buffers by bucket index, and whether the model aliases them."""
-
-    def __init__(self) -> None:
-        self.opened: dict[int, tuple[bytes, torch.Tensor, bool]] = {}
-
-    def receive(self, model: torch.nn.Module, bucket: Bucket, handle: bytes, index: int) -> dict[str, Any]:
-        from ..weights import load_named_weights
-
-        entry = self.opened.get(index)
-        if entry is None or entry[0] != handle:
-            flat = open_handle(handle)
-            aliased = alias(model, bucket.unpack(flat))
-            self.opened[index] = entry = (handle, flat, aliased)
-        if entry[2]:
-            return {"tensors": len(bucket.names), "copied": 0}
-        load_named_weights(model, bucket.unpack(entry[1]))
-        return {"tensors": len(bucket.names), "copied": len(bucket.names)}
+def _worker_receive(worker: ModelWorker, bucket: Bucket, handle: bytes, index: int) -> int:
+    """Open each buffer once (kept open: closing the last mapping frees it); alias it when the
+    worker can, else queue its tensors for the commit. Returns how many tensors will be copied."""
+    opened = worker.state.setdefault(KEY, {})
+    entry = opened.get(index)
+    if entry is None or entry[0] != handle:
+        flat = open_handle(handle)
+        entry = opened[index] = (handle, flat, share_weights(worker, bucket.unpack(flat)))
+    if entry[2]:
+        return 0
+    pending(worker).extend(bucket.unpack(entry[1]))
+    return len(bucket.names)
 
 
-def alias(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> bool:
-    """Point parameters at the shared views when every one matches in shape and dtype."""
-    params = dict(model.named_parameters())
-    pairs = list(named)
-    if not all(n in params and params[n].shape == v.shape and params[n].dtype == v.dtype
-               and params[n].device == v.device for n, v in pairs):
-        return False
-    with torch.no_grad():
-        for name, view in pairs:
-            params[name].data = view
-    return True
+def _receive(ctx: RankContext, bucket: Bucket, handle: bytes, index: int) -> int:
+    return sum(on_model_workers(ctx.backend, _worker_receive, bucket, handle, index))
+
+
+def _send(ctx: RankContext, engines: list[Any], size: int) -> dict[str, Any]:
+    """Every learner rank iterates the weights (ZeRO-3 gathers are collective); rank 0 writes
+    them into the shared buffers."""
+    named = ctx.backend.named_weights()
+    if ctx.rank != 0:
+        for _ in named:
+            pass
+        return {}
+    sender = ctx.state.get(KEY)
+    if sender is None:
+        sender = ctx.state[KEY] = IPCSender()
+    return sender.send(named, engines, size)
 
 
 class IPCSync:
-    """``--sync.method ipc``: learner and engine colocated on one node (``--ray.colocate all``)."""
-
-    same_process = False
-
     def __init__(self, config: Any) -> None:
         self.bucket_bytes = bucket_bytes(config)
         self.engines: list[Any] | None = None
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:
-        start = time.perf_counter()
         if self.engines is None:
             check_names(actor.weight_shapes(), engine.weight_shapes())
             self.engines = engine.endpoints()
-        info = actor.ipc_weights(self.engines, self.bucket_bytes)
-        info.update(method="ipc", seconds=time.perf_counter() - start)
-        return info
+        return actor.run(_send, self.engines, self.bucket_bytes)[0]

@@ -1,0 +1,137 @@
+"""PEFT integration: LoRA on the actor (and critic) by wrapping model loading.
+
+``--lora.rank 8`` (or ``--lora.config adapter_config.json``) wraps whatever the
+``rlhf_load_model`` hook loaded with PEFT, for the torch and DeepSpeed learners
+alike. Two ways to bring LoRA weights to the generation engine:
+
+* by default the learner exports ``W + scale * B @ A`` under the base model's names, through
+  whichever weight-sync method runs;
+* ``--sync.method adapter``: only the adapter moves; vLLM generates with its LoRA support, the
+  transformers engine wraps itself with PEFT.
+
+Saving writes the adapter in PEFT's format; ``--lora.save_merged`` also writes the
+merged model next to it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .._markers import hookimpl
+from ..errors import ConfigError
+from ..settings import setting
+
+
+@dataclass
+class LoraOptions:
+    #: LoRA rank; 0 disables LoRA
+    rank: int = setting(0, ge=0)
+    #: LoRA scaling numerator (the update is scaled by alpha / rank)
+    alpha: float = setting(16.0, gt=0)
+    #: dropout on the LoRA input
+    dropout: float = setting(0.0, ge=0, lt=1)
+    #: module names (suffixes) to adapt, or "all-linear"
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    #: a PEFT ``adapter_config.json`` (or its folder) instead of the fields above
+    config: str | None = None
+    #: also put LoRA on the critic's backbone
+    critic: bool = True
+    #: after training, also save base + adapter merged into ``<run>/final-merged``
+    save_merged: bool = False
+
+
+def enabled(config: Any) -> bool:
+    o = getattr(config, "extra", {}).get("lora")  # absent from a Config built without plugins
+    return o is not None and (o.rank > 0 or o.config is not None)
+
+
+def lora_config(config: Any) -> Any:
+    from peft import LoraConfig
+
+    o = config.section("lora")
+    if o.config:
+        path = Path(o.config)
+        path = path / "adapter_config.json" if path.is_dir() else path
+        from ..models.lora import lora_config_from_dict
+
+        return lora_config_from_dict(json.loads(path.read_text()))
+    targets: Any = o.target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(r=o.rank, lora_alpha=o.alpha, lora_dropout=o.dropout, target_modules=targets, bias="none")
+
+
+def linear_names(model: Any) -> list[str]:
+    import torch
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def apply_lora(model: Any, config: Any, role: str) -> Any:
+    from peft import get_peft_model
+
+    cfg = lora_config(config)
+    target = model.backbone if role == "critic" else model
+    try:
+        wrapped = get_peft_model(target, cfg)
+    except ValueError as exc:
+        if "not found in the base model" in str(exc) or "Target modules" in str(exc):
+            wanted = sorted(cfg.target_modules) if isinstance(cfg.target_modules, (set, list)) else cfg.target_modules
+            raise ConfigError(
+                f"LoRA target modules {wanted} match nothing in the {role} model; available: "
+                + ", ".join(linear_names(target))
+            ) from exc
+        raise
+    if role == "critic":
+        model.backbone = wrapped
+        return model
+    return wrapped
+
+
+@hookimpl
+def rlhf_add_options(options: Any) -> None:
+    options.add_section("lora", LoraOptions)
+
+
+@hookimpl
+def rlhf_configure(config: Any, plan: Any) -> None:
+    o = config.section("lora")
+    if plan.sync.needs_adapter and not enabled(config):
+        raise ConfigError(f"weight sync '{plan.sync.name}' moves a LoRA adapter alone: set --lora.rank "
+                          "(or --lora.config), or choose another --sync.method")
+    if not enabled(config):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("LoRA needs peft, which is not installed: pip install 'rlhf-plugins[peft]'")
+    if o.config and not Path(o.config).exists():
+        raise ConfigError(f"lora.config '{o.config}' does not exist; give a PEFT adapter_config.json or its folder")
+
+
+@hookimpl(wrapper=True)
+def rlhf_load_model(role: str, path: str, config: Any) -> Iterator[Any]:
+    model = yield
+    if model is not None and enabled(config) and (role == "actor" or (role == "critic" and config.section("lora").critic)):
+        model = apply_lora(model, config, role)
+    return model
+
+
+@hookimpl
+def rlhf_after_train(run_dir: Path, metrics: Any) -> None:
+    config_file = run_dir / "config.yaml"
+    final = run_dir / "final"
+    if not (final / "adapter_config.json").is_file():
+        return
+    import yaml
+
+    if not (yaml.safe_load(config_file.read_text()).get("lora") or {}).get("save_merged"):
+        return
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    merged = AutoPeftModelForCausalLM.from_pretrained(str(final)).merge_and_unload()
+    merged.save_pretrained(run_dir / "final-merged")
+    AutoTokenizer.from_pretrained(str(final)).save_pretrained(run_dir / "final-merged")

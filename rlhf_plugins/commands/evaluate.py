@@ -1,0 +1,141 @@
+"""``rlhf eval``: the held-out evaluation of a run, standalone, on a saved policy or a run directory.
+
+``rlhf eval --model runs/x`` evaluates ``runs/x/final`` with the run's own config (data columns,
+reward, evaluation settings, plugins); ``--model runs/x/best`` its best policy; ``--model PATH``
+any ``save_pretrained`` folder with the default config. Config flags apply as for ``rlhf train``
+(``--eval.n_samples 16``, ``--generation.backend vllm``, ``--placement.strategy ray``). The
+report is JSON: the metrics, the model, the data and the evaluation settings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import UsageError
+
+
+def add_parser(sub: Any, plugin_args: Any) -> None:
+    p = sub.add_parser("eval", allow_abbrev=False, help="evaluate a saved policy or a run on held-out prompts",
+                       description="Held-out evaluation (pass@1, pass@k, mean@k, maj@k, greedy) of a saved policy or a "
+                                   "run directory, through the same engines as training. Every config key is a flag "
+                                   "(--eval.n_samples 16). With no arguments: the default model on the default task's "
+                                   "test split.")
+    p.add_argument("--model", metavar="PATH", help="a run directory (its final/ policy and its config), a run's best/ "
+                                                   "or final/ folder, or any save_pretrained folder")
+    p.add_argument("--data", metavar="PATH", help="held-out prompts (file, folder or builtin:NAME); default: the run's "
+                                                  "own held-out data")
+    p.add_argument("--output", metavar="FILE", default="eval.json", help="where the JSON report goes (default: eval.json)")
+    p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
+    plugin_args(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+
+
+def model_and_config(model: str | None) -> tuple[str | None, dict[str, Any]]:
+    """(policy folder, the run's saved config or {}) for what ``--model`` names."""
+    from ..config.loading import load_yaml
+
+    if model is None:
+        return None, {}
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise UsageError(f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
+    if (path / "config.yaml").is_file():
+        final = path / "final"
+        if not final.is_dir():
+            raise UsageError(f"run '{path}' has no final/ policy (it did not finish); evaluate a finished run or its "
+                             "best/ folder")
+        return str(final), load_yaml(path / "config.yaml")
+    if path.name in ("final", "best") and (path.parent / "config.yaml").is_file():
+        return str(path), load_yaml(path.parent / "config.yaml")
+    return str(path), {}
+
+
+def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
+    from ..api import offline_defaults, prepare
+    from ..config.loading import load_yaml, merge, parse_overrides
+
+    offline_defaults()
+    folder, saved = model_and_config(args.model)
+    raw = merge(saved, load_yaml(args.config) if args.config else {})
+    raw = merge(raw, parse_overrides(rest))
+    if folder is not None:
+        raw = merge(raw, {"model": {"path": folder}})
+    if args.data:
+        raw = merge(raw, {"eval": {"path": args.data, "enabled": True}})
+    config, pm, plan = prepare(raw, args.plugin)
+    out = Path(args.output).expanduser()
+    if not out.parent.is_dir() or out.is_dir():
+        raise UsageError(f"cannot write the report to '{out}': {'it is a folder' if out.is_dir() else 'no such folder'}; "
+                         "choose another --output")
+    report = evaluate(config, pm, plan, console)
+    try:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(out)
+    except OSError as exc:
+        raise UsageError(f"cannot write the report to '{out}': {exc.strerror or exc}; choose another --output") from exc
+    console.print(f"report written to {escape(str(out))}", highlight=False)
+    return 0
+
+
+def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any]:
+    """Place the generation and reward roles, evaluate once, return the report."""
+    from rich.table import Table
+    from transformers import AutoTokenizer
+
+    from .._lazy import resolve
+    from ..data.prompts import eval_source
+    from ..models.tiny_model import default_model_path
+    from ..protocols import PlacementContext
+    from ..training.heldout import make_evaluator
+    from ..training.reward_role import RewardRole
+    from ..training.roles import GenerationRole
+    from ..training.run import load_data
+    from ..training.runlog import TaskProgress, quiet_libraries
+
+    source = eval_source(config)
+    if source is None:
+        raise UsageError("no held-out prompts: give --data PATH (or --eval.path, or --eval.split to hold out part of "
+                         "--data.path)")
+    quiet_libraries()
+    model_path = config.model.path or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    _, held = load_data(config, plan, tokenizer)
+    spec = pm.spec
+    ctx = PlacementContext(config, ("generation", "reward"), workers={"generation": plan.engine_workers},
+                           plugin_spec=spec, accelerated=("generation", *(("reward",) if config.reward.models else ())))
+    placement = resolve(plan.placement.factory)(ctx)
+    try:
+        engine = placement.create_role("generation", GenerationRole, config, spec, model_path, plan.engine,
+                                       plan.provider(plan.engine), False)
+        reward = placement.create_role("reward", RewardRole, config, spec, plan.rewards, plan.weights)
+        evaluator = make_evaluator(config, pm, tokenizer, engine, reward, held)
+        with TaskProgress(console if config.train.progress else None, "eval", "prompts") as bar:
+            metrics = evaluator(0, bar)
+    finally:
+        placement.shutdown()
+    console.print(f"held-out evaluation of {escape(model_path)} on {escape(str(source))} ({len(held)} prompts, "
+                  f"{config.eval.n_samples} samples each)", highlight=False, soft_wrap=True)
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4f}")
+    console.print(table)
+    e = config.eval
+    return {
+        "model": model_path,
+        "data": source if source != "split" else f"{config.data.path} (held-out split {e.split})",
+        "prompts": len(held),
+        "metrics": metrics,
+        "settings": {"n_samples": e.n_samples, "temperature": e.temperature,
+                     "max_new_tokens": e.max_new_tokens or config.generation.max_new_tokens,
+                     "threshold": e.threshold, "reward": list(e.reward_functions) or
+                     [*plan.rewards, *config.reward.models, *(["remote"] if config.reward.remote_urls else [])],
+                     "seed": config.train.seed},
+    }

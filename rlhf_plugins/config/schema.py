@@ -1,0 +1,335 @@
+"""Typed run configuration: dataclasses, loaded from YAML, overridden by dotted flags.
+
+``rlhf train --config ppo.yaml --algo.advantage.estimator gae`` reads the YAML,
+applies each ``--section.field value`` on top, and checks every key and type
+before any process, model or GPU is taken (:mod:`rlhf_plugins.config.loading`). Plugins add their own sections through
+the ``rlhf_add_options`` hook; those are typed and checked the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from ..settings import setting
+
+
+@dataclass
+class ModelConfig:
+    #: a local ``save_pretrained`` folder; empty means the embedded tiny Llama (built once, cached)
+    path: str | None = None
+    #: float32 | bfloat16 | float16 -- weights of every role
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: run Python code that ships with a model folder (custom architectures); never asked interactively
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    #: JSONL / JSON / parquet file or a folder of them; empty means the built-in addition task
+    path: str | None = None
+    #: column holding the prompt: a string, or a list of chat messages
+    prompt_key: str = "prompt"
+    #: column passed to reward functions as ``label`` (other columns are passed under their own names)
+    label_key: str = "label"
+    #: render prompts with the tokenizer's chat template (add_generation_prompt)
+    apply_chat_template: bool = True
+    #: longer prompts are dropped (with a warning)
+    max_prompt_tokens: int = setting(256, ge=1)
+    #: sample prompts in a seeded random order each pass (false: file order)
+    shuffle: bool = True
+
+
+@dataclass
+class GenerationConfig:
+    #: generation engine: transformers | vllm (or a plugin's); see `rlhf plugins --components`
+    backend: str = "transformers"
+    #: completions sampled per prompt (the group of group_norm / rloo)
+    n_samples_per_prompt: int = setting(8, ge=1)
+    #: completion length budget in tokens
+    max_new_tokens: int = setting(6, ge=1)
+    #: sampling temperature of rollouts (log-probs are of the tempered distribution)
+    temperature: float = setting(1.0, gt=0)
+    #: nucleus sampling; 1 disables it
+    top_p: float = setting(1.0, gt=0, le=1)
+    #: 0 disables top-k
+    top_k: int = setting(0, ge=0)
+
+
+@dataclass
+class RewardConfig:
+    #: reward functions by name; empty picks the only one a --plugin provides, else the task's default
+    #: (none when reward models or remote servers are given)
+    functions: list[str] = field(default_factory=list)
+    #: reward model folders (TRL RewardTrainer or OpenRLHF format), scored in the reward role
+    models: list[str] = field(default_factory=list)
+    #: OpenRLHF-protocol reward servers (POST {"query", "prompts", "labels"} -> {"rewards"}); requests
+    #: are spread over them
+    remote_urls: list[str] = field(default_factory=list)
+    #: one weight per source -- functions, then models, then the remote servers (default 1.0 each);
+    #: the combined score is the weighted sum
+    weights: list[float] = field(default_factory=list)
+    #: samples per reward-model forward
+    model_batch_size: int = setting(16, ge=1)
+    #: name of an OpenRLHF reward model's value head (empty: "score", else "value_head")
+    value_head_prefix: str | None = None
+    #: samples per request to a reward server
+    remote_batch_size: int = setting(64, ge=1)
+    #: requests to reward servers in flight at once
+    remote_concurrency: int = setting(4, ge=1)
+    #: attempts per request to a reward server before the step fails
+    remote_retries: int = setting(3, ge=1)
+    #: seconds any reward call may take (a function, a model, one request to a server); 0: no limit
+    timeout: float = setting(300.0, ge=0)
+    #: subtracted from the score of a completion that hit max_new_tokens without stopping
+    stop_penalty: float = setting(0.0)
+    #: DAPO soft overlong penalty: the last N tokens before max_new_tokens cost up to ``overlong_penalty``
+    overlong_buffer: int = setting(0, ge=0)
+    #: the largest overlong penalty (reached at max_new_tokens)
+    overlong_penalty: float = setting(1.0, ge=0)
+    #: normalise scores by running mean and std (state kept in checkpoints)
+    normalize: bool = False
+    #: clip (shaped) scores to [-clip, clip]
+    clip: float | None = setting(None, gt=0)
+    #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts
+    dynamic_filtering: bool = False
+    #: with dynamic filtering, also drop groups whose mean score is not strictly inside [low, high]
+    filter_range: list[float] | None = None
+    #: generation rounds per step at most when refilling filtered groups
+    filter_max_rounds: int = setting(4, ge=1)
+    #: call a reward function again when it raises, up to this many times (0: an error stops the run)
+    max_retries: int = setting(0, ge=0)
+
+
+@dataclass
+class AdvantageConfig:
+    #: group_norm (GRPO) | dr_grpo | rloo | reinforce | reinforce_baseline | gae (PPO, with a critic)
+    estimator: str = "group_norm"
+    #: discount per token (gae, reinforce)
+    gamma: float = setting(1.0, ge=0, le=1)
+    #: GAE lambda: 1 is Monte-Carlo returns, 0 one-step TD
+    lam: float = setting(0.95, ge=0, le=1)
+
+
+@dataclass
+class PolicyLossConfig:
+    #: ppo (token-level ratio) | gspo (sequence-level ratio) or a plugin's
+    name: str = "ppo"
+    #: ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_low: float = setting(0.2, ge=0, lt=1)
+    #: upper clip range; above clip_low it is DAPO's clip-higher
+    clip_high: float = setting(0.2, ge=0)
+    #: dual-clip bound c > 1 for negative advantages; empty disables it
+    dual_clip: float | None = setting(None, gt=1)
+    #: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm;
+    #: empty: the loss's own default (token-mean; seq-mean-token-mean for gspo)
+    aggregation: str | None = None
+    #: the constant divisor of seq-mean-token-sum-norm (Dr. GRPO); empty: generation.max_new_tokens
+    norm_length: int | None = setting(None, ge=1)
+    #: entropy bonus coefficient (0: none)
+    entropy_coef: float = setting(0.0)
+    #: correct the generation engine / learner mismatch with the engine's log-probs:
+    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
+    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
+    #: TIS truncation and upper band of icepop / seq_mask_tis
+    mismatch_high: float = setting(2.0, ge=1)
+    #: lower band of icepop / seq_mask_tis
+    mismatch_low: float = setting(0.5, gt=0, le=1)
+    #: TIS also clamps token weights from below at this value (0: truncate from above only)
+    tis_floor: float = setting(0.0, ge=0, le=1)
+
+
+@dataclass
+class KLConfig:
+    #: k1 (log-ratio) | k2 (squared log-ratio / 2) | k3 (Schulman's unbiased, non-negative)
+    estimator: str = "k3"
+    #: 0 disables the reference model entirely
+    coef: float = setting(0.001, ge=0)
+    #: apply KL as a token-level penalty in the reward instead of a loss term
+    in_reward: bool = False
+    #: with in_reward and a group estimator: subtract the summed KL from each score *before* the
+    #: group baseline (amplifies KL noise in groups of equal scores); default: baseline the raw
+    #: scores, then subtract the KL per token as reward-to-go
+    penalty_in_baseline: bool = False
+    #: fixed coefficient, or adaptive (Ziegler et al.): steer the measured KL towards ``target``
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    #: the KL the adaptive controller steers towards
+    target: float = setting(0.1, gt=0)
+    #: samples over which the adaptive controller moves the coefficient
+    horizon: int = setting(10000, ge=1)
+
+
+@dataclass
+class CriticConfig:
+    #: empty: a critic runs exactly when the advantage estimator needs one
+    enabled: bool | None = None
+    #: a local folder with a critic (or any causal LM); empty: initialised from the policy
+    path: str | None = None
+    #: learning rate of the critic
+    lr: float = setting(5e-3, gt=0)
+    #: value-loss clipping around the rollout-time values; empty disables it
+    value_clip: float | None = setting(0.2, gt=0)
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class LearnerConfig:
+    #: torch (one process) | deepspeed (ZeRO 0-3, several ranks) or a plugin's
+    backend: str = "torch"
+    #: peak learning rate of the policy
+    lr: float = setting(1e-3, gt=0)
+    #: decoupled weight decay (AdamW) or L2 (Adam, SGD)
+    weight_decay: float = setting(0.0, ge=0)
+    #: clip the global gradient norm to this (0: no clipping)
+    max_grad_norm: float = setting(1.0, ge=0)
+    #: passes over each rollout
+    epochs: int = setting(1, ge=1)
+    #: samples per optimizer step; 0 means the whole rollout (one step per rollout per epoch)
+    mini_batch_size: int = setting(0, ge=0)
+    #: samples per forward/backward (gradient accumulation); 0 means the mini batch
+    micro_batch_size: int = setting(0, ge=0)
+    #: recompute activations in the backward pass (less memory, about a third more compute)
+    gradient_checkpointing: bool = False
+    #: adamw | adam | sgd
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    #: Adam(W)'s beta1 and beta2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: Adam(W)'s epsilon
+    eps: float = setting(1e-8, gt=0)
+    #: SGD's momentum
+    momentum: float = setting(0.0, ge=0, lt=1)
+    #: learning-rate schedule over all optimizer updates of the run: constant | linear | cosine
+    #: (decaying to ``min_lr_ratio`` * lr), after a linear warm-up of ``warmup_steps`` updates
+    #: (or ``warmup_ratio`` of them)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    #: optimizer updates of linear warm-up from 0 to lr
+    warmup_steps: int = setting(0, ge=0)
+    #: warm-up as a share of all optimizer updates (used when warmup_steps is 0)
+    warmup_ratio: float = setting(0.0, ge=0, le=1)
+    #: where linear and cosine decay end, as a share of lr
+    min_lr_ratio: float = setting(0.0, ge=0, le=1)
+
+
+@dataclass
+class PlacementConfig:
+    #: where roles run: local (this process) | ray (placement groups) or a plugin's
+    strategy: str = "local"
+
+
+@dataclass
+class SyncConfig:
+    #: empty: the placement's default (inprocess for local, broadcast for ray)
+    method: str | None = None
+    #: bucket size of the broadcast / ipc methods (0: one tensor per bucket, one call each)
+    bucket_mb: float = setting(64.0, ge=0)
+    #: after every sync compare the engine's log-probs with the learner's on a fixed probe
+    verify: bool = False
+
+
+@dataclass
+class EvalConfig:
+    #: false: no held-out evaluation
+    enabled: bool = True
+    #: held-out prompts (file, folder or builtin:NAME; same columns as the training data); empty: the
+    #: built-in task's test split when training on the built-in task, else ``split`` of the training data
+    path: str | None = None
+    #: hold out this fraction of the training prompts for evaluation (when ``path`` is empty)
+    split: float = setting(0.0, ge=0, lt=1)
+    #: evaluate every N steps; always before the first step and after the last (0: only then)
+    every: int = setting(0, ge=0)
+    #: samples per prompt at ``temperature`` (k of pass@k, mean@k, maj@k), plus one greedy sample
+    n_samples: int = setting(8, ge=1)
+    #: sampling temperature of the evaluation samples
+    temperature: float = setting(1.0, gt=0)
+    #: empty: generation.max_new_tokens
+    max_new_tokens: int | None = setting(None, ge=1)
+    #: evaluate the first N held-out prompts only (0: all)
+    max_prompts: int = setting(0, ge=0)
+    #: reward functions that judge a sample (their sum); empty: the training reward
+    reward_functions: list[str] = field(default_factory=list)
+    #: a sample is correct when its score is at least this
+    threshold: float = setting(1.0)
+    #: prompts per generation call
+    batch_prompts: int = setting(64, ge=1)
+
+
+@dataclass
+class TrainConfig:
+    #: rollout steps (generate, score, update, sync) of the run
+    steps: int = setting(200, ge=1)
+    #: prompts per rollout (each sampled n_samples_per_prompt times)
+    prompts_per_step: int = setting(16, ge=1)
+    #: seeds sampling, prompt order, initialisation and evaluation
+    seed: int = setting(0, ge=0, le=2**32 - 1)
+    #: where run directories are created
+    output_dir: str = "runs"
+    #: empty means ``<estimator>-<date>-<time>``
+    run_name: str | None = None
+    #: save the trained policy to ``<run>/final`` (save_pretrained)
+    save_final: bool = True
+    #: write a checkpoint every N steps (and at the end); 0: only at the end and on interruption
+    save_every: int = setting(100, ge=0)
+    #: complete checkpoints kept (the newest); 0 keeps all
+    keep_checkpoints: int = setting(2, ge=0)
+    #: an evaluation metric (e.g. eval/pass@1): the policy that scores best on it is kept in ``best/``
+    best_metric: str | None = None
+    #: max | min -- whether a larger or a smaller ``best_metric`` is better
+    best_mode: Literal["max", "min"] = "max"
+    #: show a progress bar (a terminal) or periodic progress lines (a log)
+    progress: bool = True
+    #: threads for torch on this process (0 leaves torch's default)
+    num_threads: int = setting(0, ge=0)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    #: plugins to load, as with ``--plugin`` (entry-point names, modules, .py paths, no:NAME)
+    plugins: list[str] = field(default_factory=list)
+    #: sections added by plugins through ``rlhf_add_options``
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def section(self, name: str) -> Any:
+        """A plugin's config section (added with ``options.add_section``)."""
+        if name in self.extra:
+            return self.extra[name]
+        value = getattr(self, name, None)
+        if dataclasses.is_dataclass(value):
+            return value
+        raise KeyError(f"no config section '{name}'")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update({k: _plain(v) for k, v in self.extra.items()})
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

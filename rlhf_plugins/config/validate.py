@@ -1,0 +1,261 @@
+"""Config validation against the installed components, before anything starts.
+
+Every check fails with one line that names the key and how to fix it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..algorithms import AGGREGATIONS
+from ..core.manager import RLHFPluginManager
+from ..errors import ConfigError
+from ..settings import check_bounds
+from ..types import (
+    AdvantageEstimator,
+    GenerationBackend,
+    KLEstimator,
+    LearnerBackend,
+    PlacementStrategy,
+    PolicyLoss,
+    RewardFunction,
+    WeightSyncMethod,
+)
+from .schema import Config
+
+
+@dataclass
+class Plan:
+    """What validation resolved, handed to the loop as it is: the component of every area (with
+    its capabilities and providing plugin), the reward functions and weights, and which roles run."""
+
+    placement: PlacementStrategy
+    engine: GenerationBackend
+    learner: LearnerBackend
+    sync: WeightSyncMethod
+    estimator: AdvantageEstimator
+    policy_loss: PolicyLoss
+    kl: KLEstimator
+    #: component area and name -> the plugin that provided it
+    providers: dict[str, str] = field(default_factory=dict)
+    rewards: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    needs_reference: bool = False
+    needs_critic: bool = False
+    #: generation engines the run starts (the backend's ``workers``)
+    engine_workers: int = 1
+    #: (run directory, checkpoint folder) when the run continues from a checkpoint
+    resume: tuple[Path, Path] | None = None
+
+    def provider(self, component: Any) -> str:
+        return self.providers.get(f"{component.area}:{component.name}", "?")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles to place, in start order."""
+        return ("generation", "actor", *("reference",) * self.needs_reference, *("critic",) * self.needs_critic,
+                "reward")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def check_ranges(c: Config) -> None:
+    """Every key within the bounds declared beside it (:func:`rlhf_plugins.settings.setting`), core
+    and plugin sections alike, then the rules that tie several keys together."""
+    check_bounds(c)
+    for name, section in c.extra.items():
+        check_bounds(section, f"{name}.")
+    g, t, p, r, k = c.generation, c.train, c.algo.policy_loss, c.reward, c.algo.kl
+    _require(
+        p.aggregation in AGGREGATIONS,
+        f"unknown loss aggregation '{p.aggregation}'; choose one of: {', '.join(AGGREGATIONS)} "
+        "(--algo.policy_loss.aggregation)",
+    )
+    _require(
+        r.overlong_buffer <= g.max_new_tokens,
+        f"reward.overlong_buffer ({r.overlong_buffer}) must not exceed generation.max_new_tokens ({g.max_new_tokens})",
+    )
+    for url in r.remote_urls:
+        _require(url.startswith(("http://", "https://")), f"reward.remote_urls entry '{url}' is not an http(s) URL")
+    if r.filter_range is not None:
+        _require(
+            len(r.filter_range) == 2 and r.filter_range[0] < r.filter_range[1],
+            f"reward.filter_range must be [low, high] with low < high; got {r.filter_range}",
+        )
+    _require(
+        not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
+        "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
+    )
+    _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
+    betas = c.learner.betas
+    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
+             f"config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
+    _require(c.model.dtype != "float16" or _has_gpu(),
+             "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16")
+    name = t.run_name
+    _require(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
+             f"train.run_name '{name}' must be a plain folder name inside train.output_dir (no '/' or '..')")
+    if r.models:
+        from ..models.reward_model import inspect_reward_model
+
+        for path in r.models:
+            inspect_reward_model(path, r.value_head_prefix)
+    from ..models.folder import check_model_folder
+
+    for key, folder in (("model.path", c.model.path), ("critic.path", c.critic.path)):
+        if folder:
+            check_model_folder(folder, key, trust_remote_code=c.model.trust_remote_code, tokenizer=key == "model.path")
+    from ..data.prompts import builtin_rows, data_files
+
+    for key, folder in (("data.path", c.data.path), ("eval.path", c.eval.path)):
+        if folder and builtin_rows(folder) is None:
+            data_files(Path(folder).expanduser(), key)
+    check_best_metric(c)
+
+
+def eval_metric_names(c: Config) -> list[str]:
+    """The metrics an evaluation of this config reports."""
+    k = c.eval.n_samples
+    return ["eval/pass@1", *([f"eval/pass@{k}"] if k > 1 else []), f"eval/mean@{k}", f"eval/maj@{k}", "eval/greedy"]
+
+
+def check_best_metric(c: Config) -> None:
+    metric = c.train.best_metric
+    if not metric:
+        return
+    from ..data.prompts import eval_source
+
+    names = eval_metric_names(c)
+    _require(metric in names, f"train.best_metric '{metric}' is not an evaluation metric; choose one of: {', '.join(names)}")
+    _require(eval_source(c) is not None, f"train.best_metric '{metric}' needs held-out evaluation: give --eval.path "
+                                         "or --eval.split (and keep --eval.enabled true)")
+
+
+def _has_gpu() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def choose_rewards(c: Config, pm: RLHFPluginManager) -> tuple[list[str], list[float]]:
+    """Explicit names win; else none when reward models or servers score; else the only reward a
+    non-builtin plugin gives; else the task default. Returns function names and one weight per source."""
+    names = list(c.reward.functions)
+    others = len(c.reward.models) + (1 if c.reward.remote_urls else 0)
+    if not names and not others:
+        rows = [r for r in pm.components.of(RewardFunction) if not pm.is_builtin(r.provider)]
+        if len(rows) == 1:
+            names = [rows[0].name]
+        elif len(rows) > 1:
+            raise ConfigError(
+                "plugins provide several reward functions (" + ", ".join(r.name for r in rows)
+                + "); choose with --reward.functions NAME[,NAME]"
+            )
+        elif c.data.path is None:
+            names = ["exact_match"]
+        else:
+            choices = ", ".join(pm.components.names(RewardFunction))
+            raise ConfigError(f"no reward function chosen; set --reward.functions (available: {choices})")
+    for key, listed in (("reward.functions", names), ("eval.reward_functions", c.eval.reward_functions)):
+        for name in listed:
+            try:
+                pm.components.get(RewardFunction, name)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (--{key})") from None
+    sources = len(names) + others
+    weights = list(c.reward.weights) or [1.0] * sources
+    _require(
+        len(weights) == sources,
+        f"reward.weights has {len(weights)} values for {sources} reward sources ({len(names)} functions, "
+        f"{len(c.reward.models)} models{', the remote servers' if c.reward.remote_urls else ''}); give one per source",
+    )
+    return names, weights
+
+
+def _resolve(c: Config, pm: RLHFPluginManager) -> Plan:
+    reg = pm.components
+    providers: dict[str, str] = {}
+
+    def get(cls: type, name: str, key: str) -> Any:
+        try:
+            comp = reg.get(cls, name)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (--{key})") from None
+        providers[f"{comp.area}:{comp.name}"] = reg.provider(cls, name)
+        return comp
+
+    placement = get(PlacementStrategy, c.placement.strategy, "placement.strategy")
+    sync_name = c.sync.method or placement.default_sync
+    plan = Plan(
+        placement=placement,
+        engine=get(GenerationBackend, c.generation.backend, "generation.backend"),
+        learner=get(LearnerBackend, c.learner.backend, "learner.backend"),
+        sync=get(WeightSyncMethod, sync_name, "sync.method"),
+        estimator=get(AdvantageEstimator, c.algo.advantage.estimator, "algo.advantage.estimator"),
+        policy_loss=get(PolicyLoss, c.algo.policy_loss.name, "algo.policy_loss.name"),
+        kl=get(KLEstimator, c.algo.kl.estimator, "algo.kl.estimator"),
+        providers=providers,
+    )
+    # defaults that depend on the chosen components, written back so the saved config is explicit
+    c.sync.method = sync_name
+    c.algo.policy_loss.aggregation = c.algo.policy_loss.aggregation or plan.policy_loss.default_aggregation
+    if c.algo.policy_loss.norm_length is None:
+        c.algo.policy_loss.norm_length = c.generation.max_new_tokens
+    return plan
+
+
+def check_combinations(c: Config, plan: Plan) -> None:
+    """Every combination of components decided once, from their declared capabilities."""
+    placement, sync, engine, est = plan.placement, plan.sync, plan.engine, plan.estimator
+    if sync.same_process is not None and sync.same_process != placement.same_process:
+        where = "in the learner's process" if sync.same_process else "in its own process"
+        raise ConfigError(
+            f"weight sync '{sync.name}' needs the engine {where}, which placement '{placement.name}' does not do; "
+            f"use --sync.method {placement.default_sync}"
+        )
+    if sync.needs_colocation and not placement.colocates(c):
+        hint = f" ({placement.colocate_hint})" if placement.colocate_hint else ""
+        raise ConfigError(
+            f"weight sync '{sync.name}' needs the engine on the learner's node and device, which placement "
+            f"'{placement.name}' does not give with this config{hint}; or use --sync.method {placement.default_sync}"
+        )
+    if sync.needs_adapter and not engine.supports_adapter:
+        raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
+                          f"'{engine.name}' cannot load adapters; choose another --sync.method")
+    if plan.engine_workers < 1:
+        raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
+    if plan.engine_workers > 1 and not placement.multi_rank:
+        raise ConfigError(f"{plan.engine_workers} generation engines need a placement that runs several ranks "
+                          f"per role; placement '{placement.name}' runs one (use --placement.strategy ray)")
+    if est.needs_groups and c.generation.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"advantage estimator '{est.name}' compares samples of the same prompt and needs "
+            f"generation.n_samples_per_prompt >= 2; got {c.generation.n_samples_per_prompt}"
+        )
+    if est.needs_critic and c.critic.enabled is False:
+        raise ConfigError(
+            f"advantage estimator '{est.name}' needs a critic, but critic.enabled is false; "
+            "enable it or choose an estimator without one (group_norm, rloo, reinforce, ...)"
+        )
+
+
+def validate(c: Config, pm: RLHFPluginManager) -> Plan:
+    """Resolve every component once, check ranges and combinations, then let plugins check."""
+    plan = _resolve(c, pm)
+    check_ranges(c)
+    plan.engine_workers = plan.engine.num_workers(c)
+    check_combinations(c, plan)
+    plan.rewards, plan.weights = choose_rewards(c, pm)
+    c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
+    plan.needs_reference = c.algo.kl.coef > 0
+    plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled
+    pm.configure(c, plan)
+    return plan

@@ -1,0 +1,73 @@
+"""LoRA weights by name: PEFT's parameter names, the merged export an engine loads, the adapter
+alone as PEFT saves it. Used by learners (what to send), engines (what they receive) and the
+LoRA plugin; no PEFT import at module level."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+_PREFIX = "base_model.model."
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_" in name or name.startswith("lora_")
+
+
+def base_name(name: str) -> str:
+    """PEFT's parameter name -> the base model's (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``)."""
+    name = name.replace(".base_layer.", ".")
+    return name.replace(_PREFIX, "", 1) if name.startswith(_PREFIX) or f".{_PREFIX}" in name else name
+
+
+def merged_weights(named: Iterable[tuple[str, Any]], scaling: float) -> Iterator[tuple[str, Any]]:
+    """Base-model weights with every LoRA pair folded in: ``W + scaling * B @ A``."""
+    tensors = dict(named)
+    lora_a = {n.split(".lora_A.")[0]: t for n, t in tensors.items() if ".lora_A." in n}
+    lora_b = {n.split(".lora_B.")[0]: t for n, t in tensors.items() if ".lora_B." in n}
+    for name, tensor in tensors.items():
+        if is_lora_name(name):
+            continue
+        module = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        if module is not None and module in lora_a and name.endswith(".weight"):
+            a, b = lora_a[module], lora_b[module]
+            tensor = tensor + scaling * (b.to(tensor.dtype) @ a.to(tensor.dtype))
+        yield base_name(name), tensor
+
+
+def adapter_weights(named: Iterable[tuple[str, Any]], adapter: str = "default") -> dict[str, Any]:
+    """LoRA tensors under the names PEFT saves (adapter name dropped)."""
+    return {n.replace(f".{adapter}.", "."): t for n, t in named if is_lora_name(n)}
+
+
+def peft_info(model: Any) -> tuple[Any, float] | None:
+    """(the PEFT config, its scaling) when ``model`` (or a critic's backbone) is a PeftModel."""
+    target = getattr(model, "backbone", model)
+    peft_config = getattr(target, "peft_config", None)
+    if not peft_config:
+        return None
+    cfg = peft_config["default"]
+    scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+    return cfg, scaling
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    data = cfg.to_dict()
+    for key, value in list(data.items()):
+        if isinstance(value, set):
+            data[key] = sorted(value)
+    return data
+
+
+def export_weights(model: Any, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """What a generation engine loads: LoRA merged in under base names, else the weights as they are."""
+    info = peft_info(model)
+    if info is None:
+        yield from named
+    else:
+        yield from merged_weights(named, info[1])
+
+
+def lora_config_from_dict(data: dict[str, Any]) -> Any:
+    from peft import LoraConfig
+
+    known = set(LoraConfig.__dataclass_fields__) - {"peft_type"}
+    return LoraConfig(**{k: v for k, v in data.items() if k in known})

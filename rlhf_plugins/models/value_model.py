@@ -1,0 +1,91 @@
+"""The PPO critic: a transformers backbone with a scalar value head on every token.
+
+Initialised from the policy (the language-model head is dropped, the value head
+starts at zero), from a reward model (its backbone and its head, normalisation folded in, as
+OpenRLHF starts a critic from ``--reward_pretrain``), or from a saved critic folder, which
+holds the backbone's ``save_pretrained`` files plus ``value_head.safetensors``. Its forward mirrors a
+causal LM's (``logits`` of width 1, ``past_key_values``), so the shared-prefix
+forward of :mod:`rlhf_plugins.models.forward` serves it unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HEAD_FILE = "value_head.safetensors"
+
+
+@dataclass
+class ValueOutput:
+    logits: torch.Tensor
+    past_key_values: Any = None
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=backbone.dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> ValueModel:
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        from .reward_model import find_reward_head
+
+        head = Path(path) / HEAD_FILE
+        if not head.is_file():
+            info = find_reward_head(Path(path))  # None for a policy (causal LM): a fresh zero head
+            if info is not None:
+                from .reward_model import RewardHead
+
+                backbone, reward_head = RewardHead.load(info, dtype)
+                model = cls(backbone)
+                model.value_head.load_state_dict(reward_head.state_dict())
+                return model
+        model = cls(AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False))
+        if head.is_file():
+            model.value_head.load_state_dict(load_file(str(head)))
+        return model
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.backbone, "is_gradient_checkpointing", False))
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> ValueOutput:
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return ValueOutput(self.value_head(hidden), out.past_key_values if use_cache else None)
+
+    def save_pretrained(self, path: str | Path, **kwargs: Any) -> None:
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(path, **kwargs)
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(path) / HEAD_FILE))

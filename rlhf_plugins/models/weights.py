@@ -1,0 +1,46 @@
+"""Copying named weights into a model: name mapping, dtype conversion, loud mismatches."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..errors import UsageError
+
+
+class WeightSyncError(UsageError):
+    """Weights that do not fit the receiving model (names, shapes)."""
+
+
+def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Copy tensors into ``model`` in place by state-dict name, converting dtype.
+
+    Every name must exist with the same shape; the error lists the first few
+    offenders so a wrong name mapping is found at the first sync, not later.
+    """
+    params = dict(model.state_dict(keep_vars=True))
+    unknown, bad_shape = [], []
+    count = nbytes = 0
+    with torch.no_grad():
+        for name, tensor in named:
+            target = params.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            if tuple(target.shape) != tuple(tensor.shape):
+                bad_shape.append(f"{name} {tuple(tensor.shape)} != {tuple(target.shape)}")
+                continue
+            if target.dtype != tensor.dtype and not (target.is_floating_point() and tensor.is_floating_point()):
+                bad_shape.append(f"{name} {tensor.dtype} cannot become {target.dtype}")
+                continue
+            target.data.copy_(tensor.to(dtype=target.dtype, device=target.device))
+            count += 1
+            nbytes += tensor.numel() * tensor.element_size()
+    if unknown or bad_shape:
+        parts = []
+        if unknown:
+            parts.append(f"unknown names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}")
+        if bad_shape:
+            parts.append(f"shape mismatches {bad_shape[:3]}")
+        raise WeightSyncError("weight sync does not fit the engine's model: " + "; ".join(parts))
+    return {"tensors": count, "bytes": nbytes}

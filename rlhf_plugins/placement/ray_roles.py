@@ -1,0 +1,201 @@
+"""The Ray side of a role: the actor behind each rank (:class:`RoleWorker`), one rank as an
+endpoint, and a group of ranks that dispatches the role's methods as they are marked. Every wait
+is bounded by ``--ray.call_timeout`` and names the role, rank and method; a dead actor surfaces
+as :class:`~rlhf_plugins.errors.RoleFailed`, which the loop answers by restarting it."""
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..dispatch import balance, dispatch_mode, merge_results, merge_samples, shard_batch
+from ..errors import RoleCallTimeout, RoleFailed, UsageError
+
+#: environment a worker inherits from the driver (local clusters would, remote ones do not)
+NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+class RoleWorker:
+    """The Ray actor behind one rank of a role: sets the distributed environment,
+    constructs the role object, and runs its methods."""
+
+    def __init__(self, role: str, rank: int, world_size: int) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.obj: Any = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a free port: rank 0's address for the role's process group."""
+        from ..sync.groups import free_address
+
+        return free_address()
+
+    def setup(self, cls: type, args: tuple, kwargs: dict, env: dict[str, str], threads: int = 1) -> bool:
+        import ray
+
+        # colocated roles take turns on their bundle, so each may use all of its CPUs
+        torch.set_num_threads(max(1, threads))
+        gpu_ids = ray.get_gpu_ids()
+        if gpu_ids:
+            # one visible GPU per actor, unless Ray was told not to touch *_VISIBLE_DEVICES
+            env["LOCAL_RANK"] = str(int(gpu_ids[0])) if os.environ.get(NOSET_ENV) else "0"
+        os.environ.update(env)
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        self.obj = cls(*args, **kwargs)
+        return True
+
+    def env_info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+        return {
+            **{k: os.environ.get(k) for k in keys},
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "resources": ctx.get_assigned_resources(),
+            "dist_initialized": torch.distributed.is_available() and torch.distributed.is_initialized(),
+        }
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        out = getattr(self.obj, method)(*args, **kwargs)
+        if inspect.isgenerator(out):
+            out = list(out)
+        return out
+
+    def call_function(self, fn: Any, args: tuple) -> Any:
+        return self.obj.call_function(fn, args)
+
+    def shutdown(self) -> None:
+        stop = getattr(self.obj, "shutdown", None)
+        if callable(stop):
+            stop()
+
+
+def _died(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError) or isinstance(getattr(exc, "cause", None),
+                                                                       ray.exceptions.RayActorError)
+
+
+def get(refs: Any, what: str = "", timeout: float | None = None) -> Any:
+    """``ray.get`` for role calls: a user error from a worker is re-raised as itself (one line for
+    the CLI); a dead actor (here or in a call the worker made) is :class:`RoleFailed`; a call that
+    does not return within ``timeout`` names ``what`` (role, rank, method). Waits for the first
+    result in turn, so one failed rank is seen even while the others hang in a collective."""
+    import ray
+
+    single = not isinstance(refs, list)
+    pending = [refs] if single else list(refs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise RoleCallTimeout(f"{what or 'a role call'} did not return within {timeout:g} s "
+                                      "(--ray.call_timeout); the run stops instead of hanging")
+            ray.get(ready[0])
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        if _died(exc):
+            raise RoleFailed(f"{what}: a process it called has died ({type(exc.cause).__name__})") from exc
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UsageError):
+            raise cause from None
+        raise
+    except ray.exceptions.RayActorError as exc:
+        raise RoleFailed(f"{what}: its process died ({type(exc).__name__})") from exc
+
+
+class RayEndpoint:
+    """One rank, addressable from any process (it pickles as its actor handle)."""
+
+    def __init__(self, handle: Any, what: str = "", timeout: float | None = None) -> None:
+        self.handle, self.what, self.timeout = handle, what, timeout
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        return self.handle.call_function.remote(fn, args)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        return get(self.submit(fn, *args), f"{self.what} running {getattr(fn, '__name__', fn)}", self.timeout)
+
+    def wait(self, handles: list[Any]) -> list[Any]:
+        return get(handles, f"{self.what} (weight sync)", self.timeout)
+
+
+class RoleGroup:
+    """N workers of one role; methods dispatch as the role class declares (:mod:`rlhf_plugins.dispatch`).
+    The object outlives its workers: a restart replaces ``workers`` in place."""
+
+    def __init__(self, role: str, cls: type, workers: list[Any], timeout: float | None = None) -> None:
+        self.role, self.cls, self.workers, self.timeout = role, cls, workers, timeout
+
+    def _get(self, refs: Any, method: str, rank: int | None = None) -> Any:
+        if rank is None and len(self.workers) == 1:
+            rank = 0
+        ranks = f"rank {rank}" if rank is not None else f"{len(self.workers)} ranks"
+        return get(refs, f"role '{self.role}' ({ranks}) in '{method}'", self.timeout)
+
+    def run(self, fn: Any, *args: Any, rank: int | None = None) -> Any:
+        name = getattr(fn, "__name__", str(fn))
+        if rank is not None:
+            return self._get(self.workers[rank].call_function.remote(fn, args), name, rank)
+        return self._get([w.call_function.remote(fn, args) for w in self.workers], name)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or not hasattr(self.cls, name):
+            raise AttributeError(name)
+        mode = dispatch_mode(self.cls, name)
+
+        def remote_method(*args: Any, **kwargs: Any) -> Any:
+            return self._dispatch(name, mode, args, kwargs)
+
+        return remote_method
+
+    def _dispatch(self, name: str, mode: str, args: tuple, kwargs: dict) -> Any:
+        if mode == "one" or len(self.workers) == 1 and mode != "split":
+            return self._get(self.workers[0].call.remote(name, args, kwargs), name, 0)
+        if mode == "all":
+            return self._get([w.call.remote(name, args, kwargs) for w in self.workers], name)[0]
+        if mode == "prompts":
+            return self._generate_balanced(name, args, kwargs)
+        batch, rest = args[0], args[1:]
+        shards = shard_batch(batch, len(self.workers), objective=rest[0] if rest else None)
+        refs = [w.call.remote(name, (shard, *rest), kwargs) for w, shard in zip(self.workers, shards)]
+        return merge_results(self._get(refs, name))
+
+    def _generate_balanced(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Prompts to engines by load (prompt tokens), results back in prompt order."""
+        prompts, rest = args[0], args[1:]
+        shares = balance([len(p) for p in prompts], len(self.workers))
+        busy = [(w, idx) for w, idx in zip(self.workers, shares) if idx]
+        parts = self._get([w.call.remote(name, ([prompts[i] for i in idx], *rest), kwargs) for w, idx in busy], name)
+        return merge_samples([idx for _, idx in busy], parts)
+
+    def endpoints(self) -> list[RayEndpoint]:
+        return [RayEndpoint(w, f"role '{self.role}' rank {r}", self.timeout) for r, w in enumerate(self.workers)]
+
+    def env_info(self) -> list[dict[str, Any]]:
+        return self._get([w.env_info.remote() for w in self.workers], "env_info")
+
+    def alive(self, timeout: float = 10.0) -> bool:
+        """Whether every worker answers (a dead actor fails at once, a hung one by ``timeout``)."""
+        import ray
+
+        refs = [w.node_ip.remote() for w in self.workers]
+        try:
+            ray.get(refs, timeout=timeout)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False

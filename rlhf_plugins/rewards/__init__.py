@@ -1,0 +1,1 @@
+"""Rewards: adapters for reward callables written for TRL or OpenRLHF."""

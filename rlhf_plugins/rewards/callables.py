@@ -1,0 +1,113 @@
+"""Reward callables from other ecosystems, used unchanged, and modules of plain reward functions.
+
+* TRL: ``func(prompts, completions, **kwargs) -> list[float | None]`` (sync or
+  async); ``kwargs`` holds ``completion_ids`` and every dataset column.
+* OpenRLHF: ``reward_func(queries, prompts, labels)`` returning a tensor, a list,
+  or a dict with ``"rewards"``; ``queries`` are prompt + completion texts.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from typing import Any, Callable
+
+from ..types import RewardFunction
+
+
+def _params(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def is_openrlhf_style(fn: Callable[..., Any]) -> bool:
+    return {"queries", "prompts", "labels"} <= set(_params(fn))
+
+
+def looks_like_reward(fn: Callable[..., Any]) -> bool:
+    """TRL's ``(prompts, completions, **kwargs)`` (``completions`` is what matters) or OpenRLHF's triple."""
+    return "completions" in _params(fn) or is_openrlhf_style(fn)
+
+
+def component_name(name: str) -> str:
+    return re.sub(r"[^a-z0-9_\-]", "_", name.lower()).lstrip("_-0123456789") or "reward"
+
+
+class TRLReward:
+    """Calls a TRL-style function with the keyword arguments it accepts."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        params = _params(fn)
+        self.accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.accepted = set(params)
+        self.is_async = inspect.iscoroutinefunction(fn)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        prompts = kwargs.get("prompts")
+        if prompts and isinstance(prompts[0], list):  # conversational data: TRL passes messages
+            kwargs["completions"] = [[{"role": "assistant", "content": c}] for c in kwargs["completions"]]
+        if not self.accepts_all:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.accepted}
+        out = self.fn(**kwargs)
+        if self.is_async or inspect.isawaitable(out):
+            out = _run(out)
+        return out
+
+
+class OpenRLHFReward:
+    """Adapts ``reward_func(queries, prompts, labels)``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *, prompts: list[Any], completions: list[str], **kwargs: Any) -> Any:
+        texts = [p if isinstance(p, str) else str(p) for p in prompts]
+        queries = [p + c for p, c in zip(texts, completions)]
+        out = self.fn(queries=queries, prompts=texts, labels=kwargs.get("label"))
+        if inspect.isawaitable(out):
+            out = _run(out)
+        if isinstance(out, dict):
+            out = out.get("rewards", out.get("scores"))
+        return out
+
+
+def _run(awaitable: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(awaitable)
+    raise RuntimeError("an async reward function cannot be awaited inside a running event loop")
+
+
+def wrap_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return OpenRLHFReward(fn) if is_openrlhf_style(fn) else TRLReward(fn)
+
+
+def as_reward_function(fn: Callable[..., Any], name: str | None = None) -> RewardFunction:
+    doc = (inspect.getdoc(fn) or "").splitlines()
+    return RewardFunction(component_name(name or fn.__name__), wrap_reward(fn), description=doc[0] if doc else "")
+
+
+class FunctionRewards:
+    """The simplest plugin: a module of plain reward functions with TRL's signature
+    ``(prompts, completions, **kwargs)`` and no hooks, registered as it is."""
+
+    def __init__(self, module: Any, functions: list[Callable[..., Any]]) -> None:
+        self.module = module
+        self.functions = functions
+
+    @classmethod
+    def of_module(cls, module: Any) -> FunctionRewards | None:
+        functions = [
+            value for attr, value in vars(module).items()
+            if not attr.startswith("_") and inspect.isfunction(value)
+            and getattr(value, "__module__", None) == module.__name__ and looks_like_reward(value)
+        ]
+        return cls(module, functions) if functions else None
+
+    def rlhf_reward_functions(self) -> Any:
+        for fn in self.functions:
+            yield as_reward_function(fn)

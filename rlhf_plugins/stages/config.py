@@ -1,0 +1,115 @@
+"""The config of a stage before RL (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``): the same YAML +
+dotted flags as ``rlhf train``, with TRL's own config fields under one ``trl:`` section."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..builtin_plugins.lora import LoraOptions
+from ..errors import ConfigError
+from ..settings import check_bounds, setting
+
+
+@dataclass
+class StageModel:
+    #: a local save_pretrained folder; empty: the embedded tiny Llama
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class StageData:
+    #: JSONL / JSON / parquet file or folder; empty: embedded data made for the default task
+    path: str | None = None
+    #: held-out rows for the reported figure; empty: a held-out split of ``path`` (``eval_split``),
+    #: or the built-in task's test split with the embedded data
+    eval_path: str | None = None
+    eval_split: float = setting(0.1, ge=0, lt=1)
+    prompt_key: str = "prompt"
+    #: SFT: the demonstrated answer (or give ``messages`` rows)
+    completion_key: str = "completion"
+    #: RM / DPO: the preferred and the other answer
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    #: embedded preference data: wrong answers per prompt (of the 18 there are)
+    pairs_per_prompt: int = setting(18, ge=1)
+
+
+@dataclass
+class StageTrain:
+    output_dir: str = "runs"
+    #: empty: ``<stage>-<date>-<time>``
+    run_name: str | None = None
+    seed: int = setting(0, ge=0, le=2**32 - 1)
+    progress: bool = True
+
+
+@dataclass
+class StageConfig:
+    model: StageModel = field(default_factory=StageModel)
+    data: StageData = field(default_factory=StageData)
+    train: StageTrain = field(default_factory=StageTrain)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    #: fields of TRL's SFTConfig / RewardConfig / DPOConfig (checked against the installed TRL)
+    trl: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: per stage: TRL's config class, and the settings measured for the embedded tiny model and task
+#: (used only with the embedded data; with your data, TRL's own defaults apply)
+DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sft": ("SFTConfig", {"num_train_epochs": 3, "learning_rate": 1e-3, "per_device_train_batch_size": 16}),
+    "rm": ("RewardConfig", {"num_train_epochs": 30, "learning_rate": 1e-3, "per_device_train_batch_size": 32}),
+    "dpo": ("DPOConfig", {"num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
+                          "beta": 0.1}),
+}
+#: TRL fields this project owns (run directory, logging, saving, device): refused in ``trl:``
+OWNED = {"output_dir": "train.output_dir", "run_name": "train.run_name", "seed": "train.seed",
+         "report_to": "the run directory's metrics.jsonl and TensorBoard", "logging_dir": "train.output_dir",
+         "save_strategy": "final/ is always written", "disable_tqdm": "train.progress", "use_cpu": "chosen by device"}
+
+
+def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
+    """TRL's config object for ``stage``: our defaults, the user's ``trl:`` fields, and the fields
+    this project sets itself; an unknown field is refused with the closest name."""
+    import torch
+    import trl
+
+    name, defaults = DEFAULTS[stage]
+    cls = getattr(trl, name)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in cfg.trl:
+        if key in OWNED:
+            raise ConfigError(f"trl.{key} is set by rlhf-plugins ({OWNED[key]}); remove it from the trl section")
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean 'trl.{close[0]}'?" if close else ""
+            raise ConfigError(f"'{key}' is not a field of trl.{name}{hint}")
+    embedded = defaults if cfg.data.path is None else {}
+    values = {"max_length": 256, **embedded, **{k: _typed(name, k, v, fields[k].default) for k, v in cfg.trl.items()}}
+    try:
+        return cls(output_dir=out, seed=cfg.train.seed, report_to="none", save_strategy="no", disable_tqdm=True,
+                   use_cpu=not torch.cuda.is_available(), logging_steps=values.pop("logging_steps", 5),
+                   bf16=cfg.model.dtype == "bfloat16", fp16=cfg.model.dtype == "float16", **values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"trl.{name} rejected the trl section: {str(exc).splitlines()[0]}") from exc
+
+
+def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
+    """A number given as text (YAML reads ``3e-4`` as a string) becomes the field's number type."""
+    if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"trl.{key} expects a number (trl.{cls}); got {value!r}") from None
+        return int(number) if isinstance(default, int) and number.is_integer() else number
+    return value
+
+
+def check(cfg: StageConfig) -> None:
+    """Every key within its declared bounds (LoRA's included)."""
+    check_bounds(cfg)

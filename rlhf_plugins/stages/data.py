@@ -1,0 +1,113 @@
+"""Data of the stages: embedded demonstrations and preference pairs made for the default task, or
+the user's files with their columns checked; always a training set and a held-out set."""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from ..data.prompts import read_rows
+from ..errors import DataError
+from .config import StageConfig
+
+logger = logging.getLogger("rlhf_plugins")
+
+
+def _user(prompt: Any) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def _assistant(text: Any) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}] if isinstance(text, str) else list(text)
+
+
+def demonstrations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Addition rows -> TRL's conversational prompt/completion rows."""
+    return [{"prompt": _user(r["prompt"]), "completion": _assistant(r["label"])} for r in rows]
+
+
+def preference_pairs(rows: list[dict[str, Any]], per_prompt: int, seed: int,
+                     markers: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Addition rows -> (the right sum, a worse answer) pairs: ``per_prompt`` wrong sums each, and,
+    with the tokenizer's turn ``markers``, answers that run on past their turn (the right sum
+    followed by a marker and more), which a policy otherwise learns to exploit."""
+    rng = random.Random(seed)
+    out = []
+    for r in rows:
+        wrong = [str(x) for x in range(19) if str(x) != r["label"]]
+        rejected = rng.sample(wrong, min(per_prompt, len(wrong)))
+        for marker in markers:
+            rejected += [f"{r['label']}{marker}{rng.choice(wrong)}", f"{rng.choice(wrong)}{marker}{r['label']}"]
+        out += [{"prompt": _user(r["prompt"]), "chosen": _assistant(r["label"]), "rejected": _assistant(a)}
+                for a in rejected]
+    return out
+
+
+def turn_markers(tokenizer: Any) -> tuple[str, ...]:
+    """Special tokens a completion should never contain (role markers), for run-on negatives."""
+    skip = {tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token}
+    special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return tuple(sorted(t for t in special | set(tokenizer.all_special_tokens) if t not in skip))
+
+
+def _require(rows: list[dict[str, Any]], keys: list[str], path: str) -> None:
+    if not rows:
+        raise DataError(f"dataset '{path}' is empty")
+    for key in keys:
+        if key not in rows[0]:
+            raise DataError(f"dataset '{path}' has no '{key}' column (columns: {', '.join(rows[0])}); "
+                            f"set --data.{_flag(key)}")
+
+
+def _flag(key: str) -> str:
+    return {"completion": "completion_key", "chosen": "chosen_key", "rejected": "rejected_key"}.get(key, "prompt_key")
+
+
+def _split(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list, list]:
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n = max(1, int(round(len(rows) * fraction))) if fraction > 0 and len(rows) > 1 else 0
+    held = set(order[:n])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def load(stage: str, cfg: StageConfig, tokenizer: Any = None
+         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    """(training rows, held-out rows, counts to report) in TRL's column names."""
+    from ..models.tiny_model import task_rows
+
+    d, seed = cfg.data, cfg.train.seed
+    if d.path is None:
+        train, held = task_rows("train"), task_rows("test")
+        if stage == "sft":
+            return demonstrations(train), demonstrations(held), {}
+        markers = turn_markers(tokenizer) if tokenizer is not None else ()
+        return (preference_pairs(train, d.pairs_per_prompt, seed, markers), preference_pairs(held, 4, seed + 1), {})
+    rows = read_rows(d.path)
+    if stage == "sft":
+        if rows and "messages" in rows[0]:
+            keys = {"messages": "messages"}
+        else:
+            _require(rows, [d.prompt_key, d.completion_key], d.path)
+            keys = {"prompt": d.prompt_key, "completion": d.completion_key}
+    else:
+        _require(rows, [d.prompt_key, d.chosen_key, d.rejected_key], d.path)
+        keys = {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
+    rows = [{ours: r[theirs] for ours, theirs in keys.items()} for r in rows]
+    counts: dict[str, int] = {}
+    if stage != "sft":
+        same = [r for r in rows if r["chosen"] == r["rejected"]]
+        if same:
+            logger.warning("%d of %d preference rows in '%s' have chosen == rejected; they carry no preference and "
+                           "are left out", len(same), len(rows), d.path)
+            rows = [r for r in rows if r["chosen"] != r["rejected"]]
+            counts["dropped_equal_pairs"] = len(same)
+        if not rows:
+            raise DataError(f"dataset '{d.path}' has no preference row with chosen != rejected")
+    if d.eval_path:
+        held_rows = read_rows(d.eval_path)
+        _require(held_rows, list(keys.values()), d.eval_path)
+        held = [{ours: r[theirs] for ours, theirs in keys.items()} for r in held_rows]
+        return rows, held, counts
+    train, held = _split(rows, d.eval_split, seed)
+    return train, held, counts

@@ -1,0 +1,182 @@
+"""Run a stage before RL with TRL's trainer under this project's conventions: the run directory
+(``config.yaml``, ``metrics.jsonl``, ``tensorboard/``, ``final/``, ``summary.json``), the progress
+bar, one-line errors (a failure leaves no run directory), ``--lora.*`` through PEFT, and a
+held-out figure: SFT exact-match accuracy, RM pairwise accuracy, DPO preference accuracy and
+reward margin. Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.markup import escape
+
+from ..training.runlog import make_run_dir, quiet_libraries
+from . import data as stage_data
+from .config import StageConfig, check, trl_config
+
+logger = logging.getLogger("rlhf_plugins")
+TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer"}
+
+
+def _callback(run_dir: Path, cfg: StageConfig, console: Console) -> Any:
+    from transformers import TrainerCallback
+
+    from ..training.runlog import MetricsLog, StepProgress
+
+    class RunCallback(TrainerCallback):
+        """TRL's logs into metrics.jsonl / TensorBoard, its steps into our progress bar."""
+
+        def __init__(self) -> None:
+            self.log = MetricsLog(run_dir)
+            self.progress: StepProgress | None = None
+            self.last: dict[str, float] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.progress = StepProgress(state.max_steps, console, enabled=cfg.train.progress).__enter__()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            values = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            self.last.update(values)
+            self.log.log(state.global_step, values)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.progress is not None:
+                self.progress.update(state.global_step, {"reward/mean": self.last.get("rewards/accuracies"),
+                                                         "loss/total": self.last.get("loss")})
+
+        def close(self) -> None:
+            if self.progress is not None:
+                self.progress.__exit__(None, None, None)
+            self.log.close()
+
+    return RunCallback()
+
+
+def _model(stage: str, path: str, cfg: StageConfig, tokenizer: Any) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ..models.forward import DTYPES
+
+    dtype = DTYPES[cfg.model.dtype]
+    if stage == "rm":
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                   trust_remote_code=False)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+
+
+def _peft(stage: str, cfg: StageConfig) -> Any:
+    if cfg.lora.rank <= 0 and cfg.lora.config is None:
+        return None
+    from types import SimpleNamespace
+
+    from ..builtin_plugins.lora import lora_config
+
+    peft_config = lora_config(SimpleNamespace(section=lambda name: cfg.lora))
+    peft_config.task_type = "SEQ_CLS" if stage == "rm" else "CAUSAL_LM"
+    if stage == "rm":
+        peft_config.modules_to_save = ["score"]
+    return peft_config
+
+
+def _save_final(trainer: Any, tokenizer: Any, run_dir: Path) -> Path:
+    """``final/`` is always a whole model (LoRA merged in) that the next stage loads as it is;
+    the adapter alone goes to ``final-adapter/``."""
+    final = run_dir / "final"
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):
+        model.save_pretrained(run_dir / "final-adapter")
+        model = model.merge_and_unload()
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    return final
+
+
+def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]]) -> dict[str, float]:
+    if not held:
+        return {}
+    if stage == "sft":
+        from .heldout import evaluate_model
+
+        rows = [{"prompt": r["prompt"], "label": _text(r["completion"])} for r in held if "prompt" in r]
+        figures = evaluate_model(str(final), rows, n=8)
+        # accuracy of the policy as RL samples it (temperature 1), and of its greedy answer
+        return {"exact_match_accuracy": figures["pass@1"], "greedy_accuracy": figures["greedy"],
+                **{f"heldout/{k}": v for k, v in figures.items()}}
+    if stage == "rm":
+        from ..models.reward_model import RewardModelScorer
+
+        scorer = RewardModelScorer(str(final))
+        chosen = scorer([r["prompt"] for r in held], [_text(r["chosen"]) for r in held])
+        rejected = scorer([r["prompt"] for r in held], [_text(r["rejected"]) for r in held])
+        return {"pairwise_accuracy": sum(c > r for c, r in zip(chosen, rejected)) / len(held),
+                "heldout/score_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(held)}
+    from datasets import Dataset
+
+    metrics = trainer.evaluate(eval_dataset=Dataset.from_list(held))
+    return {"preference_accuracy": float(metrics["eval_rewards/accuracies"]),
+            "reward_margin": float(metrics["eval_rewards/margins"])}
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else value[-1]["content"]
+
+
+def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from ..models.tiny_model import default_model_path
+    from ..training.state import write_json
+
+    check(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        trl_config(stage, cfg, tmp)  # TRL's own checks, before anything is written
+    quiet_libraries()
+    path = cfg.model.path or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    train, held, counts = stage_data.load(stage, cfg, tokenizer)
+    run_dir = make_run_dir(cfg.train.output_dir, cfg.train.run_name, stage)
+    callback = None
+    try:
+        args = trl_config(stage, cfg, str(run_dir / "trl"))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        console.print(f"run directory: [bold]{escape(str(run_dir))}[/]  {stage}: {len(train)} training rows, "
+                      f"{len(held)} held out  model: {escape(path)}")
+        callback = _callback(run_dir, cfg, console)
+        from transformers import set_seed
+        from transformers.trainer_callback import PrinterCallback
+
+        set_seed(cfg.train.seed)  # a new head (the reward model's) starts the same every time
+        trainer = getattr(trl, TRAINERS[stage])(
+            model=_model(stage, path, cfg, tokenizer), args=args, train_dataset=Dataset.from_list(train),
+            processing_class=tokenizer, peft_config=_peft(stage, cfg), callbacks=[callback])
+        trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl say it
+        result = trainer.train()
+        final = _save_final(trainer, tokenizer, run_dir)
+        figures = _heldout(stage, trainer, final, held)
+        callback.close()
+        callback = None
+        shutil.rmtree(run_dir / "trl", ignore_errors=True)
+        summary = {"stage": stage, "steps": int(result.global_step), "train_loss": float(result.training_loss),
+                   "training_rows": len(train), "heldout_rows": len(held), **counts, **figures,
+                   "final_model": str(final)}
+        write_json(run_dir / "summary.json", summary)
+        shown = {k: v for k, v in summary.items() if k in ("exact_match_accuracy", "greedy_accuracy",
+                                                             "pairwise_accuracy", "preference_accuracy", "reward_margin")}
+        console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out "
+                      + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items())
+                      + f"; model saved to {final}")
+        return run_dir
+    except BaseException:
+        if callback is not None:
+            callback.close()
+        shutil.rmtree(run_dir, ignore_errors=True)  # a stage is short: a failed one leaves nothing
+        raise

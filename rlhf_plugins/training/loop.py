@@ -1,0 +1,354 @@
+"""The training loop: one step = generate, score, forward, advantage, update, sync.
+
+It calls only resolved components (plain functions and role objects) -- no
+branching on component names -- and the same code drives local and Ray
+placements: roles are whatever the placement plugin returned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._lazy import resolve
+from ..algorithms.advantages import AdvantageInputs
+from ..algorithms.kl_control import make_controller
+from ..algorithms.numerics import masked_mean
+from ..algorithms.objective import Objective
+from ..algorithms.shaping import RewardShaper, keep_groups
+from ..algorithms.value import ValueObjective
+from ..config.schema import Config
+from ..config.validate import Plan
+from ..core.manager import RLHFPluginManager
+from ..data.prompts import PromptSampler, PromptSet
+from ..protocols import PlacementContext, SamplingParams
+from ..sync import verify_parity
+from .reward_role import RewardBatch, RewardRole
+from .roles import CriticRole, GenerationRole, PolicyRole, ReferenceRole
+from .rollout import Rollout, make_batch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: Config,
+        pm: RLHFPluginManager,
+        plan: Plan,
+        prompts: PromptSet,
+        tokenizer: Any,
+        model_path: str,
+    ) -> None:
+        self.config = config
+        self.pm = pm
+        self.plan = plan
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.step_count = 0
+        self.history: list[dict[str, float]] = []
+        self.placement: Any = None
+        self.probe: dict[str, torch.Tensor] | None = None
+        #: where the current step is: "rollout" until the first weight changes, then "update"
+        self.phase = "idle"
+        #: the loop state at the start of the current step (an exact checkpoint while in "rollout")
+        self.snapshot: dict[str, Any] | None = None
+        self.reward_retries = 0
+        #: updates the engine's weights have had (the policy version it samples with)
+        self.engine_version = 0
+        #: held-out evaluation (attach_eval), and the best evaluation so far {"metric", "value", "step"}
+        self.evaluator: Any = None
+        self.eval_history: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+
+    # --- set-up --------------------------------------------------------------
+    def setup(self) -> None:
+        c, plan, spec = self.config, self.plan, self.pm.spec
+        if c.train.num_threads:
+            torch.set_num_threads(c.train.num_threads)
+        seed_everything(c.train.seed)
+        accelerated = ("generation", "actor", "reference", "critic", *(("reward",) if c.reward.models else ()))
+        ctx = PlacementContext(c, plan.roles, workers={"generation": plan.engine_workers}, plugin_spec=spec,
+                               accelerated=accelerated)
+        self.placement = resolve(plan.placement.factory)(ctx)
+        create = self.placement.create_role
+        self.engine = create("generation", GenerationRole, c, spec, self.model_path, plan.engine,
+                             plan.provider(plan.engine), plan.sync.needs_adapter)
+        learner = (plan.learner, plan.provider(plan.learner))
+        self.actor = create("actor", PolicyRole, c, spec, self.model_path, *learner)
+        self.reference = create("reference", ReferenceRole, c, spec, self.model_path) if plan.needs_reference else None
+        self.critic = (
+            create("critic", CriticRole, c, spec, c.critic.path or self.model_path, *learner)
+            if plan.needs_critic else None
+        )
+        self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
+        self.reset_sync()
+        self.estimator = resolve(plan.estimator.compute)
+        self.kl_estimator = resolve(plan.kl.compute)
+        self.kl_control = make_controller(c.algo.kl)
+        self.objective = Objective(
+            policy_loss=resolve(plan.policy_loss.compute),
+            options=c.algo.policy_loss,
+            kl_estimator=self.kl_estimator if self.reference is not None else None,
+            norm_length=c.algo.policy_loss.norm_length,
+        )
+        self.value_objective = ValueObjective(c.critic.value_clip)
+        self.shaper = RewardShaper(c.reward, c.generation.max_new_tokens)
+        self.sampler = PromptSampler(len(self.prompts), c.train.seed, c.data.shuffle)
+        self.sampling = SamplingParams(
+            n=c.generation.n_samples_per_prompt,
+            max_new_tokens=c.generation.max_new_tokens,
+            temperature=c.generation.temperature,
+            top_p=c.generation.top_p,
+            top_k=c.generation.top_k,
+        )
+
+    def reset_sync(self) -> None:
+        """A fresh weight-sync object (at set-up, and after roles were restarted: it sets up anew)."""
+        self.sync = resolve(self.plan.sync.factory)(self.config)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Only when the policy moves before a sample is trained on (several updates per rollout),
+        or when KL enters the reward (it needs the rollout-time policy)."""
+        l = self.config.learner
+        batch = self.config.train.prompts_per_step * self.config.generation.n_samples_per_prompt
+        several_updates = l.epochs > 1 or (0 < l.mini_batch_size < batch)
+        return several_updates or (self.config.algo.kl.in_reward and self.reference is not None)
+
+    # --- one step --------------------------------------------------------------
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Any, list[list[int]]]:
+        """The engine's samples, and the policy version (updates the engine's weights had) of each
+        sampled token. The asynchronous loop replaces it (partial rollouts swap weights mid-way)."""
+        samples = self.engine.generate(prompt_ids, params)
+        return samples, [[self.engine_version] * len(c) for c in samples.completion_ids]
+
+    def generate(self, step: int, round_: int = 0) -> Rollout:
+        """Sample ``n`` completions for the next ``prompts_per_step`` prompts, and score them."""
+        c = self.config
+        idx = self.sampler.take(c.train.prompts_per_step)
+        params = dataclasses.replace(self.sampling, seed=c.train.seed * 1_000_003 + step * 101 + round_)
+        samples, versions = self.sample([self.prompts.prompt_ids[i] for i in idx], params)
+        per_sample = [idx[j] for j in samples.prompt_index]
+        rollout = Rollout(
+            prompts=[self.prompts.prompts[i] for i in per_sample],
+            prompt_ids=[self.prompts.prompt_ids[i] for i in per_sample],
+            completion_ids=samples.completion_ids,
+            completions=self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True),
+            finish_reasons=samples.finish_reasons,
+            rollout_logprobs=samples.logprobs,
+            columns={k: [v[i] for i in per_sample] for k, v in self.prompts.columns.items()},
+            group_size=c.generation.n_samples_per_prompt,
+            versions=versions,
+        )
+        result = self.reward.score(RewardBatch.of(self.tokenizer, rollout.prompts, rollout.prompt_ids,
+                                                  rollout.completion_ids, rollout.completions, rollout.columns, step,
+                                                  rollout.finish_reasons, bool(c.reward.remote_urls)))
+        rollout.raw_scores, rollout.reward_components = result.scores, result.parts
+        self.reward_retries += result.retries
+        rollout.scores = self.shaper(
+            rollout.raw_scores, [len(x) for x in rollout.completion_ids], rollout.finish_reasons
+        )
+        return rollout
+
+    def collect(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """One rollout; with dynamic filtering, only groups with signal, refilled from further prompts."""
+        c = self.config
+        rollout = self.generate(step)
+        raw = list(rollout.raw_scores)
+        if not c.reward.dynamic_filtering:
+            return rollout, {"reward/mean": _mean(raw)}
+        want, kept, n_kept, rounds = c.train.prompts_per_step, [], 0, 1
+        while True:
+            groups = keep_groups(rollout.scores, rollout.group_size, c.reward.filter_range)
+            if groups:
+                kept.append(rollout.select_groups(groups))
+                n_kept += len(groups)
+            if n_kept >= want or rounds >= c.reward.filter_max_rounds:
+                break
+            rollout = self.generate(step, rounds)
+            raw += rollout.raw_scores
+            rounds += 1
+        metrics = {"reward/mean": _mean(raw), "filter/rounds": rounds, "filter/kept_groups": min(n_kept, want) / want}
+        if not kept:
+            return rollout, metrics  # nothing had signal: the update is a no-op for group estimators
+        return Rollout.concat(kept).select_groups(range(min(n_kept, want))), metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        """One synchronous step: generate and score, learn, sync the engine."""
+        self.snapshot, self.phase, self.reward_retries = self.loop_state(), "rollout", 0
+        t0 = time.perf_counter()
+        rollout, metrics = self.collect(step)
+        return self.learn(step, rollout, metrics, t0, sync=True)
+
+    def learn(self, step: int, rollout: Rollout, metrics: dict[str, float], t0: float, sync: bool) -> dict[str, float]:
+        """Everything after the rollout: advantages, the update, and (``sync``) the weight sync.
+        ``t0``: when the step began (its generation, or its wait for a rollout)."""
+        c = self.config
+        t_gen = time.perf_counter()
+        self.pm.notify("rlhf_after_rollout", step=step, rollout=rollout)
+        batch = make_batch(rollout, self.pad_id)
+        timings: dict[str, float] = {}
+        for key, role, method in (("old_logprobs", self.actor if self.needs_old_logprobs else None, "logprobs"),
+                                  ("ref_logprobs", self.reference, "logprobs"), ("values", self.critic, "values")):
+            if role is not None:
+                start = time.perf_counter()
+                batch[key] = getattr(role, method)(batch)
+                timings[key] = time.perf_counter() - start
+        kl_coef = self.kl_control.value
+        kl_penalty = None
+        if c.algo.kl.in_reward and self.reference is not None:
+            kl_penalty = kl_coef * self.kl_estimator(batch["old_logprobs"], batch["ref_logprobs"])
+        advantages, returns = self.estimator(
+            AdvantageInputs(
+                scores=batch["scores"],
+                action_mask=batch["action_mask"],
+                group_size=rollout.group_size,
+                gamma=c.algo.advantage.gamma,
+                lam=c.algo.advantage.lam,
+                values=batch.get("values"),
+                kl_penalty=kl_penalty,
+                kl_in_baseline=c.algo.kl.penalty_in_baseline,
+            )
+        )
+        batch["advantages"], batch["returns"] = advantages, returns
+        t_prep = time.perf_counter()
+        objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef)
+        self.phase = "update"
+        metrics.update(self.actor.train(batch, objective))
+        if self.critic is not None:
+            metrics.update(self.critic.train(batch, self.value_objective))
+        t_train = time.perf_counter()
+        if self.probe is None:
+            self.probe = {k: batch[k][:8] for k in ("sequences", "attention_mask", "action_mask")}
+        if sync:
+            self.sync_engine(step)
+        t_end = time.perf_counter()
+        metrics.update(self._rollout_metrics(rollout, batch, kl_penalty))
+        if self.reference is not None:
+            measured = metrics.get("kl", metrics.get("kl/rollout", 0.0))
+            self.kl_control.update(measured, len(rollout))
+            metrics["kl/coef"] = kl_coef
+        tokens = float(batch["action_mask"].sum())
+        seq_tokens = float(batch["attention_mask"].sum())  # prompt + completion: what forwards process
+        names = {"old_logprobs": "actor_logprobs", "ref_logprobs": "reference", "values": "critic_values"}
+        metrics.update({
+            "time/generate": t_gen - t0,
+            "time/prepare": t_prep - t_gen,
+            "time/train": t_train - t_prep,
+            "time/sync": t_end - t_train,
+            "time/step": t_end - t0,
+            "throughput/generated_tokens_per_s": tokens / max(t_gen - t0, 1e-9),
+            "throughput/train_tokens_per_s": seq_tokens / max(t_train - t_prep, 1e-9),
+            **{f"time/{names[k]}": v for k, v in timings.items()},
+            **{f"throughput/{names[k]}_tokens_per_s": seq_tokens / max(v, 1e-9) for k, v in timings.items()},
+        })
+        if c.reward.max_retries:
+            metrics["reward/retries"] = float(self.reward_retries)
+        self.step_count = step + 1
+        self.phase = "idle"
+        self.history.append(metrics)
+        return metrics
+
+    def sync_engine(self, step: int) -> None:
+        """Bring the engine to the learner's weights (``step + 1`` updates)."""
+        c = self.config
+        start = time.perf_counter()
+        sync_info = dict(self.sync.sync(self.actor, self.engine, step) or {})
+        sync_info.setdefault("method", c.sync.method)
+        sync_info["seconds"] = time.perf_counter() - start
+        self.engine_version = step + 1
+        if c.sync.verify:
+            sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe)
+        self.pm.notify("rlhf_after_weight_sync", step=step, info=sync_info)
+
+    def _rollout_metrics(
+        self, rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None
+    ) -> dict[str, float]:
+        mask = batch["action_mask"]
+        scores = batch["scores"]
+        out = {
+            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "completion/length": float(mask.sum(-1).mean()),
+            "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
+            "advantage/mean": float(masked_mean(batch["advantages"], mask)),
+        }
+        if rollout.scores != rollout.raw_scores:
+            out["reward/shaped_mean"] = float(scores.mean())
+        if len(rollout.reward_components) > 1:
+            for name, values in rollout.reward_components.items():
+                vals = [v for v in values if v is not None]
+                if vals:
+                    out[f"reward/{name}"] = sum(vals) / len(vals)
+        if kl_penalty is not None:
+            out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(self.kl_control.value, 1e-12)
+        return out
+
+    # --- state ----------------------------------------------------------------
+    def loop_state(self) -> dict[str, Any]:
+        """What the loop itself carries from step to step, as plain data."""
+        from .state import loop_state
+
+        return loop_state(self)
+
+    def save_checkpoint(self, run_dir: Path, keep: int, snapshot: dict[str, Any] | None = None) -> Path:
+        """A complete checkpoint of the steps done so far (``snapshot``: the loop state to record
+        instead of the current one, when a step failed before changing any weights)."""
+        from .state import save_checkpoint
+
+        return save_checkpoint(self, run_dir, keep, snapshot)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore every role and the loop from a checkpoint folder; returns the steps done."""
+        from .state import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    def save_final(self, out: Path, with_critic: bool = True) -> None:
+        """The policy (and the critic, in ``critic/`` beside it) as ``save_pretrained`` folders."""
+        from .state import save_final
+
+        save_final(self, out, with_critic)
+
+    def summary(self) -> dict[str, Any]:
+        """First-10% vs last-10% mean reward and seconds per step, over every step of the run
+        (a resumed run includes the steps before the resume)."""
+        rewards = [m["reward/mean"] for m in self.history]
+        k = max(1, len(rewards) // 10)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        times = [m["time/step"] for m in self.history]
+        out: dict[str, Any] = {
+            "steps": len(rewards),
+            "reward_first_10pct": first,
+            "reward_last_10pct": last,
+            "reward_gain": last - first,
+            "seconds_per_step": sum(times) / max(len(times), 1),
+        }
+        if self.eval_history:  # the first and the last evaluation, {"step": ..., "eval/...": ...}
+            out["eval_first"], out["eval_last"] = self.eval_history[0], self.eval_history[-1]
+        if self.best:
+            out["best"] = self.best
+        return out
+
+    def shutdown(self) -> None:
+        if self.placement is not None:
+            self.placement.shutdown()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0

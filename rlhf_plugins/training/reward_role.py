@@ -1,0 +1,243 @@
+"""The reward role: every reward source of the run -- reward functions, reward models, remote
+reward servers -- scores the samples; each score is checked, retried when asked to, bounded in
+time, and combined by weight. Under Ray the role may have several ranks (``--ray.reward_workers``):
+a :class:`RewardBatch` splits itself across them and the :class:`RewardResult`\\ s merge back."""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..core.spec import PluginSpec, get_manager
+from ..dispatch import dispatch
+from ..errors import RewardError, UsageError
+from ..types import RewardFunction
+from .roles import Role
+
+logger = logging.getLogger("rlhf_plugins")
+
+
+@dataclass
+class RewardBatch:
+    """The samples of one step, as reward sources see them."""
+
+    prompts: list[Any]
+    completions: list[str]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    step: int = 0
+    #: prompt (as the policy saw it, template included) + completion texts, and the prompts alone,
+    #: for reward servers
+    queries: list[str] | None = None
+    prompt_texts: list[str] | None = None
+    #: the policy's prompt tokens and why each completion ended, for reward models
+    prompt_ids: list[list[int]] | None = None
+    finish_reasons: list[str] | None = None
+    #: scored for a held-out evaluation (of the policy after ``step`` updates), not for training
+    evaluation: bool = False
+
+    @property
+    def when(self) -> str:
+        return f"in the evaluation after {self.step} steps" if self.evaluation else f"at step {self.step}"
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @classmethod
+    def of(cls, tokenizer: Any, prompts: list[Any], prompt_ids: list[list[int]], completion_ids: list[list[int]],
+           completions: list[str], columns: dict[str, list[Any]], step: int, finish_reasons: list[str],
+           with_texts: bool, evaluation: bool = False) -> RewardBatch:
+        """The batch for sampled completions; ``with_texts`` adds the texts reward servers read
+        (prompt as the policy saw it, template included, and prompt + completion)."""
+        queries = texts = None
+        if with_texts:
+            decode = tokenizer.batch_decode
+            texts = decode(prompt_ids, skip_special_tokens=False)
+            queries = decode([p + q for p, q in zip(prompt_ids, completion_ids)], skip_special_tokens=False)
+        return cls(prompts, completions, completion_ids, columns, step, queries, texts, prompt_ids, finish_reasons,
+                   evaluation)
+
+    def split(self, n: int) -> list[RewardBatch]:
+        """``n`` consecutive shards of about equal size (data-parallel scoring)."""
+        sizes = [len(self) // n + (1 if i < len(self) % n else 0) for i in range(n)]
+        out, start = [], 0
+        for size in sizes:
+            stop = start + size
+            out.append(RewardBatch(self.prompts[start:stop], self.completions[start:stop],
+                                   self.completion_ids[start:stop],
+                                   {k: v[start:stop] for k, v in self.columns.items()}, self.step,
+                                   *(None if v is None else v[start:stop] for v in (
+                                       self.queries, self.prompt_texts, self.prompt_ids, self.finish_reasons)),
+                                   self.evaluation))
+            start = stop
+        return out
+
+
+@dataclass
+class RewardResult:
+    """Combined scores, each source's scores by name (None where a source abstained), retries."""
+
+    scores: list[float]
+    parts: dict[str, list[float | None]]
+    retries: int = 0
+
+    @classmethod
+    def merge(cls, results: list[RewardResult]) -> RewardResult:
+        parts = {k: [x for r in results for x in r.parts[k]] for k in results[0].parts}
+        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results))
+
+
+@dataclass
+class Source:
+    name: str
+    where: str  # "plugin 'x'", "reward model", "remote"
+    fn: Callable[..., Any]
+    weight: float
+
+
+def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) -> list[Source]:
+    """Functions by name, then reward models, then the remote servers, in the order of ``weights``."""
+    r = config.reward
+    sources = []
+    for name, weight in zip(names, weights):
+        comp = pm.components.get(RewardFunction, name)
+        sources.append(Source(name, f"plugin '{pm.components.provider(RewardFunction, name)}'", comp.build(config), weight))
+    model_weights = weights[len(names):]
+    if r.models:
+        from transformers import AutoTokenizer
+
+        from ..models.reward_model import RewardModelScorer
+        from ..models.tiny_model import default_model_path
+
+        policy = AutoTokenizer.from_pretrained(config.model.path or default_model_path(quiet=True),
+                                               trust_remote_code=config.model.trust_remote_code)
+        for path, weight in zip(r.models, model_weights):
+            scorer = RewardModelScorer(path, config.model.dtype, r.model_batch_size, r.value_head_prefix,
+                                       policy_tokenizer=policy)
+            sources.append(Source(scorer.name, "reward model", _model_source(scorer), weight))
+    if r.remote_urls:
+        from ..rewards.remote import RemoteReward
+
+        sources.append(Source("remote", "remote", RemoteReward.from_config(r), model_weights[len(r.models)]))
+    return sources
+
+
+def _model_source(scorer: Any) -> Callable[..., Any]:
+    def score(prompts: list[Any], completions: list[str], completion_ids: list[list[int]] | None = None,
+              prompt_ids: list[list[int]] | None = None, finish_reasons: list[str] | None = None,
+              **kwargs: Any) -> list[float]:
+        return scorer(prompts, completions, prompt_ids, completion_ids, finish_reasons)
+
+    score.wants_tokens = True  # type: ignore[attr-defined]
+    return score
+
+
+class RewardRole(Role):
+    """Runs every reward source, checks its output, combines the sources by weight."""
+
+    role = "reward"
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, names: list[str], weights: list[float]) -> None:
+        self.sources = build_sources(config, get_manager(plugin_spec), names, weights)
+        self.backend = self.sources
+        self.max_retries = config.reward.max_retries
+        self.timeout = config.reward.timeout or None
+
+    def _call(self, source: Source, batch: RewardBatch, where: str) -> Any:
+        kwargs = dict(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
+                      **batch.columns)
+        if getattr(source.fn, "wants_queries", False):
+            kwargs.update(queries=batch.queries, prompt_texts=batch.prompt_texts)
+        if getattr(source.fn, "wants_tokens", False):
+            kwargs.update(prompt_ids=batch.prompt_ids, finish_reasons=batch.finish_reasons)
+        if self.timeout is None:
+            return source.fn(**kwargs)
+        return call_with_timeout(source.fn, kwargs, self.timeout, f"{where} did not return within "
+                                 f"{self.timeout:g} s (--reward.timeout)")
+
+    @dispatch("split")
+    def score(self, batch: RewardBatch) -> RewardResult:
+        n = len(batch)
+        combined = [0.0] * n
+        parts: dict[str, list[float | None]] = {}
+        retries = 0
+        for source in self.sources:
+            where = f"reward '{source.name}' ({source.where}) {batch.when}"
+            for attempt in range(self.max_retries + 1):
+                try:
+                    out = self._call(source, batch, where)
+                    break
+                except RewardError as exc:
+                    if attempt == self.max_retries:
+                        raise
+                    retries += 1
+                    logger.warning("%s; retrying (%d of %d)", exc, attempt + 1, self.max_retries)
+                except UsageError:
+                    raise
+                except SystemExit as exc:
+                    raise RewardError(f"{where} called sys.exit({exc.code!r}); a reward must return scores "
+                                      "or raise") from None
+                except Exception as exc:
+                    if attempt == self.max_retries:
+                        tried = f" (after {attempt} retries)" if attempt else ""
+                        raise RewardError(f"{where} raised {type(exc).__name__}: {exc}{tried}".splitlines()[0]) from exc
+                    retries += 1
+                    logger.warning("%s raised %s: %s; retrying (%d of %d)", where, type(exc).__name__, exc,
+                                   attempt + 1, self.max_retries)
+                    time.sleep(min(0.1 * 2**attempt, 5.0))
+            values = _as_list(out, where)
+            if len(values) != n:
+                raise RewardError(f"{where} returned {len(values)} scores for {n} completions")
+            for i, v in enumerate(values):
+                if v is None:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise RewardError(f"{where} returned {type(v).__name__} {v!r} for sample {i}; expected a number")
+                if not math.isfinite(v) or abs(v) > 1e12:
+                    raise RewardError(f"{where} returned {v} for sample {i}; scores must be finite numbers "
+                                      "within +-1e12")
+                combined[i] += source.weight * float(v)
+            parts[source.name] = [None if v is None else float(v) for v in values]
+        return RewardResult(combined, parts, retries)
+
+    def shutdown(self) -> None:
+        for source in self.sources:
+            close = getattr(source.fn, "close", None)
+            if callable(close):
+                close()
+
+
+def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: float, message: str) -> Any:
+    """``fn(**kwargs)`` in a daemon thread, waited for at most ``timeout`` seconds (a call that never
+    returns is left behind and cannot keep the process alive)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="rlhf-reward", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RewardError(message)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _as_list(out: Any, where: str) -> list[Any]:
+    if torch.is_tensor(out):
+        return out.detach().float().reshape(-1).tolist()
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
+        return list(out.tolist())
+    if isinstance(out, (list, tuple)):
+        return [v.item() if torch.is_tensor(v) else v for v in out]
+    raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")

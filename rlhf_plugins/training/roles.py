@@ -1,0 +1,214 @@
+"""The roles of the RL loop as ordinary classes.
+
+A placement plugin decides where each one lives: constructed right here (local placement) or
+once per rank inside Ray actors; the training loop calls the same methods either way. Each role
+rebuilds the plugin manager from a :class:`PluginSpec` in its own process, so model-loading hooks
+(PEFT, custom architectures) apply everywhere, and builds its backend from the component the
+driver resolved (``factory(BackendContext)``).
+
+Besides their own methods, roles offer the generic calls of :class:`rlhf_plugins.RoleHandle`
+(``run`` and ``endpoints``): sync methods and plugins run their own functions beside a backend
+through them, so no role has a method named after a sync method.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .._lazy import resolve
+from ..core.spec import PluginSpec, get_manager
+from ..dispatch import dispatch
+from ..errors import PluginError, UsageError
+from ..protocols import OPTIONAL, BackendContext, GenerationEngine, Learner, RankContext, missing_methods
+from ..types import Component, GenerationBackend, LearnerBackend
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank in its role, as the placement set it (torch.distributed's env:// variables)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Role:
+    """Base of every role: the generic ``run`` / ``endpoints`` for the rank in this process.
+
+    A placement with several ranks calls ``call_function(fn, args)`` on each rank's object to
+    implement ``run`` and its endpoints; with one rank (local) the object is its own handle."""
+
+    role = "role"
+    backend: Any = None
+
+    def _rank_context(self) -> RankContext:
+        ctx = self.__dict__.get("_ctx")
+        if ctx is None:
+            rank, world = rank_and_world()
+            ctx = self._ctx = RankContext(self.backend, self.role, rank, world)
+        return ctx
+
+    def call_function(self, fn: Callable[..., Any], args: tuple = ()) -> Any:
+        return fn(self._rank_context(), *args)
+
+    def run(self, fn: Callable[..., Any], *args: Any, rank: int | None = None) -> Any:
+        out = self.call_function(fn, args)
+        return [out] if rank is None else out
+
+    def endpoints(self) -> list[LocalEndpoint]:
+        return [LocalEndpoint(self)]
+
+    def shutdown(self) -> None:
+        stop = getattr(self.backend, "shutdown", None)
+        if callable(stop):
+            stop()
+
+
+class LocalEndpoint:
+    """The endpoint of a role in this process: calls run at once, handles are the results."""
+
+    def __init__(self, role: Role) -> None:
+        self.target = role
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.target.call_function(fn, args)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.target.call_function(fn, args)
+
+    @staticmethod
+    def wait(handles: list[Any]) -> list[Any]:
+        return list(handles)
+
+
+def build_backend(component: Component, contract: type, ctx: BackendContext, provider: str) -> Any:
+    """``factory(ctx)``, checked against its contract: a missing required method is one line
+    naming the plugin, before the first step."""
+    obj = resolve(component.factory)(ctx)
+    missing = missing_methods(obj, contract)
+    if missing:
+        raise PluginError(
+            f"{component.area} '{component.name}' (plugin '{provider}') built a {type(obj).__name__} without "
+            f"{', '.join(missing)}, which rlhf_plugins.{contract.__name__} requires"
+        )
+    return obj
+
+
+def _context(config: Any, spec: PluginSpec, role: str, model_path: str, **extra: Any) -> BackendContext:
+    pm = get_manager(spec)
+    rank, world = rank_and_world()
+    return BackendContext(config, role, model_path, lambda: pm.load_model(role, model_path, config), rank, world,
+                          **extra)
+
+
+class PolicyRole(Role):
+    """The actor: a trainable policy behind a learner backend."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, learner: LearnerBackend,
+                 provider: str = "", role: str = "actor") -> None:
+        self.role = role
+        ctx = _context(config, plugin_spec, role, model_path)
+        self.backend = self.learner = build_backend(learner, Learner, ctx, provider)
+
+    @dispatch("split")
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.learner.logprobs(batch)
+
+    @dispatch("split")
+    def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
+        out = self.learner.train(batch, objective)
+        if torch.cuda.is_available():  # pragma: no cover - GPU branch: the peak of this update, per rank
+            out = {**out, f"memory/{self.role}_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    @dispatch("all")
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.learner.named_weights()
+
+    @dispatch("all")
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {name: (tuple(t.shape), str(t.dtype)) for name, t in self.learner.named_weights()}
+
+    @dispatch("all")
+    def save(self, path: str) -> None:
+        self.learner.save(path)
+
+    @dispatch("all")
+    def save_checkpoint(self, path: str) -> None:
+        self.learner.save_checkpoint(path)
+
+    @dispatch("all")
+    def load_checkpoint(self, path: str) -> None:
+        self.learner.load_checkpoint(path)
+
+    @dispatch("all")
+    def shutdown(self) -> None:
+        super().shutdown()
+
+
+class CriticRole(PolicyRole):
+    """The PPO critic: per-token values, trained on returns with a clipped value loss."""
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, learner: LearnerBackend,
+                 provider: str = "") -> None:
+        super().__init__(config, plugin_spec, model_path, learner, provider, role="critic")
+
+    @dispatch("split")
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.learner.logprobs(batch)
+
+
+class ReferenceRole(Role):
+    """The frozen initial policy, for KL."""
+
+    role = "reference"
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
+        from ..models.forward import policy_forward
+
+        self.model = self.backend = get_manager(plugin_spec).load_model("reference", model_path, config)
+        self.model.eval().requires_grad_(False)
+        self.temperature = config.generation.temperature
+        self._forward = policy_forward
+
+    @dispatch("split")
+    @torch.inference_mode()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._forward(self.model, batch, self.temperature)["logprobs"]
+
+
+class GenerationRole(Role):
+    """The generation engine of the configured backend."""
+
+    role = "generation"
+
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, backend: GenerationBackend,
+                 provider: str = "", adapter_sync: bool = False) -> None:
+        ctx = _context(config, plugin_spec, "generation", model_path, adapter_sync=adapter_sync)
+        self.engine = self.backend = build_backend(backend, GenerationEngine, ctx, provider)
+        self.name = f"{backend.area} '{backend.name}' (plugin '{provider}')"
+        if config.sync.verify:
+            self._require("logprobs", "--sync.verify")
+
+    def _require(self, method: str, setting: str) -> Callable[..., Any]:
+        fn = getattr(self.engine, method, None)
+        if not callable(fn):
+            raise UsageError(f"{self.name} has no {method}(), which {setting} needs "
+                             f"({OPTIONAL['engine'][method].split(' of ')[0]}); turn {setting} off or use another engine")
+        return fn
+
+    @dispatch("prompts")
+    def generate(self, prompt_ids: list[list[int]], params: Any) -> Any:
+        return self.engine.generate(prompt_ids, params)
+
+    def load_weights(self, named_tensors: Any) -> dict[str, Any]:
+        return self.engine.load_weights(named_tensors)
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._require("logprobs", "--sync.verify")(batch)
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self.engine.weight_shapes()
+
+    @dispatch("all")
+    def shutdown(self) -> None:
+        super().shutdown()

@@ -1,0 +1,106 @@
+"""A rollout: what one step generated and how it was scored, and its tensor batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """Per-sample lists (``n`` consecutive samples per prompt)."""
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list[str]
+    finish_reasons: list[str]
+    rollout_logprobs: list[list[float]]
+    columns: dict[str, list[Any]]
+    group_size: int
+    #: combined score per sample (weighted sum over reward functions)
+    scores: list[float] = field(default_factory=list)
+    #: each reward function's scores, by name (None where a function abstained)
+    reward_components: dict[str, list[float | None]] = field(default_factory=dict)
+    #: the combined score before shaping (penalties, normalisation, clipping)
+    raw_scores: list[float] = field(default_factory=list)
+    #: the policy version (updates its weights had) that sampled each completion token
+    versions: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def select_groups(self, groups: list[int] | range) -> Rollout:
+        """The samples of the given prompt groups, in that order."""
+        g = self.group_size
+        idx = [i for grp in groups for i in range(grp * g, (grp + 1) * g)]
+
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in idx] if values else values
+
+        return Rollout(
+            prompts=pick(self.prompts),
+            prompt_ids=pick(self.prompt_ids),
+            completion_ids=pick(self.completion_ids),
+            completions=pick(self.completions),
+            finish_reasons=pick(self.finish_reasons),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            columns={k: pick(v) for k, v in self.columns.items()},
+            group_size=g,
+            scores=pick(self.scores),
+            reward_components={k: pick(v) for k, v in self.reward_components.items()},
+            raw_scores=pick(self.raw_scores),
+            versions=pick(self.versions),
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        first = parts[0]
+
+        def cat(name: str) -> list[Any]:
+            return [x for p in parts for x in getattr(p, name)]
+
+        return Rollout(
+            prompts=cat("prompts"),
+            prompt_ids=cat("prompt_ids"),
+            completion_ids=cat("completion_ids"),
+            completions=cat("completions"),
+            finish_reasons=cat("finish_reasons"),
+            rollout_logprobs=cat("rollout_logprobs"),
+            columns={k: [x for p in parts for x in p.columns[k]] for k in first.columns},
+            group_size=first.group_size,
+            scores=cat("scores"),
+            reward_components={k: [x for p in parts for x in p.reward_components[k]] for k in first.reward_components},
+            raw_scores=cat("raw_scores"),
+            versions=cat("versions"),
+        )
+
+
+def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad prompts, right-pad completions: ``sequences = [prompt | completion]``."""
+    B = len(rollout)
+    P = max(len(p) for p in rollout.prompt_ids)
+    T = max(max(len(c) for c in rollout.completion_ids), 1)
+    sequences = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    action = torch.zeros((B, T), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids)):
+        sequences[i, P - len(p) : P] = torch.tensor(p)
+        attention[i, P - len(p) : P] = 1
+        if c:
+            sequences[i, P : P + len(c)] = torch.tensor(c)
+            attention[i, P : P + len(c)] = 1
+            action[i, : len(c)] = 1
+            rollout_lp[i, : len(c)] = torch.tensor(rollout.rollout_logprobs[i][: len(c)])
+    return {
+        "sequences": sequences,
+        "attention_mask": attention,
+        "action_mask": action,
+        "rollout_logprobs": rollout_lp,
+        "scores": torch.tensor(rollout.scores, dtype=torch.float32),
+        # layout hints: samples of one prompt are consecutive and share the first P columns
+        "group_size": rollout.group_size,
+        "prompt_width": P,
+    }

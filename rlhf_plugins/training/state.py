@@ -1,0 +1,120 @@
+"""The trainer's checkpoint: what every role writes, the loop's own state, plugin state.
+
+A checkpoint holds ``actor/`` and ``critic/`` (each learner's ``save_checkpoint``: weights as
+safetensors, optimizer, counters, random state; DeepSpeed's own ZeRO partitions, one set per
+rank), ``trainer.pt`` (step, prompt sampler position, KL controller, reward normaliser, the
+driver's python / numpy / torch random states) and ``plugins.json`` (what each plugin's
+``rlhf_state_dict`` returned). Generation needs no state: the engine's sampling seed is derived
+from the run seed and the step, and its weights come from the actor by a sync after loading.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import checkpoint
+
+if TYPE_CHECKING:
+    from .loop import Trainer
+
+
+def loop_state(t: Trainer) -> dict[str, Any]:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "step": t.step_count,
+        "sampler": dict(t.sampler.state_dict()),
+        "kl_controller": dict(t.kl_control.state_dict()),
+        "reward_shaper": json.loads(json.dumps(t.shaper.state_dict())),
+        "python_rng": random.getstate(),
+        "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch_rng": torch.get_rng_state(),
+        "best": dict(t.best) if t.best else None,
+    }
+
+
+def restore_loop_state(t: Trainer, state: dict[str, Any]) -> None:
+    import numpy as np
+
+    t.step_count = int(state["step"])
+    t.sampler.load_state_dict(state["sampler"])
+    t.kl_control.load_state_dict(state["kl_controller"])
+    t.shaper.load_state_dict(state["reward_shaper"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch_rng"])
+    t.best = state.get("best")
+
+
+def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, Any] | None = None) -> Path:
+    state = snapshot or loop_state(t)
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        tmp = tmp.resolve()  # roles may run in processes with another working directory
+        t.actor.save_checkpoint(str(tmp / "actor"))
+        if t.critic is not None:
+            t.critic.save_checkpoint(str(tmp / "critic"))
+        torch.save(state, tmp / "trainer.pt")
+        (tmp / "plugins.json").write_text(json.dumps(t.pm.collect_state(), indent=1))
+        return {"roles": ["actor", *(["critic"] if t.critic is not None else [])]}
+
+    return checkpoint.write(run_dir, int(state["step"]), fill, keep)
+
+
+def load_checkpoint(t: Trainer, path: Path) -> int:
+    manifest = checkpoint.verify(path)
+    path = path.resolve()
+    roles = manifest.get("roles", ["actor"])
+    if ("critic" in roles) != (t.critic is not None):
+        raise checkpoint.CheckpointError(
+            f"checkpoint '{path}' was written {'with' if 'critic' in roles else 'without'} a critic, "
+            f"but this run has {'one' if t.critic is not None else 'none'}"
+        )
+    t.actor.load_checkpoint(str(path / "actor"))
+    if t.critic is not None:
+        t.critic.load_checkpoint(str(path / "critic"))
+    restore_loop_state(t, torch.load(path / "trainer.pt", weights_only=True))
+    plugins = path / "plugins.json"
+    t.pm.restore_state(json.loads(plugins.read_text()) if plugins.is_file() else {})
+    t.sync.sync(t.actor, t.engine, t.step_count)  # the engine generates with the restored policy
+    t.engine_version = t.step_count
+    return t.step_count
+
+
+def save_final(trainer: Trainer, out: Path, with_critic: bool = True) -> None:
+    """The policy (and the critic, beside it in ``critic/``) as ``save_pretrained`` folders, each
+    written to a temporary folder and renamed into place: a failed save leaves no folder that
+    looks loadable."""
+    import os
+    import shutil
+
+    from ..errors import UsageError
+
+    out = out.resolve()  # roles may run in processes with another working directory
+    critic = with_critic and trainer.critic is not None
+    targets = [(out, trainer.actor)] + ([(out.parent / "critic", trainer.critic)] if critic else [])
+    for target, role in targets:
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            role.save(str(tmp))
+            if role is trainer.actor:
+                trainer.tokenizer.save_pretrained(str(tmp))
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UsageError(f"cannot save the final model to '{target}': {exc.strerror or exc}; the checkpoints "
+                             "are kept (free space, then resume)") from exc
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

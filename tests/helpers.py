@@ -1,0 +1,130 @@
+"""Helpers shared by the test modules (fixtures live in ``conftest.py``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def clean_env(extra: dict | None = None) -> dict:
+    """This process's environment without the torch.distributed variables an in-process
+    DeepSpeed run leaves set (a child would try to join that world)."""
+    return {**{k: v for k, v in os.environ.items() if k not in DIST_ENV}, **(extra or {})}
+
+
+def run_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_plugins.cli", *args],
+        cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def short_run(*extra: str) -> list[str]:
+    """Flags for a quick training run on the default task, without held-out evaluation unless
+    ``extra`` turns it on (``with_eval()``)."""
+    return ["--train.steps", "3", "--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4",
+            "--train.progress", "false", "--eval.enabled", "false", *extra]
+
+
+def with_eval(*extra: str) -> list[str]:
+    """:func:`short_run` with the default held-out evaluation (before the first step, after the last)."""
+    return short_run("--eval.enabled", "true", *extra)
+
+
+def block_import(monkeypatch, module: str) -> None:
+    """Make ``importlib.util.find_spec(module)`` report it missing (an uninstalled extra)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+
+
+def the_run(base: Path = Path("runs")) -> Path:
+    """The only run directory under ``base``."""
+    dirs = list(base.iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def all_rows_of(run: Path) -> list[dict]:
+    """Every row of a run's ``metrics.jsonl``: one per step, and one per held-out evaluation."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def metrics_of(run: Path) -> list[dict]:
+    """The training rows of a run (one per step)."""
+    from rlhf_plugins.training.runlog import is_eval_row
+
+    return [r for r in all_rows_of(run) if not is_eval_row(r)]
+
+
+def eval_rows_of(run: Path) -> list[dict]:
+    """The held-out evaluation rows of a run, in order."""
+    from rlhf_plugins.training.runlog import is_eval_row
+
+    return [r for r in all_rows_of(run) if is_eval_row(r)]
+
+
+def random_batch(group: int = 4, prompts: int = 3, seed: int = 0) -> dict[str, Any]:
+    """A batch of random token ids: ``prompts`` prompts with ``group`` random completions each."""
+    import torch
+
+    from rlhf_plugins.training.rollout import Rollout, make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, completion_ids = [], []
+    for _ in range(prompts):
+        prompt = torch.randint(10, 300, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(group):
+            prompt_ids.append(prompt)
+            completion_ids.append(torch.randint(10, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist())
+    n = len(prompt_ids)
+    r = Rollout(prompts=[""] * n, prompt_ids=prompt_ids, completion_ids=completion_ids, completions=[""] * n,
+                finish_reasons=["stop"] * n, rollout_logprobs=[[0.0] * len(c) for c in completion_ids],
+                columns={}, group_size=group, scores=[0.0] * n)
+    return make_batch(r, pad_id=0)
+
+
+def make_reward_model(out: Path, kind: str = "trl", *, seed: int = 0, mean: float | None = None,
+                      std: float | None = None, labels: int = 1) -> Path:
+    """A reward model on the tiny Llama's backbone with a random one-output head, saved as TRL's
+    ``RewardTrainer`` does (``kind="trl"``: LlamaForSequenceClassification) or as OpenRLHF does
+    (``kind="openrlhf"``: the causal-LM config, backbone weights and a ``score`` head; with ``mean``
+    and ``std`` its config asks for normalised scores)."""
+    import json as _json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from rlhf_plugins.testing import tiny_model_path
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    src = tiny_model_path()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig.from_pretrained(src, num_labels=labels)
+    cfg.pad_token_id = AutoTokenizer.from_pretrained(src).pad_token_id
+    model = LlamaForSequenceClassification.from_pretrained(src, config=cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    if kind == "trl":
+        model.save_pretrained(out)
+        return out
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    config = _json.loads((Path(src) / "config.json").read_text())
+    if mean is not None:
+        config.update(normalize_reward=True, mean=mean, std=std)
+    (out / "config.json").write_text(_json.dumps(config))
+    return out

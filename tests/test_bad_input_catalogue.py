@@ -1,0 +1,517 @@
+"""A catalogue of bad input and faults, each with the exact line it gets: exit status 2 (1 for a
+dead role), one line, nothing half-written (no run directory unless a step completed)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import metrics_of, short_run, the_run
+
+#: (id, arguments, the whole error line after "rlhf: error: ") -- plain flags
+FLAGS = [
+    ("seed-negative", ["--train.seed", "-1"], "config key 'train.seed' must be >= 0 and <= 4.29497e+09; got -1"),
+    ("threads-negative", ["--train.num_threads", "-3"], "config key 'train.num_threads' must be >= 0; got -3"),
+    ("lr-inf", ["--learner.lr", "inf"], "config key 'learner.lr' must be a finite number; got inf"),
+    ("lr-nan", ["--learner.lr", "nan"], "config key 'learner.lr' must be a finite number; got nan"),
+    ("lr-zero", ["--learner.lr", "0"], "config key 'learner.lr' must be > 0; got 0.0"),
+    ("lr-word", ["--learner.lr", "fast"], "config key 'learner.lr' expects a number, got 'fast'"),
+    ("fp16-on-cpu", ["--model.dtype", "float16"],
+     "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16"),
+    ("dtype-unknown", ["--model.dtype", "float64"],
+     "config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'; got 'float64'"),
+    ("run-name-up", ["--train.run_name", "../x"],
+     "train.run_name '../x' must be a plain folder name inside train.output_dir (no '/' or '..')"),
+    ("run-name-absolute", ["--train.run_name", "/tmp/x"],
+     "train.run_name '/tmp/x' must be a plain folder name inside train.output_dir (no '/' or '..')"),
+    ("lora-rank-negative", ["--lora.rank", "-1"], "config key 'lora.rank' must be >= 0; got -1"),
+    ("lora-dropout", ["--lora.dropout", "1"], "config key 'lora.dropout' must be >= 0 and < 1; got 1.0"),
+    ("ray-workers-zero", ["--placement.strategy", "ray", "--ray.actor_workers", "0"],
+     "config key 'ray.actor_workers' must be >= 1; got 0"),
+    ("ray-timeout-negative", ["--placement.strategy", "ray", "--ray.ready_timeout", "-1"],
+     "config key 'ray.ready_timeout' must be > 0; got -1.0"),
+    ("vllm-memory", ["--vllm.gpu_memory_utilization", "1.5"],
+     "config key 'vllm.gpu_memory_utilization' must be > 0 and <= 1; got 1.5"),
+    ("zero-stage", ["--deepspeed.zero_stage", "4"], "config key 'deepspeed.zero_stage' must be >= 0 and <= 3; got 4"),
+    ("temperature-zero", ["--generation.temperature", "0"], "config key 'generation.temperature' must be > 0; got 0.0"),
+    ("top-p-zero", ["--generation.top_p", "0"], "config key 'generation.top_p' must be > 0 and <= 1; got 0.0"),
+    ("steps-zero", ["--train.steps", "0"], "config key 'train.steps' must be >= 1; got 0"),
+    ("reward-timeout", ["--reward.timeout", "-5"], "config key 'reward.timeout' must be >= 0; got -5.0"),
+    ("betas", ["--learner.betas", "[0.9, 1.5]"],
+     "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
+    ("optimizer", ["--learner.optimizer", "lion"],
+     "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd'; got 'lion'"),
+    ("scheduler", ["--learner.lr_scheduler", "poly"],
+     "config key 'learner.lr_scheduler' must be one of 'constant' | 'linear' | 'cosine'; got 'poly'"),
+    ("weights-count", ["--reward.weights", "1,2"],
+     "reward.weights has 2 values for 1 reward sources (1 functions, 0 models); give one per source"),
+    ("remote-url", ["--reward.remote_urls", "ftp://x"], "reward.remote_urls entry 'ftp://x' is not an http(s) URL"),
+    ("ipc-locally", ["--sync.method", "ipc"],
+     "weight sync 'ipc' needs the engine in its own process, which placement 'local' does not do; use --sync.method inprocess"),
+    ("adapter-without-lora", ["--sync.method", "adapter"],
+     "weight sync 'adapter' moves a LoRA adapter alone: set --lora.rank (or --lora.config), or choose another --sync.method"),
+    ("placement-unknown", ["--placement.strategy", "slurm"],
+     "unknown placement strategy 'slurm'; choose one of: local, ray (--placement.strategy)"),
+    ("learner-unknown", ["--learner.backend", "fsdp"],
+     "unknown learner backend 'fsdp'; choose one of: deepspeed, torch (--learner.backend)"),
+    ("kl-unknown", ["--algo.kl.estimator", "k9"], "unknown kl estimator 'k9'; choose one of: k1, k2, k3 (--algo.kl.estimator)"),
+    ("loss-unknown", ["--algo.policy_loss.name", "cispo"],
+     "unknown policy loss 'cispo'; choose one of: gspo, ppo (--algo.policy_loss.name)"),
+    ("engines-locally", ["--generation.backend", "vllm", "--vllm.num_engines", "2"],
+     "2 generation engines need a placement that runs several ranks per role; placement 'local' runs one (use "
+     "--placement.strategy ray)"),
+    ("torch-two-ranks", ["--placement.strategy", "ray", "--ray.actor_workers", "2"],
+     "learner backend 'torch' runs one rank; choose a multi-rank learner (--learner.backend deepspeed) for "
+     "ray.actor_workers 2 / ray.critic_workers 1"),
+    ("ray-address-garbage", ["--placement.strategy", "ray", "--ray.address", "garbage"],
+     "ray.address 'garbage' is not an address; give HOST:PORT (e.g. 127.0.0.1:6379), ray://HOST:PORT, auto, or leave "
+     "it empty to start a local cluster"),
+    ("builtin-data-unknown", ["--data.path", "builtin:nope"],
+     "unknown built-in dataset 'nope'; choose one of: builtin:addition, builtin:addition-train, builtin:addition-test"),
+    ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
+    ("resume-nowhere", ["--resume", "nowhere"], "--resume 'nowhere' does not exist; give a run directory or a checkpoint folder"),
+    ("best-metric-unknown", ["--train.best_metric", "eval/pass@3"],
+     "train.best_metric 'eval/pass@3' is not an evaluation metric; choose one of: eval/pass@1, eval/pass@8, eval/mean@8, "
+     "eval/maj@8, eval/greedy"),
+    ("best-metric-without-eval", ["--train.best_metric", "eval/pass@1", "--eval.enabled", "false"],
+     "train.best_metric 'eval/pass@1' needs held-out evaluation: give --eval.path or --eval.split (and keep "
+     "--eval.enabled true)"),
+    ("eval-reward-unknown", ["--eval.reward_functions", "nope"],
+     "unknown reward function 'nope'; choose one of: exact_match (--eval.reward_functions)"),
+    ("eval-split-all", ["--eval.split", "1"], "config key 'eval.split' must be >= 0 and < 1; got 1.0"),
+    ("eval-data-missing", ["--eval.path", "nowhere.jsonl"],
+     "dataset 'nowhere.jsonl' does not exist; set --eval.path to a .jsonl/.json/.parquet file or folder"),
+]
+
+#: (id, arguments of ``rlhf eval``, the whole error line) -- nothing is written
+EVAL_FLAGS = [
+    ("eval-model-missing", ["--model", "nowhere"],
+     "--model 'nowhere' is not a folder; give a run directory or a save_pretrained folder"),
+    ("eval-without-data", ["--eval.enabled", "false"],
+     "no held-out prompts: give --data PATH (or --eval.path, or --eval.split to hold out part of --data.path)"),
+    ("eval-output-nowhere", ["--output", "no/such/folder/r.json"],
+     "cannot write the report to 'no/such/folder/r.json': no such folder; choose another --output"),
+]
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip() and not line.startswith("rlhf: warning:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlhf: error: "), err
+    return lines[0].removeprefix("rlhf: error: ")
+
+
+def no_run_dirs() -> bool:
+    return not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
+@pytest.mark.parametrize("args, expected", [c[1:] for c in FLAGS], ids=[c[0] for c in FLAGS])
+def test_flags(rlhf, args, expected):
+    code, _, err = rlhf("train", *args)
+    assert code == 2
+    assert error_line(err) == expected
+    assert no_run_dirs()
+
+
+@pytest.mark.parametrize("args, expected", [c[1:] for c in EVAL_FLAGS], ids=[c[0] for c in EVAL_FLAGS])
+def test_eval_flags(rlhf, args, expected):
+    code, _, err = rlhf("eval", *args)
+    assert code == 2
+    assert error_line(err) == expected
+    assert list(Path(".").iterdir()) == []  # no report, no run
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def rows(path: Path, items: list) -> Path:
+    return write(path, "".join(json.dumps(r) + "\n" for r in items))
+
+
+#: (id, builder(tmp) -> (args, expected line with {tmp} for the temporary folder))
+def _files() -> list:
+    cases = []
+
+    def case(name):
+        def add(fn):
+            cases.append((name, fn))
+            return fn
+        return add
+
+    @case("yaml-not-utf8")
+    def _(t):
+        write(t / "c.yaml", b"train:\n  steps: \xff\xfe\n")
+        return ["--config", str(t / "c.yaml")], f"config file '{t}/c.yaml' is not UTF-8 text (byte 16); save it as UTF-8"
+
+    @case("yaml-a-list")
+    def _(t):
+        write(t / "c.yaml", "- 1\n- 2\n")
+        return ["--config", str(t / "c.yaml")], f"config file '{t}/c.yaml' must hold a mapping of sections, got list"
+
+    @case("yaml-missing")
+    def _(t):
+        return ["--config", str(t / "none.yaml")], f"config file '{t}/none.yaml' does not exist"
+
+    @case("data-not-utf8")
+    def _(t):
+        write(t / "d.jsonl", b'{"prompt": "\xff\xfe 1+1="}\n')
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset file '{t}/d.jsonl' is not UTF-8 text; convert it (e.g. iconv -t UTF-8)"
+
+    @case("prompt-int")
+    def _(t):
+        rows(t / "d.jsonl", [{"prompt": 5, "label": "5"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.jsonl' row 1: 'prompt' is int '5'; a prompt is a string or a list of chat messages " \
+            '{"role": ..., "content": ...}'
+
+    @case("prompt-mixed")
+    def _(t):
+        rows(t / "d.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": ["x", 3], "label": "2"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], None
+
+    @case("prompt-dict")
+    def _(t):
+        rows(t / "d.jsonl", [{"prompt": {"text": "1+1="}, "label": "2"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.jsonl' row 1: 'prompt' is dict \"{{'text': '1+1='}}\"; a prompt is a string or a list of " \
+            'chat messages {"role": ..., "content": ...}'
+
+    @case("chat-message-malformed")
+    def _(t):
+        rows(t / "d.jsonl", [{"prompt": [{"role": "user", "text": "1+1="}], "label": "2"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.jsonl' row 1: 'prompt' holds a chat message that is not {{\"role\": str, \"content\": " \
+            "str}: \"{'role': 'user', 'text': '1+1='}\""
+
+    @case("data-no-prompt-column")
+    def _(t):
+        rows(t / "d.jsonl", [{"question": "1+1=", "label": "2"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.jsonl' has no 'prompt' column (columns: question, label); set --data.prompt_key"
+
+    @case("data-csv")
+    def _(t):
+        write(t / "d.csv", "prompt,label\n1+1=,2\n")
+        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
+            f"dataset file '{t}/d.csv' has an unsupported type; use .jsonl, .json or .parquet"
+
+    def model_folder(t: Path, tiny: str, drop: tuple = (), config: str | None = None, extra: dict | None = None) -> Path:
+        import shutil
+
+        folder = t / "model"
+        shutil.copytree(tiny, folder)
+        for name in drop:
+            for f in folder.glob(name):
+                f.unlink()
+        if config is not None:
+            (folder / "config.json").write_text(config)
+        for name, data in (extra or {}).items():
+            write(folder / name, data)
+        return folder
+
+    @case("model-no-tokenizer")
+    def _(t, tiny):
+        f = model_folder(t, tiny, drop=("tokenizer*", "chat_template.jinja", "special_tokens_map.json"))
+        return ["--model.path", str(f)], f"model.path '{f}' has no tokenizer (tokenizer.json / tokenizer_config.json); " \
+            "save the tokenizer beside the model (tokenizer.save_pretrained)"
+
+    @case("model-config-empty")
+    def _(t, tiny):
+        f = model_folder(t, tiny, config="")
+        return ["--model.path", str(f)], f"model.path '{f}': config.json is empty; the folder is damaged (save the model again)"
+
+    @case("model-config-garbage")
+    def _(t, tiny):
+        f = model_folder(t, tiny, config="{not json")
+        return ["--model.path", str(f)], f"model.path '{f}': config.json is not valid JSON (Expecting property name " \
+            "enclosed in double quotes: line 1 column 2 (char 1)); the folder is damaged"
+
+    @case("model-no-model-type")
+    def _(t, tiny):
+        f = model_folder(t, tiny, config='{"hidden_size": 4}')
+        return ["--model.path", str(f)], f"model.path '{f}': config.json names no model_type; it is not a transformers model folder"
+
+    @case("model-custom-code")
+    def _(t, tiny):
+        config = json.loads((Path(tiny) / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyModel"}
+        f = model_folder(t, tiny, config=json.dumps(config))
+        return ["--model.path", str(f)], f"model.path '{f}' needs its own Python code to load (auto_map in config.json), " \
+            "which is not run unless you trust it: pass --model.trust_remote_code true"
+
+    @case("model-pickled-weights")
+    def _(t, tiny):
+        f = model_folder(t, tiny, drop=("*.safetensors",), extra={"pytorch_model.bin": b"\x80\x04pickled"})
+        return ["--model.path", str(f)], f"model.path '{f}' holds pickled weights (pytorch_model.bin), which " \
+            "rlhf-plugins does not load (unpickling can run code); convert them to safetensors " \
+            "(model.save_pretrained(path, safe_serialization=True))"
+
+    @case("model-no-weights")
+    def _(t, tiny):
+        f = model_folder(t, tiny, drop=("*.safetensors",))
+        return ["--model.path", str(f)], f"model.path '{f}' has no weights (*.safetensors)"
+
+    @case("model-corrupt-safetensors")
+    def _(t, tiny):
+        f = model_folder(t, tiny, extra={"model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage"})
+        return ["--model.path", str(f)], None
+
+    @case("critic-missing")
+    def _(t):
+        return ["--critic.path", str(t / "nowhere")], \
+            f"critic.path '{t}/nowhere' does not exist or is not a folder; give a local save_pretrained folder"
+
+    @case("output-dir-is-a-file")
+    def _(t):
+        write(t / "file", "x")
+        return ["--train.output_dir", str(t / "file"), "--train.run_name", "r"], \
+            f"cannot create the run directory '{t}/file/r': Not a directory; choose another --train.output_dir"
+
+    @case("output-dir-dev-null")
+    def _(t):
+        return ["--train.output_dir", "/dev/null", "--train.run_name", "r"], \
+            "cannot create the run directory '/dev/null/r': Not a directory; choose another --train.output_dir"
+
+    @case("output-dir-unwritable")
+    def _(t):
+        return ["--train.output_dir", "/proc/rlhf-runs", "--train.run_name", "r"], \
+            "cannot create the run directory '/proc/rlhf-runs/r': No such file or directory; choose another " \
+            "--train.output_dir"
+
+    @case("run-exists")
+    def _(t):
+        (Path("runs") / "taken").mkdir(parents=True)
+        return ["--train.run_name", "taken"], "run directory 'runs/taken' already exists; choose another " \
+            "--train.run_name or continue it with --resume runs/taken"
+
+    @case("trl-yaml-lr-word")
+    def _(t):
+        write(t / "grpo.yaml", "learning_rate: abc\n")
+        return ["--trl-config", str(t / "grpo.yaml")], "TRL field 'learning_rate' expects float; got 'abc'"
+
+    @case("trl-yaml-unknown-field")
+    def _(t):
+        write(t / "grpo.yaml", "num_generation: 4\n")
+        return ["--trl-config", str(t / "grpo.yaml")], \
+            "'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'?"
+
+    @case("trl-yaml-training-field")
+    def _(t):
+        write(t / "grpo.yaml", "neftune_noise_alpha: 5.0\n")
+        return ["--trl-config", str(t / "grpo.yaml")], "TRL field 'neftune_noise_alpha' (5.0) changes training and has " \
+            "no equivalent in rlhf-plugins; remove it from the TRL config"
+
+    @case("plugin-sys-exit-at-import")
+    def _(t):
+        write(t / "quits.py", "import sys\nsys.exit(3)\n")
+        return ["--plugin", str(t / "quits.py")], \
+            f"plugin '{t}/quits.py' called sys.exit(3) while importing; plugins must raise an error instead"
+
+    @case("plugin-import-error")
+    def _(t):
+        write(t / "broken.py", "import no_such_module_zz\n")
+        return ["--plugin", str(t / "broken.py")], \
+            f"plugin '{t}/broken.py' failed to import: ModuleNotFoundError: No module named 'no_such_module_zz'"
+
+    @case("plugin-unknown")
+    def _(t):
+        return ["--plugin", "no_such_plugin_zz"], "unknown plugin 'no_such_plugin_zz': it is not an entry point of group " \
+            "'rlhf_plugins', an importable module or a .py file; check the name or pip install the plugin"
+
+    @case("plugin-no-hooks")
+    def _(t):
+        write(t / "empty.py", "x = 1\n")
+        return ["--plugin", str(t / "empty.py")], \
+            "plugin 'empty' defines no rlhf_* hooks and no reward function '(prompts, completions, **kwargs) -> list[float]'"
+
+    @case("reward-several-from-plugins")
+    def _(t):
+        write(t / "two.py", "def a(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+                             "def b(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+        return ["--plugin", str(t / "two.py")], \
+            "plugins provide several reward functions (a, b); choose with --reward.functions NAME[,NAME]"
+
+    return cases
+
+
+FILES = _files()
+
+
+@pytest.mark.parametrize("builder", [c[1] for c in FILES], ids=[c[0] for c in FILES])
+def test_files_and_plugins(rlhf, tmp_path, tiny_model, builder):
+    import inspect
+
+    t = tmp_path / "in"
+    t.mkdir()
+    args, expected = builder(t, tiny_model) if len(inspect.signature(builder).parameters) == 2 else builder(t)
+    code, _, err = rlhf("train", *args, *short_run())
+    assert code == 2
+    line = error_line(err)
+    if expected is None:  # library wording inside: the start names the file
+        assert line.startswith(("dataset", "model.path")) and str(t) in line, line
+    else:
+        assert line == expected
+    assert not Path("runs").exists() or {p.name for p in Path("runs").iterdir()} <= {"taken"}
+
+
+#: faults during the run: a plugin file each; the line, and whether a step completed first
+RUNTIME = [
+    ("reward-sys-exit", """
+        import sys
+        def quits(prompts, completions, **kwargs):
+            sys.exit()
+     """, [], "reward 'quits' (plugin 'p') at step 0 called sys.exit(None); a reward must return scores or raise"),
+    ("reward-huge", """
+        def big(prompts, completions, **kwargs):
+            return [1e308] * len(completions)
+     """, [], "reward 'big' (plugin 'p') at step 0 returned 1e+308 for sample 0; scores must be finite numbers within +-1e12"),
+    ("reward-never-returns", """
+        import time
+        def slow(prompts, completions, **kwargs):
+            time.sleep(60)
+            return [0.0] * len(completions)
+     """, ["--reward.timeout", "1"], "reward 'slow' (plugin 'p') at step 0 did not return within 1 s (--reward.timeout)"),
+    ("reward-wrong-count", """
+        def short(prompts, completions, **kwargs):
+            return [0.0]
+     """, [], "reward 'short' (plugin 'p') at step 0 returned 1 scores for 16 completions"),
+    ("reward-wrong-count-in-evaluation", """
+        def short(prompts, completions, **kwargs):
+            return [0.0] * (len(completions) if len(completions) == 16 else 1)
+     """, ["--eval.enabled", "true"],
+     "reward 'short' (plugin 'p') in the evaluation after 0 steps returned 1 scores for 160 completions"),
+    ("reward-wrong-type", """
+        def words(prompts, completions, **kwargs):
+            return ["good"] * len(completions)
+     """, [], "reward 'words' (plugin 'p') at step 0 returned str 'good' for sample 0; expected a number"),
+    ("load-hook-returns-str", """
+        from rlhf_plugins import hookimpl
+        @hookimpl(tryfirst=True)
+        def rlhf_load_model(role, path, config):
+            return "a model"
+     """, [], "rlhf_load_model returned str for the generation model; it must return a "
+         "torch.nn.Module (plugins implementing it, in call order: p, "),
+    ("policy-loss-scalar", """
+        from rlhf_plugins import hookimpl, PolicyLoss
+        @hookimpl
+        def rlhf_policy_losses():
+            yield PolicyLoss("scalar", compute=lambda x, o: ((x.advantages * x.logprobs).mean(), {}))
+     """, ["--algo.policy_loss.name", "scalar"], "policy loss 'scalar' returned (); it must "
+         "return the per-token loss"),
+    ("engine-without-logprobs-with-verify", """
+        from rlhf_plugins import hookimpl, GenerationBackend
+        from rlhf_plugins.engines.transformers_engine import TransformersEngine
+        class NoProbe:
+            def __init__(self, ctx):
+                self.inner = TransformersEngine(ctx)
+                self.generate, self.load_weights = self.inner.generate, self.inner.load_weights
+                self.weight_shapes, self.shutdown = self.inner.weight_shapes, self.inner.shutdown
+        @hookimpl
+        def rlhf_generation_backends():
+            yield GenerationBackend("noprobe", factory=NoProbe)
+     """, ["--generation.backend", "noprobe", "--sync.verify", "true"],
+     "generation backend 'noprobe' (plugin 'p') has no logprobs(), which --sync.verify needs (the engine/learner parity "
+     "probe); turn --sync.verify off or use another engine"),
+]
+
+
+@pytest.mark.parametrize("source, extra, expected", [c[1:] for c in RUNTIME], ids=[c[0] for c in RUNTIME])
+def test_faults_during_the_run(rlhf, tmp_path, source, extra, expected):
+    plugin = write(tmp_path / "p.py", textwrap.dedent(source))
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run(), *extra)
+    assert code == 2
+    line = error_line(err)
+    assert line.startswith(expected), line
+    assert no_run_dirs()  # each failed before the first step completed
+
+
+def test_an_observer_that_exits_after_a_step_keeps_the_run(rlhf, tmp_path):
+    plugin = write(tmp_path / "q.py", "import sys\nfrom rlhf_plugins import hookimpl\n@hookimpl\n"
+                                     "def rlhf_after_step(step, metrics):\n    sys.exit(0)\n")
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--train.run_name", "q"))
+    assert code == 2
+    assert error_line(err) == ("plugin 'q' called sys.exit(0) in rlhf_after_step; plugins must raise an error instead; "
+                               f"the run is kept in {Path('runs/q')} (last complete step 1); after the fix, resume with: "
+                               f"rlhf train --resume {Path('runs/q')}")
+
+
+def test_cache_folder_problems(rlhf, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_CACHE_DIR", "/proc/rlhf-cache")
+    code, _, err = rlhf("train", *short_run())
+    assert code == 2
+    assert error_line(err) == ("cannot create the cache folder '/proc/rlhf-cache' (No such file or directory); set "
+                               "RLHF_CACHE_DIR to a writable folder")
+    cached = write(tmp_path / "cache" / "tiny-llama-v1" / "config.json", "{oops")
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = rlhf("train", *short_run())
+    assert code == 2
+    line = error_line(err)
+    assert line.startswith("the cached default model ") and "config.json is not valid JSON" in line
+    assert line.endswith(f"-- delete '{cached.parent}' and run again to rebuild it")
+
+
+def test_vllm_context_shorter_than_prompt_and_budget(rlhf):
+    pytest.importorskip("vllm")
+    code, _, err = rlhf("train", "--generation.backend", "vllm", "--vllm.max_model_len", "4", *short_run())
+    assert code == 2
+    assert error_line(err).startswith("vllm.max_model_len (4) is shorter than the longest prompt (")
+    assert no_run_dirs()
+
+
+def test_an_address_where_something_else_listens(rlhf):
+    server = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    server.RequestHandlerClass.log_message = lambda *a: None
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        code, _, err = rlhf("train", "--placement.strategy", "ray", "--ray.address", f"127.0.0.1:{port}",
+                            "--ray.connect_timeout", "2", *short_run())
+    finally:
+        server.shutdown()
+    assert code == 2
+    assert error_line(err) == (f"'127.0.0.1:{port}' answers, but not as a Ray cluster (no gRPC within 2 s); check "
+                               "--ray.address (a Ray head's GCS port, 6379 by default)")
+
+
+def test_the_catalogue_is_long_enough():
+    assert len(FLAGS) + len(EVAL_FLAGS) + len(FILES) + len(RUNTIME) + 4 >= 60
+
+
+def test_no_custom_code_prompt_ever_reaches_the_user(rlhf, tmp_path, tiny_model, monkeypatch):
+    """transformers would ask 'run custom code? [y/N]'; with 'y' on stdin nothing may run."""
+    import io
+
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
+    import shutil
+
+    folder = tmp_path / "evil-model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text("import pathlib\npathlib.Path('PWNED').write_text('x')\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = rlhf("train", "--model.path", str(folder), *short_run())
+    assert code == 2 and "needs its own Python code" in err and "[y/N]" not in out + err
+    assert not Path("PWNED").exists() and not (folder / "PWNED").exists()
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+@pytest.mark.parametrize("spelling", ["rewards.py", "rewards"])
+def test_a_user_plugin_named_like_a_builtin_one_is_used(rlhf, spelling):
+    """``rewards.py`` in the current directory shares the builtin reward plugin's name; it must not be skipped."""
+    write(Path("rewards.py"), "def quarter(prompts, completions, **kwargs):\n    return [0.25] * len(completions)\n")
+    code, _, err = rlhf("train", "--plugin", spelling, *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert rows and all(row["reward/mean"] == 0.25 for row in rows)  # the builtin rewards never give 0.25 everywhere

@@ -1,0 +1,264 @@
+"""Checkpoints and resume: atomic writes, exact continuation after SIGKILL (three kill points, one
+during a checkpoint write), signals, errors that keep the run, plugin state, damaged checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import clean_env, metrics_of, run_subprocess
+
+RUN = ["--train.steps", "8", "--train.save_every", "2", "--train.prompts_per_step", "4",
+       "--generation.n_samples_per_prompt", "4", "--train.progress", "false", "--learner.epochs", "2",
+       "--learner.mini_batch_size", "8", "--reward.normalize", "true", "--algo.kl.controller", "adaptive",
+       "--eval.enabled", "false"]
+
+#: a plugin that SIGKILLs its own process where KILL_AT says (step N after the step, or ckpt N
+#: inside the checkpoint write of step N); without KILL_AT it does nothing, so a resume runs clean
+KILLER = textwrap.dedent("""
+    import os, signal
+    from rlhf_plugins import hookimpl
+    WHERE = os.environ.get("KILL_AT", "")
+    STEPS = [0]
+
+    @hookimpl
+    def rlhf_after_step(step, metrics):
+        STEPS[0] = step + 1
+        if WHERE == f"step {step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @hookimpl
+    def rlhf_state_dict():
+        if WHERE == f"ckpt {STEPS[0]}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"steps_seen": STEPS[0]}
+
+    @hookimpl
+    def rlhf_load_state_dict(state):
+        STEPS[0] = state["steps_seen"]
+""")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def train(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_subprocess("train", *args, cwd=cwd, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_model):
+    path = tmp_path_factory.mktemp("ckpt")
+    (path / "killer.py").write_text(KILLER)
+    proc = train(path, "--plugin", "killer.py", *RUN, "--train.run_name", "whole")
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+@pytest.mark.parametrize("where", ["step", "step-before-checkpoint", "ckpt"])
+def test_sigkill_then_resume_gives_the_same_metrics_step_for_step(workdir, where):
+    name = f"killed-{where}"
+    kill = {"step": f"step {random.choice([2, 4, 6])}",  # one step past a checkpoint
+            "step-before-checkpoint": f"step {random.choice([3, 5])}",  # just before the next one is written
+            "ckpt": f"ckpt {random.choice([4, 6])}"}[where]  # inside the write of a checkpoint
+    proc = train(workdir, "--plugin", "killer.py", *RUN, "--train.run_name", name, env={"KILL_AT": kill})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    run = workdir / "runs" / name
+    assert not (run / "summary.json").exists()
+    if where == "ckpt":  # the half-written checkpoint is invisible; the previous one is whole
+        assert list((run / "checkpoints").glob(".tmp-*"))
+        assert not (run / "checkpoints" / f"step-{int(kill.split()[1]):06d}").exists()
+    resumed = train(workdir, "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    whole, again = metrics_of(workdir / "runs" / "whole"), metrics_of(run)
+    assert [r["step"] for r in again] == list(range(8))  # no duplicated, no missing step
+    assert comparable(again) == comparable(whole)
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # cleaned by the next write
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8
+
+
+def test_resume_from_an_older_checkpoint_folder_drops_the_later_lines(workdir):
+    proc = train(workdir, "--plugin", "killer.py", *RUN, "--train.run_name", "older", "--train.keep_checkpoints", "0")
+    assert proc.returncode == 0, proc.stderr
+    run = workdir / "runs" / "older"
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [f"step-{s:06d}" for s in (2, 4, 6, 8)]
+    resumed = train(workdir, "--resume", str(run / "checkpoints" / "step-000004"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(metrics_of(run)) == comparable(metrics_of(workdir / "runs" / "whole"))
+
+
+def test_extending_a_finished_run(workdir):
+    proc = train(workdir, *RUN, "--train.steps", "4", "--train.run_name", "short")
+    assert proc.returncode == 0, proc.stderr
+    run = workdir / "runs" / "short"
+    resumed = train(workdir, "--resume", str(run), "--train.steps", "8")
+    assert resumed.returncode == 0, resumed.stderr
+    rows = metrics_of(run)
+    assert [r["step"] for r in rows] == list(range(8))
+
+
+def test_a_changed_config_is_refused_naming_the_keys(workdir):
+    proc = train(workdir, "--resume", str(workdir / "runs" / "whole"), "--algo.kl.coef", "0.5",
+                 "--learner.lr", "0.01")
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "resuming" in line and "algo.kl.coef (0.001 -> 0.5)" in line and "learner.lr (0.001 -> 0.01)" in line
+    assert len(line.splitlines()) == 1
+
+
+def test_a_damaged_checkpoint_is_refused(workdir, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(workdir / "runs" / "whole", run)
+    weights = run / "checkpoints" / "step-000008" / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    proc = train(tmp_path, "--resume", str(run))
+    assert proc.returncode == 2
+    assert "is damaged: 'actor/model.safetensors' does not match its checksum" in proc.stderr
+    assert train(tmp_path, "--resume", str(tmp_path / "nowhere")).stderr.strip().endswith(
+        "does not exist; give a run directory or a checkpoint folder")
+
+
+def test_plugin_state_is_checkpointed_and_restored(workdir):
+    plugins = json.loads((workdir / "runs" / "whole" / "checkpoints" / "step-000008" / "plugins.json").read_text())
+    assert plugins == {"killer": {"steps_seen": 8}}
+
+
+def signal_plugin(path: Path, sends: list[int]) -> None:
+    path.write_text(textwrap.dedent(f"""
+        import os
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_step(step, metrics):
+            if step == 2:
+                for sig in {sends!r}:
+                    os.kill(os.getpid(), sig)
+    """))
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_finishes_the_step_checkpoints_and_says_how_to_resume(tmp_path, tiny_model, sig, code):
+    signal_plugin(tmp_path / "sig.py", [int(sig)])
+    proc = train(tmp_path, "--plugin", "sig.py", *RUN, "--train.run_name", "s")
+    assert proc.returncode == code, proc.stderr
+    run = tmp_path / "runs" / "s"
+    assert proc.stderr.strip().splitlines()[-1] == f"rlhf: interrupted at step 3; resume with: rlhf train --resume {Path('runs/s')}"
+    assert (run / "checkpoints" / "step-000003" / "manifest.json").is_file()
+    assert len(metrics_of(run)) == 3 and not (run / "summary.json").exists()
+
+
+def test_a_second_sigint_stops_at_once(tmp_path, tiny_model):
+    signal_plugin(tmp_path / "sig.py", [int(signal.SIGINT), int(signal.SIGINT)])
+    proc = train(tmp_path, "--plugin", "sig.py", *RUN, "--train.run_name", "s")
+    assert proc.returncode == 130
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"rlhf: interrupted after step 3; resume with: rlhf train --resume {Path('runs/s')} (from the checkpoint of step 2)"
+    assert not (tmp_path / "runs" / "s" / "checkpoints" / "step-000003").exists()  # no time taken to save
+
+
+FLAKY = textwrap.dedent("""
+    import os
+    from pathlib import Path
+    from rlhf_plugins import hookimpl, RewardFunction
+    from rlhf_plugins.builtin_plugins.rewards import exact_match
+    CALLS = [0]
+
+    def flaky(prompts, completions, label=None, **kwargs):
+        CALLS[0] += 1
+        flag = Path(os.environ["FLAKY_FLAG"])
+        if CALLS[0] == int(os.environ.get("FAIL_CALL", "4")) and not flag.exists():
+            flag.write_text("failed once")
+            raise ConnectionError("reward server went away")
+        return exact_match(prompts, completions, label=label)
+
+    @hookimpl
+    def rlhf_reward_functions():
+        yield RewardFunction("flaky", flaky)
+""")
+
+
+def test_an_error_mid_run_keeps_the_run_and_resuming_gives_the_same_run(workdir, tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    env = {"FLAKY_FLAG": str(tmp_path / "flag")}
+    whole = train(tmp_path, "--plugin", "flaky.py", *RUN, "--train.run_name", "whole",
+                  env={**env, "FAIL_CALL": "0"})
+    assert whole.returncode == 0, whole.stderr
+    proc = train(tmp_path, "--plugin", "flaky.py", *RUN, "--train.run_name", "f", env=env)
+    assert proc.returncode == 2
+    run = tmp_path / "runs" / "f"
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "reward 'flaky' (plugin 'flaky') at step 3 raised ConnectionError: reward server went away" in line
+    assert f"the run is kept in {Path('runs/f')} (last complete step 3)" in line
+    assert line.endswith(f"resume with: rlhf train --resume {Path('runs/f')}")
+    # the failing step changed no weights: its start is checkpointed exactly
+    assert (run / "checkpoints" / "step-000003" / "manifest.json").is_file() and len(metrics_of(run)) == 3
+    resumed = train(tmp_path, "--resume", str(run), env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(metrics_of(run)) == comparable(metrics_of(tmp_path / "runs" / "whole"))
+
+
+def test_reward_retries_absorb_a_transient_error(tmp_path, tiny_model):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    proc = train(tmp_path, "--plugin", "flaky.py", *RUN, "--train.steps", "4", "--reward.max_retries", "2",
+                 "--train.run_name", "r", env={"FLAKY_FLAG": str(tmp_path / "flag"), "FAIL_CALL": "2"})
+    assert proc.returncode == 0, proc.stderr
+    rows = metrics_of(tmp_path / "runs" / "r")
+    assert [r["reward/retries"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    assert "retrying (1 of 2)" in proc.stderr
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(rlhf, monkeypatch):
+    from rlhf_plugins.training import checkpoint
+
+    real = checkpoint.sha256
+
+    def disk_full(path):
+        if "step-000004" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256", disk_full)
+    code, _, err = rlhf("train", *RUN, "--train.run_name", "full")
+    assert code == 2
+    assert "cannot write the checkpoint of step 4 under" in err and "No space left on device" in err
+    assert "the previous checkpoint is intact" in err and "the run is kept in" in err
+    run = Path("runs/full")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    monkeypatch.setattr(checkpoint, "sha256", real)
+    assert checkpoint.verify(run / "checkpoints" / "step-000002")["step"] == 2
+
+
+def test_keep_checkpoints_prunes_the_oldest(workdir):
+    names = sorted(p.name for p in (workdir / "runs" / "whole" / "checkpoints").iterdir())
+    assert names == ["step-000006", "step-000008"]
+
+
+def test_sigint_from_outside_on_a_real_process(tmp_path, tiny_model):
+    """A SIGINT sent by another process (a terminal, `ray job stop` sends SIGTERM) mid-run."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_plugins.cli", "train", *RUN, "--train.steps", "400",
+                             "--train.run_name", "x"], cwd=tmp_path, env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "x" / "metrics.jsonl"
+    import time
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    steps = len(metrics_of(tmp_path / "runs" / "x"))
+    assert f"interrupted at step {steps}" in err
+    assert (tmp_path / "runs" / "x" / "checkpoints" / f"step-{steps:06d}").is_dir()

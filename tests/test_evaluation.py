@@ -1,0 +1,229 @@
+"""Held-out evaluation: the metrics against brute force, evaluation in the loop (split, every,
+best policy, resume, its own reward, the answer-extraction hook) and ``rlhf eval``."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from rlhf_plugins.evaluation.metrics import majority, pass_at_k, summarise
+from tests.helpers import all_rows_of, eval_rows_of, metrics_of, the_run, with_eval
+
+# --- metrics --------------------------------------------------------------------------------
+
+def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
+    """Every k-subset of the samples, equally likely: the share holding a correct one."""
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_enumeration_of_every_subset():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        c = rng.randint(0, n)
+        k = rng.randint(1, n)
+        outcomes = [True] * c + [False] * (n - c)
+        assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(outcomes, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_hand_values_and_bad_k():
+    assert pass_at_k(4, 1, 1) == 0.25
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+
+
+def test_majority_ties_go_to_the_answer_seen_first_and_none_does_not_vote():
+    assert majority(["7", "5", "5", "7"]) == "7"  # 2-2 tie: 7 came first
+    assert majority(["5", "7", "7", "5"]) == "5"
+    assert majority([None, None, "3"]) == "3"
+    assert majority([None, None]) is None
+    assert majority(["1", "2", "2"]) == "2"
+
+
+def test_summarise_against_hand_computed_figures():
+    scores = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.5]]
+    answers = [["4", "5", "5", "6"], ["9", "9", "1", "2"]]
+    out = summarise(scores, answers, ["4", "9"], k=4, threshold=1.0)
+    assert out["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert out["pass@4"] == 1.0
+    assert out["mean@4"] == pytest.approx((0.25 + 2.5 / 4) / 2)
+    assert out["maj@4"] == 0.5  # prompt 0 votes 5 (wrong), prompt 1 votes 9 (right)
+    # k above n is capped; without labels there is no maj@k; a lower threshold counts the 0.5
+    capped = summarise(scores, None, None, k=16, threshold=0.5)
+    assert set(capped) == {"pass@1", "pass@4", "mean@4"}
+    assert capped["pass@1"] == pytest.approx((1 / 4 + 3 / 4) / 2)
+
+
+# --- in the loop --------------------------------------------------------------------------------
+
+def test_eval_every_and_the_best_policy(rlhf):
+    code, out, err = rlhf("train", *with_eval("--train.steps", "4", "--eval.every", "2",
+                                              "--train.best_metric", "eval/pass@1", "--learner.lr", "3e-3"))
+    assert code == 0, err
+    run = the_run()
+    evals = eval_rows_of(run)
+    assert [r["step"] for r in evals] == [0, 2, 4]  # before the first step, every 2, after the last
+    assert len(metrics_of(run)) == 4
+    best = json.loads((run / "best.json").read_text())
+    values = [r["eval/pass@1"] for r in evals]
+    first_max = values.index(max(values))
+    assert best == {"metric": "eval/pass@1", "value": max(values), "step": evals[first_max]["step"]}
+    assert (run / "best" / "model.safetensors").is_file() and (run / "best" / "tokenizer.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best"] == best and summary["eval_last"]["step"] == 4
+    assert f"eval after 0 steps (20 prompts): pass@1 {values[0]:.3f}" in out
+
+
+def test_observers_hear_of_every_evaluation(rlhf, tmp_path):
+    """``rlhf_after_eval`` gets each evaluation's step and exactly the metrics logged for it."""
+    heard = tmp_path / "heard.jsonl"
+    plugin = tmp_path / "listener.py"
+    plugin.write_text("import json\nfrom rlhf_plugins import hookimpl\n@hookimpl\n"
+                      "def rlhf_after_eval(step, metrics):\n"
+                      f"    open({str(heard)!r}, 'a').write(json.dumps({{'step': step, **metrics}}) + '\\n')\n")
+    code, _, err = rlhf("train", "--plugin", str(plugin), *with_eval("--train.steps", "2", "--eval.every", "1"))
+    assert code == 0, err
+    rows = [json.loads(line) for line in heard.read_text().splitlines()]
+    assert rows == eval_rows_of(the_run()) and [r["step"] for r in rows] == [0, 1, 2]
+
+
+def test_best_policy_is_the_one_that_scored_best(rlhf):
+    """``rlhf eval`` of best/ reproduces the evaluation that made it best (same seeds)."""
+    code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--eval.every", "1", "--train.best_metric",
+                                            "eval/greedy", "--train.best_mode", "min", "--train.run_name", "r"))
+    assert code == 0, err
+    best = json.loads(Path("runs/r/best.json").read_text())
+    evals = eval_rows_of(Path("runs/r"))
+    assert best["value"] == min(r["eval/greedy"] for r in evals)
+    code, _, err = rlhf("eval", "--model", "runs/r/best", "--output", "best.json")
+    assert code == 0, err
+    report = json.loads(Path("best.json").read_text())
+    row = next(r for r in evals if r["step"] == best["step"])
+    assert report["metrics"] == {k.removeprefix("eval/"): v for k, v in row.items() if k != "step"}
+
+
+def test_split_holds_prompts_out_of_training(rlhf, tmp_path):
+    rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(40)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = tmp_path / "seen.txt"
+    plugin = tmp_path / "spy.py"
+    plugin.write_text(
+        "from rlhf_plugins import hookimpl\n"
+        f"SEEN = {str(seen)!r}\n"
+        "@hookimpl\n"
+        "def rlhf_after_rollout(step, rollout):\n"
+        "    with open(SEEN, 'a') as fh:\n"
+        "        fh.writelines(str(p) + '\\n' for p in rollout.prompts)\n"
+        "@hookimpl\n"
+        "def rlhf_extract_answer(completion, sample):\n"
+        "    with open(SEEN + '.eval', 'a') as fh:\n"
+        "        fh.write(sample['prompt'] + '\\n')\n"
+        "    return None\n"
+    )
+    code, out, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match", "--eval.split", "0.25",
+                          "--plugin", str(plugin), *with_eval("--train.steps", "10", "--train.prompts_per_step", "8"))
+    assert code == 0, err
+    trained = set(seen.read_text().split())
+    held = set(Path(str(seen) + ".eval").read_text().split())
+    assert len(held) == 10 and not trained & held  # a quarter of 40, never trained on
+    assert trained | held <= {r["prompt"] for r in rows}
+    assert "eval after 10 steps (10 prompts)" in out
+
+
+def test_extraction_hook_decides_majority_votes(rlhf, tmp_path):
+    """maj@k votes on what the hook extracts: the label itself makes every vote right, a
+    constant wrong answer every vote wrong; pass@k does not depend on it."""
+    figures = {}
+    for name, answer in (("label", "sample['label']"), ("wrong", "'not a number'")):
+        plugin = tmp_path / f"x_{name}.py"
+        plugin.write_text("from rlhf_plugins import hookimpl\n@hookimpl\n"
+                          f"def rlhf_extract_answer(completion, sample):\n    return {answer}\n")
+        code, _, err = rlhf("train", "--plugin", str(plugin), *with_eval("--train.steps", "1", "--train.run_name", name))
+        assert code == 0, err
+        figures[name] = eval_rows_of(Path("runs") / name)[0]
+    assert figures["label"]["eval/maj@8"] == 1.0 and figures["wrong"]["eval/maj@8"] == 0.0
+    assert figures["label"]["eval/pass@1"] == figures["wrong"]["eval/pass@1"]
+
+
+def test_eval_reward_functions_judge_instead_of_the_training_reward(rlhf, tmp_path):
+    plugin = tmp_path / "judge.py"
+    plugin.write_text("from rlhf_plugins import RewardFunction, hookimpl\n"
+                      "def always(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+                      "@hookimpl\ndef rlhf_reward_functions():\n    yield RewardFunction('always', always)\n")
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--reward.functions", "exact_match",
+                        "--eval.reward_functions", "always", *with_eval("--train.steps", "1"))
+    assert code == 0, err
+    run = the_run()
+    assert all(r["eval/pass@1"] == 1.0 and r["eval/greedy"] == 1.0 for r in eval_rows_of(run))
+    assert any(r["reward/mean"] < 1.0 for r in metrics_of(run))  # training still used exact_match
+
+
+def test_resume_keeps_the_evaluations_and_the_best(rlhf):
+    common = ("--eval.every", "2", "--train.best_metric", "eval/mean@8", "--train.save_every", "2")
+    code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "r", *common))
+    assert code == 0, err
+    before = json.loads(Path("runs/r/best.json").read_text())
+    code, _, err = rlhf("train", "--resume", "runs/r", "--train.steps", "4")
+    assert code == 0, err
+    evals = eval_rows_of(Path("runs/r"))
+    assert [r["step"] for r in evals] == [0, 2, 4]  # the evaluation of the resumed policy is kept, not repeated
+    steps = [r["step"] for r in all_rows_of(Path("runs/r")) if "reward/mean" in r]
+    assert steps == [0, 1, 2, 3]
+    after = json.loads(Path("runs/r/best.json").read_text())
+    best_value = max(r["eval/mean@8"] for r in evals)
+    assert after["value"] == best_value and (after == before or after["step"] == 4)
+
+
+def test_no_eval_when_disabled_or_without_held_out_data(rlhf, tmp_path):
+    code, out, err = rlhf("train", *with_eval("--train.run_name", "disabled", "--eval.enabled", "false"))
+    assert code == 0, err
+    assert eval_rows_of(Path("runs/disabled")) == [] and "eval after" not in out
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    code, out, err = rlhf("train", "--data.path", str(data), "--reward.functions", "exact_match",
+                          *with_eval("--train.run_name", "own"))
+    assert code == 0, err
+    assert eval_rows_of(Path("runs/own")) == []  # own data and no --eval.path/--eval.split: nothing to hold out
+
+
+# --- rlhf eval ------------------------------------------------------------------------------------
+
+def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
+    code, _, err = rlhf("train", *with_eval("--train.run_name", "r"))
+    assert code == 0, err
+    code, out, err = rlhf("eval", "--model", "runs/r", "--output", "report.json")
+    assert code == 0, err
+    report = json.loads(Path("report.json").read_text())
+    last = eval_rows_of(Path("runs/r"))[-1]
+    assert report["metrics"] == {k.removeprefix("eval/"): v for k, v in last.items() if k != "step"}
+    assert report["model"] == "runs/r/final" and report["data"] == "builtin:addition-test" and report["prompts"] == 20
+    assert report["settings"]["n_samples"] == 8 and report["settings"]["reward"] == ["exact_match"]
+
+
+def test_rlhf_eval_of_a_plain_folder_with_its_own_data_and_samples(rlhf, tiny_model, tmp_path):
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(5)))
+    code, out, err = rlhf("eval", "--model", tiny_model, "--data", str(data), "--eval.n_samples", "4",
+                          "--output", str(tmp_path / "r.json"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["prompts"] == 5 and set(report["metrics"]) == {"pass@1", "pass@4", "mean@4", "maj@4", "greedy"}
+    assert all(0.0 <= v <= 1.0 for v in report["metrics"].values())
+    assert "pass@4" in out
+
+
+def test_non_terminal_progress_is_plain_periodic_lines(rlhf):
+    code, out, err = rlhf("train", "--train.steps", "40", "--train.prompts_per_step", "2",
+                          "--generation.n_samples_per_prompt", "2", "--eval.enabled", "false")
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{n}/40" for n in range(2, 41, 2)]  # every 5% of the run
+    assert all(" reward " in line and " steps/s eta " in line for line in lines)
+    assert "━" not in out  # no bar drawn into a pipe

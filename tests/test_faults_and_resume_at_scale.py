@@ -1,0 +1,105 @@
+"""Checkpoints of DeepSpeed learners (ZeRO-2 and 3, local and two Ray ranks) resume within 1e-5 of
+the uninterrupted run; on Ray a killed engine or learner rank is restarted and the run ends with
+every step; a call that hangs stops the run naming the role, rank and method."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.helpers import metrics_of, run_subprocess
+
+pytest.importorskip("deepspeed")
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.integration
+
+SHORT = ["--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4", "--train.progress", "false",
+         "--train.save_every", "2"]
+RAY = ["--placement.strategy", "ray", "--ray.local_num_gpus", "4"]
+
+
+def train(cwd, *args, env=None):
+    return run_subprocess("train", *args, cwd=cwd, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
+
+
+def close(a: list[dict], b: list[dict], keys=("loss/policy", "reward/mean", "kl")) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        for k in keys:
+            assert x[k] == pytest.approx(y[k], abs=1e-5), (x["step"], k)
+
+
+@pytest.mark.parametrize("placement", [
+    ["--deepspeed.zero_stage", "2"],
+    ["--deepspeed.zero_stage", "3"],
+    ["--deepspeed.zero_stage", "3", *RAY, "--ray.actor_workers", "2"],
+], ids=["zero2-local", "zero3-local", "zero3-ray-2-ranks"])
+def test_deepspeed_resume_matches_the_uninterrupted_run(tmp_path, tiny_model, placement):
+    flags = ["--learner.backend", "deepspeed", *placement, *SHORT]
+    whole = train(tmp_path, *flags, "--train.steps", "4", "--train.run_name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part = train(tmp_path, *flags, "--train.steps", "2", "--train.run_name", "part")
+    assert part.returncode == 0, part.stderr[-3000:]
+    ckpt = tmp_path / "runs" / "part" / "checkpoints" / "step-000002" / "actor" / "zero"
+    assert ckpt.is_dir() and list(ckpt.glob("*optim_states.pt"))  # DeepSpeed's own partitions
+    resumed = train(tmp_path, "--resume", str(tmp_path / "runs" / "part"), "--train.steps", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    close(metrics_of(tmp_path / "runs" / "whole"), metrics_of(tmp_path / "runs" / "part"))
+
+
+KILLER = textwrap.dedent("""
+    import os
+    from rlhf_plugins import hookimpl
+    DONE = []
+
+    @hookimpl
+    def rlhf_after_step(step, metrics):
+        if step == 2 and not DONE:
+            import ray
+            target = os.environ["KILL_ROLE"]
+            name = next(n for n in ray.util.list_named_actors() if n.endswith("-" + target))
+            ray.kill(ray.get_actor(name))
+            DONE.append(name)
+""")
+
+
+@pytest.mark.parametrize("target, extra", [
+    ("generation-0", []),
+    ("actor-1", ["--learner.backend", "deepspeed", "--ray.actor_workers", "2"]),
+], ids=["engine", "learner-rank"])
+def test_a_killed_role_is_restarted_and_the_run_ends_with_every_step(tmp_path, tiny_model, target, extra):
+    (tmp_path / "killer.py").write_text(KILLER)
+    proc = train(tmp_path, "--plugin", "killer.py", *RAY, *SHORT, *extra, "--ray.max_restarts", "2",
+                 "--train.steps", "6", "--train.run_name", "f", env={"KILL_ROLE": target})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    role = target.rsplit("-", 1)[0]
+    assert f"restarted {role} and went back to step" in proc.stdout
+    rows = metrics_of(tmp_path / "runs" / "f")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert rows[-1]["fault/restarts"] == 1.0 and "fault/restarts" not in rows[0]
+
+
+def test_without_restarts_a_dead_role_is_one_line_with_the_way_back(tmp_path, tiny_model):
+    (tmp_path / "killer.py").write_text(KILLER)
+    proc = train(tmp_path, "--plugin", "killer.py", *RAY, *SHORT, "--train.steps", "6", "--train.run_name", "f",
+                 env={"KILL_ROLE": "generation-0"})
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "role 'generation' (rank 0) in 'generate'" in line and "its process died" in line
+    assert "the run is kept in" in line and "rlhf train --resume" in line
+
+
+HANG = textwrap.dedent("""
+    import time
+    def slow(prompts, completions, **kwargs):
+        time.sleep(600)
+        return [0.0] * len(completions)
+""")
+
+
+def test_a_call_that_does_not_return_names_the_role_rank_and_method(tmp_path, tiny_model):
+    (tmp_path / "slow.py").write_text(HANG)
+    proc = train(tmp_path, "--plugin", "slow.py", *RAY, *SHORT, "--train.steps", "2", "--ray.call_timeout", "5")
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "role 'reward' (rank 0) in 'score' did not return within 5 s (--ray.call_timeout)" in line

@@ -1,0 +1,108 @@
+"""`rlhf sft`, `rlhf rm`, `rlhf dpo`: TRL's trainers under this project's conventions -- run
+directory, held-out figures, TRL fields under `trl:` checked against TRL, LoRA, bad data."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import metrics_of, the_run
+
+pytest.importorskip("trl")
+
+
+def summary_of(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def layout_ok(run: Path) -> None:
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "metrics.jsonl", "tensorboard", "final", "summary.json"}
+    assert any("loss" in r for r in metrics_of(run))
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "final" / "config.json").is_file() and (run / "final" / "tokenizer.json").is_file()
+
+
+def test_sft_with_no_arguments_learns_the_task_and_reports_held_out_accuracy(rlhf):
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = rlhf("sft", "--train.progress", "false")
+    assert code == 0, err
+    run = the_run()
+    layout_ok(run)
+    s = summary_of(run)
+    # the base model answers a held-out sum right about a third of the time when sampling
+    assert s["heldout_rows"] == 20 and s["training_rows"] == 80
+    assert s["exact_match_accuracy"] >= 0.45 and s["greedy_accuracy"] >= 0.8, s
+    assert "held-out exact match accuracy" in out
+    AutoModelForCausalLM.from_pretrained(run / "final")
+
+
+def test_rm_with_no_arguments_ranks_held_out_pairs(rlhf):
+    from rlhf_plugins.models.reward_model import inspect_reward_model
+
+    code, _, err = rlhf("rm", "--train.progress", "false", "--trl.num_train_epochs", "4")
+    assert code == 0, err
+    run = the_run()
+    layout_ok(run)
+    assert summary_of(run)["pairwise_accuracy"] >= 0.75
+    assert inspect_reward_model(run / "final").kind == "sequence-classification"  # usable by --reward.models
+
+
+def test_dpo_with_no_arguments_reports_preference_accuracy_and_margin(rlhf):
+    code, _, err = rlhf("dpo", "--train.progress", "false")
+    assert code == 0, err
+    s = summary_of(the_run())
+    assert s["preference_accuracy"] >= 0.7 and s["reward_margin"] > 0, s
+
+
+def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
+    code, _, err = rlhf("sft", "--train.progress", "false", "--lora.rank", "4", "--trl.num_train_epochs", "1")
+    assert code == 0, err
+    run = the_run()
+    assert json.loads((run / "final-adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert (run / "final" / "model.safetensors").is_file()
+    assert not (run / "final" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["sft", "--trl.learning_rat", "1e-4"], "'learning_rat' is not a field of trl.SFTConfig; did you mean 'trl.learning_rate'?"),
+    (["rm", "--trl.output_dir", "x"], "trl.output_dir is set by rlhf-plugins (train.output_dir)"),
+    (["dpo", "--trl.learning_rate", "abc"], "trl.learning_rate expects a number (trl.DPOConfig); got 'abc'"),
+    (["sft", "--data.eval_split", "1.5"], "config key 'data.eval_split' must be >= 0 and < 1; got 1.5"),
+    (["rm", "--model.dtyp", "float32"], "unknown config key 'model.dtyp'; did you mean 'model.dtype'?"),
+])
+def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
+    code, _, err = rlhf(*args)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert expected in line
+    assert not Path("runs").exists()
+
+
+def test_dry_run_checks_the_trl_fields_and_starts_nothing(rlhf):
+    code, out, err = rlhf("dpo", "--trl.beta", "0.2", "--dry-run")
+    assert code == 0, err
+    assert "beta: 0.2" in out and "config is valid" in out and not Path("runs").exists()
+
+
+def test_data_without_the_needed_column_names_column_and_file(rlhf, tmp_path):
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    code, _, err = rlhf("sft", "--data.path", str(path))
+    assert code == 2
+    assert f"dataset '{path}' has no 'completion' column (columns: prompt, answer); set --data.completion_key" in err
+    code, _, err = rlhf("sft", "--data.path", str(path), "--data.completion_key", "answer", "--train.progress",
+                        "false", "--data.eval_split", "0")
+    assert code == 0, err
+
+
+def test_pairs_whose_chosen_equals_rejected_are_counted_not_fatal(rlhf, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(8)]
+    rows += [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}] * 3
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = rlhf("rm", "--data.path", str(path), "--train.progress", "false")
+    assert code == 0, err
+    assert "3 of 11 preference rows" in err
+    assert summary_of(the_run())["dropped_equal_pairs"] == 3

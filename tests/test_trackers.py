@@ -1,0 +1,90 @@
+"""Experiment trackers (Weights & Biases offline, MLflow's local store) as builtin observer plugins:
+they receive exactly what metrics.jsonl holds, and a resumed run continues the same tracker run."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import block_import, eval_rows_of, metrics_of, short_run, with_eval
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, float]]:
+    """The history rows of every offline W&B run under ``run_dir``, read from wandb's own record
+    files (LevelDB-style log blocks of ``wandb.proto`` Record messages)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, block, pending, payloads = path.read_bytes(), 7, 32768, b"", []
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            if left < 7 or (kind == 0 and length == 0):
+                pos += left
+                continue
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk
+            if kind in (1, 4):
+                payloads.append(pending)
+        for payload in payloads:
+            record = pb.Record()
+            record.ParseFromString(payload)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): float(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rlhf):
+    pytest.importorskip("wandb")
+    import sys
+
+    exit_before = sys.exit
+    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.save_every", "1")
+    code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "w", *flags))
+    assert code == 0, err
+    code, _, err = rlhf("train", "--resume", "runs/w", "--train.steps", "3")
+    assert code == 0, err
+    run = Path("runs/w")
+    history = wandb_history(run)
+    steps = [(int(r["step"]), r["reward/mean"], r["loss/total"]) for r in history if "reward/mean" in r]
+    assert steps == [(r["step"], pytest.approx(r["reward/mean"]), pytest.approx(r["loss/total"]))
+                     for r in metrics_of(run)]
+    evals = [(int(r["step"]), r["eval/pass@1"]) for r in history if "eval/pass@1" in r]
+    assert evals == [(r["step"], pytest.approx(r["eval/pass@1"])) for r in eval_rows_of(run)]
+    assert [s for s, _ in evals] == [0, 2, 3]
+    ids = {p.name.rsplit("-", 1)[1] for p in run.glob("wandb/offline-run-*")}
+    assert len(list(run.glob("wandb/offline-run-*"))) == 2 and len(ids) == 1  # one W&B run, continued
+    assert sys.exit is exit_before  # wandb's exit hook does not outlive the run
+
+
+def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    flags = ("--log.mlflow", "true", "--train.save_every", "1")
+    code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "m", *flags))
+    assert code == 0, err
+    code, _, err = rlhf("train", "--resume", "runs/m", "--train.steps", "3")
+    assert code == 0, err
+    run = Path("runs/m")
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "rlhf-plugins"]
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.status == "FINISHED" and found.info.run_name == "m"
+    assert found.data.params["algo.advantage.estimator"] == "group_norm" and found.data.params["train.steps"] == "2"
+    rewards = client.get_metric_history(found.info.run_id, "reward.mean")
+    assert [(m.step, m.value) for m in sorted(rewards, key=lambda m: m.step)] == \
+        [(r["step"], r["reward/mean"]) for r in metrics_of(run)]
+    evals = client.get_metric_history(found.info.run_id, "eval.pass_at_1")
+    assert sorted(m.step for m in evals) == [r["step"] for r in eval_rows_of(run)] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("package", ["wandb", "mlflow"])
+def test_a_tracker_that_is_not_installed_is_one_line(rlhf, monkeypatch, package):
+    block_import(monkeypatch, package)
+    code, _, err = rlhf("train", f"--log.{package}", "true", *short_run())
+    assert code == 2
+    assert err.strip() == (f"rlhf: error: log.{package} needs the {package} package; install it with: "
+                           f"pip install 'rlhf-plugins[{package}]'")
