@@ -21,4 +21,5 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.sync_adapter",
     "rlhf_plugins.builtin_plugins.lora",
     "rlhf_plugins.builtin_plugins.logging_backends",
+    "rlhf_plugins.builtin_plugins.scheduling",
 )

@@ -56,6 +56,11 @@ class GenerationConfig:
     top_p: float = setting(1.0, gt=0, le=1)
     #: 0 disables top-k
     top_k: int = setting(0, ge=0)
+    #: with train.max_staleness >= 1: generate in chunks and take new weights between chunks, so a long
+    #: generation continues from its prefix with the newest policy (each token records its version)
+    partial_rollout: bool = False
+    #: tokens per chunk of a partial rollout (weights can change after every chunk)
+    partial_chunk_tokens: int = setting(32, ge=1)
 
 
 @dataclass
@@ -287,6 +292,11 @@ class TrainConfig:
     progress: bool = True
     #: threads for torch on this process (0 leaves torch's default)
     num_threads: int = setting(0, ge=0)
+    #: asynchronous RL: rollouts of the next K steps are generated while the learner trains, and no
+    #: sample is more than K policy versions old when trained on; 0 is the synchronous loop
+    max_staleness: int = setting(0, ge=0)
+    #: allow max_staleness >= 1 without an off-policy correction (algo.policy_loss.mismatch none)
+    allow_uncorrected_staleness: bool = False
 
 
 @dataclass

@@ -240,11 +240,28 @@ def check_combinations(c: Config, plan: Plan) -> None:
             f"advantage estimator '{est.name}' compares samples of the same prompt and needs "
             f"generation.n_samples_per_prompt >= 2; got {c.generation.n_samples_per_prompt}"
         )
+    check_staleness(c)
     if est.needs_critic and c.critic.enabled is False:
         raise ConfigError(
             f"advantage estimator '{est.name}' needs a critic, but critic.enabled is false; "
             "enable it or choose an estimator without one (group_norm, rloo, reinforce, ...)"
         )
+
+
+def check_staleness(c: Config) -> None:
+    """Asynchronous training trains on samples of older policies: it needs the engine's log-probs
+    corrected for (or an explicit opt-out), and partial rollouts need something to overlap with."""
+    k, mismatch = c.train.max_staleness, c.algo.policy_loss.mismatch
+    if k >= 1 and mismatch == "none" and not c.train.allow_uncorrected_staleness:
+        raise ConfigError(
+            f"train.max_staleness {k} trains on samples of policies up to {k} update{'s' if k > 1 else ''} behind "
+            "the learner, and "
+            "algo.policy_loss.mismatch is none, so nothing corrects for it; use --algo.policy_loss.mismatch tis "
+            "(or icepop, seq_mask_tis), or --train.allow_uncorrected_staleness true to train uncorrected"
+        )
+    if c.generation.partial_rollout and k == 0:
+        raise ConfigError("generation.partial_rollout swaps weights during a generation, which needs "
+                          "asynchronous training; set --train.max_staleness 1 (or more), or drop partial_rollout")
 
 
 def validate(c: Config, pm: RLHFPluginManager) -> Plan:

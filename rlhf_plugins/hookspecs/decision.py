@@ -53,3 +53,25 @@ def rlhf_extract_answer(completion: str, sample: Mapping[str, Any]) -> Any:
             found = re.search(r"\\\\boxed\\{([^}]*)\\}", completion)
             return found.group(1).strip() if found else None
     """
+
+
+@hookspec(firstresult=True)
+def rlhf_admit_rollout(step: int, learner_version: int, engine_version: int, queued: list[int],
+                       max_staleness: int) -> bool | None:
+    """Whether the asynchronous loop may start generating the rollout of ``step`` now.
+
+    Called in the driver's rollout worker (``train.max_staleness >= 1``) before each rollout, and
+    again whenever the learner publishes new weights, until it answers ``True``; first-result.
+    ``learner_version`` is the number of updates the learner has made, ``engine_version`` the
+    number the engine's weights have, ``queued`` the steps whose rollouts are generated and not yet
+    trained on. The bound is enforced by the core whatever the answer (a rollout starts only when
+    ``learner_version >= step - max_staleness``), so a plugin can hold generation back -- to keep
+    samples fresher, or the queue short -- but never make samples staler. Return ``None`` to let
+    the next implementation decide; the builtin (``trylast``) admits as soon as the bound allows.
+
+    Example (never more than one finished rollout waiting)::
+
+        @hookimpl
+        def rlhf_admit_rollout(step, learner_version, engine_version, queued, max_staleness):
+            return len(queued) < 1
+    """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ import torch
 from .._lazy import resolve
 from ..algorithms.advantages import AdvantageInputs
 from ..algorithms.kl_control import make_controller
-from ..algorithms.numerics import masked_mean
 from ..algorithms.objective import Objective
 from ..algorithms.shaping import RewardShaper, keep_groups
 from ..algorithms.value import ValueObjective
@@ -29,7 +29,7 @@ from ..protocols import PlacementContext, SamplingParams
 from ..sync import verify_parity
 from .reward_role import RewardBatch, RewardRole
 from .roles import CriticRole, GenerationRole, PolicyRole, ReferenceRole
-from .rollout import Rollout, make_batch
+from .rollout import Rollout, make_batch, rollout_metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -75,6 +75,11 @@ class Trainer:
         self.evaluator: Any = None
         self.eval_history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
+        #: asynchronous training (train.max_staleness >= 1): the rollout worker, the sampler position
+        #: of the next rollout the learner has not consumed, and the locks it shares with the learner
+        self.worker: Any = None
+        self.sampler_position: dict[str, Any] | None = None
+        self.learner_lock, self.engine_lock = threading.RLock(), threading.RLock()
 
     # --- set-up --------------------------------------------------------------
     def setup(self) -> None:
@@ -97,6 +102,10 @@ class Trainer:
             if plan.needs_critic else None
         )
         self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
+        if c.train.max_staleness:
+            from .async_rollouts import LockedEngine
+
+            self.engine = LockedEngine(self.engine, self.engine_lock)
         self.reset_sync()
         self.estimator = resolve(plan.estimator.compute)
         self.kl_estimator = resolve(plan.kl.compute)
@@ -135,6 +144,8 @@ class Trainer:
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """The engine's samples, and the policy version (updates the engine's weights had) of each
         sampled token. The asynchronous loop replaces it (partial rollouts swap weights mid-way)."""
+        if self.worker is not None and self.worker.partial:
+            return self.worker.sample(prompt_ids, params)
         samples = self.engine.generate(prompt_ids, params)
         return samples, [[self.engine_version] * len(c) for c in samples.completion_ids]
 
@@ -190,23 +201,30 @@ class Trainer:
         return Rollout.concat(kept).select_groups(range(min(n_kept, want))), metrics
 
     def step(self, step: int) -> dict[str, float]:
-        """One synchronous step: generate and score, learn, sync the engine."""
+        """One step: generate and score, learn, sync the engine (asynchronous training: learn on
+        a rollout generated ahead, see async_rollouts)."""
+        if self.config.train.max_staleness:
+            from .async_rollouts import async_step
+
+            return async_step(self, step)
         self.snapshot, self.phase, self.reward_retries = self.loop_state(), "rollout", 0
         t0 = time.perf_counter()
         rollout, metrics = self.collect(step)
         return self.learn(step, rollout, metrics, t0, sync=True)
 
-    def learn(self, step: int, rollout: Rollout, metrics: dict[str, float], t0: float, sync: bool) -> dict[str, float]:
+    def learn(self, step: int, rollout: Rollout, metrics: dict[str, float], t0: float, sync: bool,
+              batch: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """Everything after the rollout: advantages, the update, and (``sync``) the weight sync.
-        ``t0``: when the step began (its generation, or its wait for a rollout)."""
+        ``t0``: when the step began (its generation, or its wait for a rollout); ``batch``: the
+        rollout's tensors when made ahead (with the reference log-probs, off the learner's path)."""
         c = self.config
         t_gen = time.perf_counter()
         self.pm.notify("rlhf_after_rollout", step=step, rollout=rollout)
-        batch = make_batch(rollout, self.pad_id)
+        batch = make_batch(rollout, self.pad_id) if batch is None else batch
         timings: dict[str, float] = {}
         for key, role, method in (("old_logprobs", self.actor if self.needs_old_logprobs else None, "logprobs"),
                                   ("ref_logprobs", self.reference, "logprobs"), ("values", self.critic, "values")):
-            if role is not None:
+            if role is not None and key not in batch:
                 start = time.perf_counter()
                 batch[key] = getattr(role, method)(batch)
                 timings[key] = time.perf_counter() - start
@@ -239,7 +257,7 @@ class Trainer:
         if sync:
             self.sync_engine(step)
         t_end = time.perf_counter()
-        metrics.update(self._rollout_metrics(rollout, batch, kl_penalty))
+        metrics.update(rollout_metrics(rollout, batch, kl_penalty, self.kl_control.value))
         if self.reference is not None:
             measured = metrics.get("kl", metrics.get("kl/rollout", 0.0))
             self.kl_control.update(measured, len(rollout))
@@ -259,7 +277,7 @@ class Trainer:
             **{f"throughput/{names[k]}_tokens_per_s": seq_tokens / max(v, 1e-9) for k, v in timings.items()},
         })
         if c.reward.max_retries:
-            metrics["reward/retries"] = float(self.reward_retries)
+            metrics.setdefault("reward/retries", float(self.reward_retries))
         self.step_count = step + 1
         self.phase = "idle"
         self.history.append(metrics)
@@ -276,28 +294,6 @@ class Trainer:
         if c.sync.verify:
             sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe)
         self.pm.notify("rlhf_after_weight_sync", step=step, info=sync_info)
-
-    def _rollout_metrics(
-        self, rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None
-    ) -> dict[str, float]:
-        mask = batch["action_mask"]
-        scores = batch["scores"]
-        out = {
-            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-            "completion/length": float(mask.sum(-1).mean()),
-            "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
-            "advantage/mean": float(masked_mean(batch["advantages"], mask)),
-        }
-        if rollout.scores != rollout.raw_scores:
-            out["reward/shaped_mean"] = float(scores.mean())
-        if len(rollout.reward_components) > 1:
-            for name, values in rollout.reward_components.items():
-                vals = [v for v in values if v is not None]
-                if vals:
-                    out[f"reward/{name}"] = sum(vals) / len(vals)
-        if kl_penalty is not None:
-            out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(self.kl_control.value, 1e-12)
-        return out
 
     # --- state ----------------------------------------------------------------
     def loop_state(self) -> dict[str, Any]:
@@ -345,7 +341,14 @@ class Trainer:
             out["best"] = self.best
         return out
 
+    def stop_worker(self) -> None:
+        """Stop generating ahead (before a checkpoint is loaded, and at the end); the queue is dropped."""
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker, self.sampler_position = None, None
+
     def shutdown(self) -> None:
+        self.stop_worker()
         if self.placement is not None:
             self.placement.shutdown()
 

@@ -104,3 +104,29 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         "group_size": rollout.group_size,
         "prompt_width": P,
     }
+
+
+def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None,
+                    kl_coef: float) -> dict[str, float]:
+    """What a step's samples looked like: reward spread, lengths, stops, advantages, each reward
+    function's mean, and the KL that entered the reward (in KL units, before the coefficient)."""
+    from ..algorithms.numerics import masked_mean
+
+    mask = batch["action_mask"]
+    scores = batch["scores"]
+    out = {
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "completion/length": float(mask.sum(-1).mean()),
+        "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
+        "advantage/mean": float(masked_mean(batch["advantages"], mask)),
+    }
+    if rollout.scores != rollout.raw_scores:
+        out["reward/shaped_mean"] = float(scores.mean())
+    if len(rollout.reward_components) > 1:
+        for name, values in rollout.reward_components.items():
+            vals = [v for v in values if v is not None]
+            if vals:
+                out[f"reward/{name}"] = sum(vals) / len(vals)
+    if kl_penalty is not None:
+        out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(kl_coef, 1e-12)
+    return out

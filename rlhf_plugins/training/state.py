@@ -28,7 +28,8 @@ def loop_state(t: Trainer) -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "step": t.step_count,
-        "sampler": dict(t.sampler.state_dict()),
+        # asynchronous training: the sampler has run ahead; record where the learner's next rollout began
+        "sampler": dict(t.sampler_position if t.sampler_position is not None else t.sampler.state_dict()),
         "kl_controller": dict(t.kl_control.state_dict()),
         "reward_shaper": json.loads(json.dumps(t.shaper.state_dict())),
         "python_rng": random.getstate(),
@@ -58,9 +59,10 @@ def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, An
 
     def fill(tmp: Path) -> dict[str, Any]:
         tmp = tmp.resolve()  # roles may run in processes with another working directory
-        t.actor.save_checkpoint(str(tmp / "actor"))
-        if t.critic is not None:
-            t.critic.save_checkpoint(str(tmp / "critic"))
+        with t.learner_lock:  # not while the rollout worker syncs weights out of the actor
+            t.actor.save_checkpoint(str(tmp / "actor"))
+            if t.critic is not None:
+                t.critic.save_checkpoint(str(tmp / "critic"))
         torch.save(state, tmp / "trainer.pt")
         (tmp / "plugins.json").write_text(json.dumps(t.pm.collect_state(), indent=1))
         return {"roles": ["actor", *(["critic"] if t.critic is not None else [])]}
@@ -71,6 +73,7 @@ def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, An
 def load_checkpoint(t: Trainer, path: Path) -> int:
     manifest = checkpoint.verify(path)
     path = path.resolve()
+    t.stop_worker()  # rollouts made ahead came from the weights being replaced: regenerated after loading
     roles = manifest.get("roles", ["actor"])
     if ("critic" in roles) != (t.critic is not None):
         raise checkpoint.CheckpointError(

@@ -1,0 +1,245 @@
+"""Asynchronous RL: rollouts are generated ahead of the learner, within a bound on policy lag.
+
+With ``train.max_staleness K >= 1`` a rollout worker (a thread of the driver; under Ray it drives
+the engine actors while the learner actors train) generates and scores the rollouts of the next
+steps while the learner trains on the current one. The bound is kept by *admission*: the rollout
+of step ``t`` starts only once the learner has made ``t - K`` updates, and the worker brings the
+engine to the newest weights before it starts, so every sample is trained on at most ``K``
+versions after the policy that sampled it. Nothing finished is ever thrown away for being stale.
+
+With ``generation.partial_rollout`` the worker generates in chunks of
+``generation.partial_chunk_tokens`` and takes new weights between chunks: an unfinished
+generation continues from its prefix (resubmitted to the engine, which works for every backend)
+under the newest policy, and each token records the version that sampled it.
+
+The worker also computes the reference model's log-probs of each rollout (they depend on the
+rollout alone), so the learner's path is its own forwards and update. Weight syncs run in the
+worker, between generation calls, under the learner's lock: the learner is held only for the sync
+itself. Held-out evaluation shares the engine through the same engine
+lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
+resumed run regenerates the queue from there with the restored policy (deterministic prompts and
+seeds, but not the staler weights the interrupted run had used).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocols import Samples, SamplingParams
+from .rollout import make_batch
+
+
+@dataclass
+class Produced:
+    """A rollout made ahead, and what the worker saw while making it."""
+
+    step: int
+    rollout: Any
+    metrics: dict[str, float]
+    #: the prompt sampler after this rollout's prompts: where a resumed run continues
+    sampler_after: dict[str, Any]
+    #: seconds the worker waited for admission before starting it
+    engine_idle: float
+    #: seconds of weight syncs done for it
+    sync_seconds: float
+    #: its tensors, with the reference log-probs (they depend on the rollout only)
+    batch: dict[str, Any]
+
+
+class Stopped(Exception):
+    """The worker was asked to stop in the middle of a rollout."""
+
+
+class LockedEngine:
+    """The generation role, one caller at a time (the rollout worker, its syncs, evaluation)."""
+
+    def __init__(self, engine: Any, lock: threading.RLock) -> None:
+        self._engine, self._lock = engine, lock
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._engine, name)
+        if not callable(value):
+            return value
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return value(*args, **kwargs)
+
+        return locked
+
+
+class RolloutWorker:
+    """Generates and scores rollouts ahead of the learner (see the module docstring)."""
+
+    def __init__(self, trainer: Any, start: bool = True) -> None:
+        self.trainer = trainer
+        c = trainer.config
+        self.k = c.train.max_staleness
+        self.last_step = c.train.steps
+        self.partial = c.generation.partial_rollout
+        self.chunk = c.generation.partial_chunk_tokens
+        self.cond = threading.Condition()
+        self.queue: deque[Produced] = deque()
+        self.learner_version = trainer.step_count
+        self.next_step = trainer.step_count
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.sync_seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="rlhf-rollouts", daemon=True)
+        if start:
+            self.thread.start()
+
+    # --- the learner's side ---------------------------------------------------
+    def take(self, step: int) -> Produced:
+        """The rollout of ``step``, waiting for it if needed; an error of the worker is raised here."""
+        with self.cond:
+            while not self.queue and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+            item = self.queue.popleft()
+        assert item.step == step, f"rollout of step {item.step} arrived for step {step}"
+        return item
+
+    def queued(self) -> int:
+        with self.cond:
+            return len(self.queue)
+
+    def published(self, version: int) -> None:
+        """The learner has made ``version`` updates: new weights to sync, maybe a rollout to admit."""
+        with self.cond:
+            self.learner_version = version
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout=600)
+
+    # --- the worker -------------------------------------------------------------
+    def _admitted(self, step: int) -> bool:
+        t = self.trainer
+        if self.learner_version < step - self.k:  # the bound, whatever a plugin says
+            return False
+        answer = t.pm.hook.rlhf_admit_rollout(step=step, learner_version=self.learner_version,
+                                              engine_version=t.engine_version, queued=[p.step for p in self.queue],
+                                              max_staleness=self.k)
+        return answer is not False
+
+    def _run(self) -> None:
+        t = self.trainer
+        try:
+            while True:
+                step = self.next_step
+                waited = time.perf_counter()
+                with self.cond:
+                    while not self.stopping and step < self.last_step and not self._admitted(step):
+                        self.cond.wait()
+                    if self.stopping or step >= self.last_step:
+                        return
+                waited = time.perf_counter() - waited
+                self.sync_seconds = 0.0
+                self.catch_up()
+                t.reward_retries = 0
+                rollout, metrics = t.collect(step)
+                if t.config.reward.max_retries:
+                    metrics["reward/retries"] = float(t.reward_retries)
+                batch = make_batch(rollout, t.pad_id)
+                if t.reference is not None:
+                    start = time.perf_counter()
+                    batch["ref_logprobs"] = t.reference.logprobs(batch)
+                    metrics["time/reference"] = time.perf_counter() - start
+                item = Produced(step, rollout, metrics, dict(t.sampler.state_dict()), waited, self.sync_seconds, batch)
+                with self.cond:
+                    self.queue.append(item)
+                    self.next_step = step + 1
+                    self.cond.notify_all()
+        except Stopped:
+            return
+        except BaseException as exc:  # handed to the learner, which raises it in the main thread
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def catch_up(self) -> None:
+        """Bring the engine to the learner's newest weights, if it is behind."""
+        t = self.trainer
+        with self.cond:
+            version = self.learner_version
+        if t.engine_version < version:
+            start = time.perf_counter()
+            with t.engine_lock, t.learner_lock:  # sync methods may reach the engine's workers directly
+                t.sync_engine(version - 1)
+            self.sync_seconds += time.perf_counter() - start
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Samples, list[list[int]]]:
+        """Partial rollouts: generate ``chunk`` tokens at a time, taking new weights between chunks;
+        unfinished samples continue from their prefix, one sample per resubmitted prefix."""
+        t = self.trainer
+        first = dataclasses.replace(params, max_new_tokens=min(self.chunk, params.max_new_tokens))
+        out = t.engine.generate(prompt_ids, first)
+        samples = Samples(list(out.prompt_index), [list(x) for x in out.completion_ids],
+                          [list(x) for x in out.logprobs], list(out.finish_reasons))
+        versions = [[t.engine_version] * len(x) for x in samples.completion_ids]
+        rounds = 1
+        while True:
+            open_ = [j for j, (ids, why) in enumerate(zip(samples.completion_ids, samples.finish_reasons))
+                     if why == "length" and len(ids) < params.max_new_tokens]
+            if not open_:
+                break
+            if self.stopping:
+                raise Stopped
+            self.catch_up()
+            done = len(samples.completion_ids[open_[0]])
+            more = dataclasses.replace(
+                params, n=1, max_new_tokens=min(self.chunk, params.max_new_tokens - done),
+                seed=None if params.seed is None else params.seed + 7919 * rounds,
+            )
+            prefixes = [prompt_ids[samples.prompt_index[j]] + samples.completion_ids[j] for j in open_]
+            cont = t.engine.generate(prefixes, more)
+            for j, ids, lps, why in zip(open_, cont.completion_ids, cont.logprobs, cont.finish_reasons):
+                samples.completion_ids[j] += list(ids)
+                samples.logprobs[j] += list(lps)
+                samples.finish_reasons[j] = why
+                versions[j] += [t.engine_version] * len(ids)
+            rounds += 1
+        return samples, versions
+
+
+def async_step(trainer: Any, step: int) -> dict[str, float]:
+    """One learner step of asynchronous training: take the rollout made ahead, learn, publish."""
+    if trainer.worker is None:
+        trainer.sampler_position = dict(trainer.sampler.state_dict())
+        trainer.worker = RolloutWorker(trainer)
+    worker = trainer.worker
+    trainer.snapshot, trainer.phase = trainer.loop_state(), "rollout"
+    t0 = time.perf_counter()
+    item = worker.take(step)
+    waited = time.perf_counter() - t0
+    metrics = dict(item.metrics)
+    metrics.update(staleness_metrics(step, item.rollout.versions))
+    metrics.update({"async/learner_idle": waited, "async/engine_idle": item.engine_idle,
+                    "async/queue": float(worker.queued()), "async/sync_seconds": item.sync_seconds})
+    with trainer.learner_lock:
+        metrics = trainer.learn(step, item.rollout, metrics, t0, sync=False, batch=item.batch)
+    trainer.sampler_position = item.sampler_after
+    worker.published(step + 1)
+    return metrics
+
+
+def staleness_metrics(step: int, versions: list[list[int]]) -> dict[str, float]:
+    """Token-weighted lag (``step`` minus the version that sampled each token): mean, max, and
+    the fraction of tokens at each lag."""
+    lags = [step - v for seq in versions for v in seq]
+    if not lags:
+        return {}
+    out = {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+    for lag in sorted(set(lags)):
+        out[f"async/tokens_lag{lag}"] = lags.count(lag) / len(lags)
+    return out
