@@ -12,8 +12,9 @@ With ``generation.partial_rollout`` the worker generates in chunks of
 generation continues from its prefix (resubmitted to the engine, which works for every backend)
 under the newest policy, and each token records the version that sampled it.
 
-The worker also computes the reference model's log-probs of each rollout (they depend on the
-rollout alone), so the learner's path is its own forwards and update. Weight syncs run in the
+The reference model's log-probs of each rollout (they depend on the rollout alone) are computed
+in a thread of their own while the engine generates the next rollout, so the learner's path is
+its own forwards and update. Weight syncs run in the
 worker, between generation calls, under the learner's lock: the learner is held only for the sync
 itself. Held-out evaluation shares the engine through the same engine
 lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
@@ -26,6 +27,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +48,9 @@ class Produced:
     engine_idle: float
     #: seconds of weight syncs done for it
     sync_seconds: float
-    #: its tensors, with the reference log-probs (they depend on the rollout only)
-    batch: dict[str, Any]
+    #: its tensors, with the reference log-probs (they depend on the rollout only), computed
+    #: beside the next generation
+    batch: Future
 
 
 class Stopped(Exception):
@@ -89,6 +92,12 @@ class RolloutWorker:
         self.error: BaseException | None = None
         self.stopping = False
         self.sync_seconds = 0.0
+        #: the worker waits for admission (its engine is free)
+        self.idle = False
+        #: the worker is about to sync new weights: the learner waits before its next update
+        self.sync_due = False
+        #: the reference model scores one rollout while the engine generates the next
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-reference")
         self.thread = threading.Thread(target=self._run, name="rlhf-rollouts", daemon=True)
         if start:
             self.thread.start()
@@ -102,6 +111,8 @@ class RolloutWorker:
             if self.error is not None:
                 raise self.error
             item = self.queue.popleft()
+            while self.sync_due and self.error is None:  # let the engine take the newest weights first
+                self.cond.wait()
         assert item.step == step, f"rollout of step {item.step} arrived for step {step}"
         return item
 
@@ -110,9 +121,13 @@ class RolloutWorker:
             return len(self.queue)
 
     def published(self, version: int) -> None:
-        """The learner has made ``version`` updates: new weights to sync, maybe a rollout to admit."""
+        """The learner has made ``version`` updates (called under the learner's lock, so the
+        version is exactly the actor's weights): new weights to sync, maybe a rollout to admit.
+        If the worker is waiting and may now start, it syncs before the learner's next update."""
         with self.cond:
             self.learner_version = version
+            if self.idle and self._behind() and self._admitted(self.next_step):
+                self.sync_due = True
             self.cond.notify_all()
 
     def stop(self) -> None:
@@ -121,8 +136,12 @@ class RolloutWorker:
             self.cond.notify_all()
         if self.thread.is_alive():
             self.thread.join(timeout=600)
+        self.finisher.shutdown(wait=True, cancel_futures=True)
 
     # --- the worker -------------------------------------------------------------
+    def _behind(self) -> bool:
+        return self.trainer.engine_version < self.learner_version
+
     def _admitted(self, step: int) -> bool:
         t = self.trainer
         if self.learner_version < step - self.k:  # the bound, whatever a plugin says
@@ -139,26 +158,29 @@ class RolloutWorker:
                 step = self.next_step
                 waited = time.perf_counter()
                 with self.cond:
+                    self.idle = True
                     while not self.stopping and step < self.last_step and not self._admitted(step):
+                        if self.sync_due:  # a plugin changed its mind: nothing to sync before waiting
+                            self.sync_due = False
+                            self.cond.notify_all()
                         self.cond.wait()
+                    self.idle = False
                     if self.stopping or step >= self.last_step:
                         return
                 waited = time.perf_counter() - waited
                 self.sync_seconds = 0.0
-                self.catch_up()
+                self.catch_up(required=step - self.k)
                 t.reward_retries = 0
                 rollout, metrics = t.collect(step)
                 if t.config.reward.max_retries:
                     metrics["reward/retries"] = float(t.reward_retries)
-                batch = make_batch(rollout, t.pad_id)
-                if t.reference is not None:
-                    start = time.perf_counter()
-                    batch["ref_logprobs"] = t.reference.logprobs(batch)
-                    metrics["time/reference"] = time.perf_counter() - start
+                batch = self.finisher.submit(self._finish, rollout, metrics)
                 item = Produced(step, rollout, metrics, dict(t.sampler.state_dict()), waited, self.sync_seconds, batch)
                 with self.cond:
                     self.queue.append(item)
                     self.next_step = step + 1
+                    if step + 1 < self.last_step and self._behind() and self._admitted(step + 1):
+                        self.sync_due = True  # before the learner trains on this rollout
                     self.cond.notify_all()
         except Stopped:
             return
@@ -167,16 +189,43 @@ class RolloutWorker:
                 self.error = exc
                 self.cond.notify_all()
 
-    def catch_up(self) -> None:
-        """Bring the engine to the learner's newest weights, if it is behind."""
+    def _finish(self, rollout: Any, metrics: dict[str, float]) -> dict[str, Any]:
+        t = self.trainer
+        batch = make_batch(rollout, t.pad_id)
+        if t.reference is not None:
+            start = time.perf_counter()
+            batch["ref_logprobs"] = t.reference.logprobs(batch)
+            metrics["time/reference"] = time.perf_counter() - start
+        return batch
+
+    def catch_up(self, required: int | None = None) -> None:
+        """Bring the engine to the learner's newest weights, if it is behind. The sync needs the
+        learner's lock (no update while weights are read): it waits for the lock only when the
+        engine is older than ``required`` (the bound), else it syncs only if the learner is not
+        in the middle of an update, and generation goes on with the weights it has."""
         t = self.trainer
         with self.cond:
-            version = self.learner_version
-        if t.engine_version < version:
-            start = time.perf_counter()
-            with t.engine_lock, t.learner_lock:  # sync methods may reach the engine's workers directly
-                t.sync_engine(version - 1)
-            self.sync_seconds += time.perf_counter() - start
+            if not self._behind():
+                self.sync_due = False
+                self.cond.notify_all()
+                return
+            self.sync_due = True
+        start = time.perf_counter()
+        got = t.learner_lock.acquire(blocking=required is not None and t.engine_version < required)
+        try:
+            if got:
+                with t.engine_lock:  # sync methods may reach the engine's workers directly
+                    with self.cond:
+                        version = self.learner_version  # published under the learner's lock: exact
+                    if t.engine_version < version:
+                        t.sync_engine(version - 1)
+                        self.sync_seconds += time.perf_counter() - start
+        finally:
+            if got:
+                t.learner_lock.release()
+            with self.cond:
+                self.sync_due = False
+                self.cond.notify_all()
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Samples, list[list[int]]]:
         """Partial rollouts: generate ``chunk`` tokens at a time, taking new weights between chunks;
@@ -221,15 +270,16 @@ def async_step(trainer: Any, step: int) -> dict[str, float]:
     trainer.snapshot, trainer.phase = trainer.loop_state(), "rollout"
     t0 = time.perf_counter()
     item = worker.take(step)
+    batch = item.batch.result()
     waited = time.perf_counter() - t0
     metrics = dict(item.metrics)
     metrics.update(staleness_metrics(step, item.rollout.versions))
     metrics.update({"async/learner_idle": waited, "async/engine_idle": item.engine_idle,
                     "async/queue": float(worker.queued()), "async/sync_seconds": item.sync_seconds})
     with trainer.learner_lock:
-        metrics = trainer.learn(step, item.rollout, metrics, t0, sync=False, batch=item.batch)
-    trainer.sampler_position = item.sampler_after
-    worker.published(step + 1)
+        metrics = trainer.learn(step, item.rollout, metrics, t0, sync=False, batch=batch)
+        trainer.sampler_position = item.sampler_after
+        worker.published(step + 1)
     return metrics
 
 
