@@ -1,6 +1,7 @@
 """Checkpoint write and resume: time and size, torch and DeepSpeed ZeRO-3 learners, the default
 tiny model and a random ~100M-parameter Llama, against the floor of writing the same weights with
-``save_pretrained`` plus the optimizer state with ``torch.save`` (disk speed).
+``save_pretrained`` plus the optimizer state with ``torch.save``, flushed to disk (fsync) as a
+checkpoint is. A checkpoint also checksums every file (CRC-32, in parallel) for its manifest.
 
     python bench/checkpoint.py --json bench/results/checkpoint.json
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -75,6 +77,10 @@ def measure(path: str, backend: str, repeats: int) -> dict[str, float]:
         start = time.perf_counter()
         obj.save(str(floor))  # save_pretrained of the full weights
         torch.save(obj.optimizer.state_dict(), floor / "optimizer.pt")
+        for file in floor.rglob("*"):  # on disk, as a checkpoint is
+            if file.is_file():
+                with open(file, "rb") as fh:
+                    os.fsync(fh.fileno())
         floors.append(time.perf_counter() - start)
         run = tmp / f"run-{i}"
         start = time.perf_counter()
@@ -88,7 +94,7 @@ def measure(path: str, backend: str, repeats: int) -> dict[str, float]:
         shutil.rmtree(floor)
         shutil.rmtree(run)
     shutil.rmtree(tmp, ignore_errors=True)
-    params = sum(p.numel() for p in obj.model.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in obj.model.parameters())  # ZeRO-3 partitions
     obj.shutdown()
     return {"params": params, "floor_s": statistics.median(floors), "write_s": statistics.median(writes),
             "resume_s": statistics.median(loads), "bytes": size}

@@ -174,3 +174,13 @@ def test_partial_rollouts_record_mixed_versions_in_a_whole_run(rlhf, tmp_path):
     rows = metrics_of(the_run())
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["completion/length"] for r in rows) > 1  # samples continued past their first one-token chunk
+
+
+def test_ppo_with_a_critic_trains_on_stale_rollouts(rlhf):
+    """GAE's values come from the critic at training time, so a critic works asynchronously too."""
+    code, _, err = rlhf("train", *short_run("--train.max_staleness", "1", *CORRECTED,
+                                            "--algo.advantage.estimator", "gae"))
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all("critic/loss" in r for r in rows)

@@ -222,21 +222,21 @@ def test_reward_retries_absorb_a_transient_error(tmp_path, tiny_model):
 def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(rlhf, monkeypatch):
     from rlhf_plugins.training import checkpoint
 
-    real = checkpoint.sha256
+    real = checkpoint.checksum
 
     def disk_full(path):
         if "step-000004" in str(path):
             raise OSError(28, "No space left on device")
         return real(path)
 
-    monkeypatch.setattr(checkpoint, "sha256", disk_full)
+    monkeypatch.setattr(checkpoint, "checksum", disk_full)
     code, _, err = rlhf("train", *RUN, "--train.run_name", "full")
     assert code == 2
     assert "cannot write the checkpoint of step 4 under" in err and "No space left on device" in err
     assert "the previous checkpoint is intact" in err and "the run is kept in" in err
     run = Path("runs/full")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
-    monkeypatch.setattr(checkpoint, "sha256", real)
+    monkeypatch.setattr(checkpoint, "checksum", real)
     assert checkpoint.verify(run / "checkpoints" / "step-000002")["step"] == 2
 
 
