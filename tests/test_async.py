@@ -53,18 +53,22 @@ def test_the_worker_held_to_zero_staleness_reproduces_the_synchronous_loop(tiny_
     assert expected[3]["kl"] != 0  # the policy did move away from the reference: the runs compared are not trivial
 
 
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.integration)])
 def test_a_partial_rollout_takes_new_weights_between_chunks_and_continues_token_exactly(tiny_model, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, backend):
     """Weights published mid-generation are synced between chunks: the first chunk's tokens carry
     the old version, the rest the new one, and the continued samples are exactly what the engine
     sampled (the learner's log-probs of the whole sequence match the engine's, chunk by chunk)."""
     from rlhf_plugins.training.async_rollouts import RolloutWorker
     from rlhf_plugins.training.rollout import make_batch
 
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.chdir(tmp_path)
     raw = {"train": {"prompts_per_step": 4, "max_staleness": 1}, "generation": {
-        "n_samples_per_prompt": 4, "max_new_tokens": 10, "partial_rollout": True, "partial_chunk_tokens": 2,
-        "temperature": 1.5}, "algo": {"policy_loss": {"mismatch": "tis"}}}
+        "backend": backend, "n_samples_per_prompt": 4, "max_new_tokens": 10, "partial_rollout": True,
+        "partial_chunk_tokens": 2, "temperature": 1.5}, "algo": {"policy_loss": {"mismatch": "tis"}}}
     t = in_process_trainer(tiny_model, raw)
     try:
         t.worker = RolloutWorker(t, start=False)

@@ -130,13 +130,15 @@ class RolloutWorker:
                 self.sync_due = True
             self.cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the generation call in progress (``timeout``: wait at most that long; the
+        thread is a daemon, so an exiting process does not wait for it)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
         if self.thread.is_alive():
-            self.thread.join(timeout=600)
-        self.finisher.shutdown(wait=True, cancel_futures=True)
+            self.thread.join(timeout=timeout)
+        self.finisher.shutdown(wait=timeout is None, cancel_futures=True)
 
     # --- the worker -------------------------------------------------------------
     def _behind(self) -> bool:

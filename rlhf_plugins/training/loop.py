@@ -341,14 +341,14 @@ class Trainer:
             out["best"] = self.best
         return out
 
-    def stop_worker(self) -> None:
+    def stop_worker(self, timeout: float | None = None) -> None:
         """Stop generating ahead (before a checkpoint is loaded, and at the end); the queue is dropped."""
         if self.worker is not None:
-            self.worker.stop()
+            self.worker.stop(timeout)
             self.worker, self.sampler_position = None, None
 
     def shutdown(self) -> None:
-        self.stop_worker()
+        self.stop_worker(timeout=30.0)  # at the end of a run: do not wait out a long generation
         if self.placement is not None:
             self.placement.shutdown()
 
