@@ -96,6 +96,8 @@ class RolloutWorker:
         self.idle = False
         #: the worker is about to sync new weights: the learner waits before its next update
         self.sync_due = False
+        #: the learner set ``sync_due`` when it published (it is out of its update and will wait)
+        self.promised = False
         #: the reference model scores one rollout while the engine generates the next
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-reference")
         self.thread = threading.Thread(target=self._run, name="rlhf-rollouts", daemon=True)
@@ -127,7 +129,7 @@ class RolloutWorker:
         with self.cond:
             self.learner_version = version
             if self.idle and self._behind() and self._admitted(self.next_step):
-                self.sync_due = True
+                self.sync_due = self.promised = True
             self.cond.notify_all()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -163,7 +165,7 @@ class RolloutWorker:
                     self.idle = True
                     while not self.stopping and step < self.last_step and not self._admitted(step):
                         if self.sync_due:  # a plugin changed its mind: nothing to sync before waiting
-                            self.sync_due = False
+                            self.sync_due = self.promised = False
                             self.cond.notify_all()
                         self.cond.wait()
                     self.idle = False
@@ -207,13 +209,17 @@ class RolloutWorker:
         in the middle of an update, and generation goes on with the weights it has."""
         t = self.trainer
         with self.cond:
+            promised, self.promised = self.promised, False
             if not self._behind():
                 self.sync_due = False
                 self.cond.notify_all()
                 return
             self.sync_due = True
         start = time.perf_counter()
-        got = t.learner_lock.acquire(blocking=required is not None and t.engine_version < required)
+        # wait for the lock when the bound needs these weights, or when the learner has promised to
+        # wait for this sync (it only finishes publishing); else only take the lock if it is free
+        must = promised or (required is not None and t.engine_version < required)
+        got = t.learner_lock.acquire(blocking=must)
         try:
             if got:
                 with t.engine_lock:  # sync methods may reach the engine's workers directly
