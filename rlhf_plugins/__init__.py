@@ -37,6 +37,7 @@ from .settings import setting
 from .types import (
     AdvantageEstimator,
     Component,
+    Environment,
     GenerationBackend,
     KLEstimator,
     LearnerBackend,
@@ -100,6 +101,7 @@ __all__ = [
     "UsageError",
     "WeightSync",
     "WeightSyncMethod",
+    "Environment",
     "__version__",
     "dispatch",
     "hookimpl",

@@ -42,3 +42,8 @@ class RoleFailed(UsageError):
 
 class RoleCallTimeout(UsageError):
     """A call to a role did not return in time; the message names the role, rank and method."""
+
+
+class EnvironmentFailed(UsageError):
+    """A multi-turn environment that raised or answered with the wrong types (reset, step,
+    get_reward); the message names the environment and the dataset row."""

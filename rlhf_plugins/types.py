@@ -234,6 +234,34 @@ class WeightSyncMethod(Component):
         _check_callable(self, "factory")
 
 
+@dataclass(frozen=True)
+class Environment(Component):
+    """A multi-turn environment (``--env.name``, or a dataset column per row).
+
+    ``factory()`` returns a fresh instance for one trajectory, in either of two shapes:
+
+    * TRL's: a class whose public methods are tools the model calls, ``reset(**row)`` returning
+      ``None`` or text appended to the last user message, and optionally ``get_reward()``;
+    * OpenRLHF's agent: async ``reset(states)`` returning ``{"observation": text}`` and async
+      ``step(states)`` returning ``{"rewards", "environment_feedback", "done", ...}``.
+
+    ``factory()`` may also return ``None``: the model then has the standalone ``tools`` alone.
+    ``tools`` are offered beside the instance's own methods (TRL's ``tools=[...]``).
+    ``default_data`` (a data path) and ``default_model`` (a callable returning a model folder) are
+    used when the run gives none, so a builtin environment runs with ``--env.name`` alone.
+    """
+
+    area: ClassVar[str] = "environment"
+    factory: Callable[..., Any]
+    tools: tuple[Callable[..., Any], ...] = field(default=(), kw_only=True)
+    default_data: str | None = field(default=None, kw_only=True)
+    default_model: Callable[[], str] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_callable(self, "factory")
+
+
 #: registration hook name -> component class, in the order of the loop.
 AREAS: dict[str, type[Component]] = {
     "rlhf_placement_strategies": PlacementStrategy,
@@ -244,4 +272,5 @@ AREAS: dict[str, type[Component]] = {
     "rlhf_kl_estimators": KLEstimator,
     "rlhf_learner_backends": LearnerBackend,
     "rlhf_weight_sync_methods": WeightSyncMethod,
+    "rlhf_environments": Environment,
 }

@@ -73,7 +73,7 @@ FLAGS = [
      "ray.address 'garbage' is not an address; give HOST:PORT (e.g. 127.0.0.1:6379), ray://HOST:PORT, auto, or leave "
      "it empty to start a local cluster"),
     ("builtin-data-unknown", ["--data.path", "builtin:nope"],
-     "unknown built-in dataset 'nope'; choose one of: builtin:addition, builtin:addition-train, builtin:addition-test"),
+     "unknown built-in dataset 'nope'; choose one of: builtin:addition, builtin:addition-train, builtin:addition-test, builtin:calculator, builtin:calculator-train, builtin:calculator-test"),
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
     ("resume-nowhere", ["--resume", "nowhere"], "--resume 'nowhere' does not exist; give a run directory or a checkpoint folder"),
@@ -84,7 +84,7 @@ FLAGS = [
      "train.best_metric 'eval/pass@1' needs held-out evaluation: give --eval.path or --eval.split (and keep "
      "--eval.enabled true)"),
     ("eval-reward-unknown", ["--eval.reward_functions", "nope"],
-     "unknown reward function 'nope'; choose one of: exact_match (--eval.reward_functions)"),
+     "unknown reward function 'nope'; choose one of: env_reward, exact_match (--eval.reward_functions)"),
     ("eval-split-all", ["--eval.split", "1"], "config key 'eval.split' must be >= 0 and < 1; got 1.0"),
     ("eval-data-missing", ["--eval.path", "nowhere.jsonl"],
      "dataset 'nowhere.jsonl' does not exist; set --eval.path to a .jsonl/.json/.parquet file or folder"),
@@ -333,7 +333,7 @@ def _files() -> list:
     def _(t):
         write(t / "empty.py", "x = 1\n")
         return ["--plugin", str(t / "empty.py")], \
-            "plugin 'empty' defines no rlhf_* hooks and no reward function '(prompts, completions, **kwargs) -> list[float]'"
+            "plugin 'empty' defines no rlhf_* hooks, no reward function '(prompts, completions, **kwargs) -> list[float]' and no OpenRLHF AgentInstance"
 
     @case("reward-several-from-plugins")
     def _(t):

@@ -43,7 +43,7 @@ def write(path: Path, text: str) -> str:
         (["--algo.policy_loss.aggregation", "mean"], "unknown loss aggregation 'mean'"),
         (["--algo.policy_loss.dual_clip", "1"], "config key 'algo.policy_loss.dual_clip' must be > 1; got 1.0"),
         (["--model.path", "."], "is not a save_pretrained folder"),
-        (["--reward.functions", "nope"], "unknown reward function 'nope'; choose one of: exact_match"),
+        (["--reward.functions", "nope"], "unknown reward function 'nope'; choose one of: env_reward, exact_match"),
         (["stray"], "unexpected argument 'stray'"),
         (["--algo.advantage.estimator", "gae", "--critic.enabled", "false"], "'gae' needs a critic, but critic.enabled is false"),
         (["--algo.advantage.estimator", "rloo", "--generation.n_samples_per_prompt", "1"], "'rloo' compares samples"),

@@ -12,6 +12,7 @@ Group estimators ignore ``gamma`` (it is 1 for them, as in OpenRLHF).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,8 +39,7 @@ class AdvantageInputs:
         """The sequence score on each completion's last token, minus the KL penalty."""
         mask = self.action_mask.to(self.scores.dtype)
         rewards = torch.zeros_like(mask)
-        last = (mask.sum(-1).long() - 1).clamp(min=0)
-        rewards.scatter_(1, last[:, None], self.scores[:, None].to(rewards.dtype))
+        rewards.scatter_(1, last_action(mask)[:, None], self.scores[:, None].to(rewards.dtype))
         if self.kl_penalty is not None:
             rewards = rewards - self.kl_penalty * mask
         return rewards * mask
@@ -66,8 +66,34 @@ class AdvantageInputs:
         return x.view(-1, self.group_size)
 
 
+def last_action(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last action token (0 for a row without one)."""
+    pos = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
+    return torch.where(mask > 0, pos, torch.zeros_like(pos)).amax(-1)
+
+
+def actions_first(mask: torch.Tensor) -> torch.Tensor:
+    """A per-row permutation putting action tokens first, in order. Multi-turn completions hold
+    environment tokens (mask 0) between the model's turns; token-level estimators run on the
+    gathered action tokens, so "the next step" is the model's next token, then scatter back.
+    For contiguous masks it is the identity."""
+    return torch.argsort((mask <= 0).to(torch.int8), dim=-1, stable=True)
+
+
+def on_actions(fn: Callable[..., tuple[torch.Tensor, ...]], mask: torch.Tensor,
+               *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(mask, *tensors)`` on each row's action tokens gathered to the front, results scattered back."""
+    order = actions_first(mask)
+    outs = fn(mask.gather(1, order), *(t.gather(1, order) for t in tensors))
+    return tuple(torch.zeros_like(o).scatter(1, order, o) for o in outs)
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, zero past each completion's end."""
+    """G_t = r_t + gamma * G_{t+1} over action tokens, zero past each completion's end."""
+    return on_actions(lambda m, r: (_returns(r, m, gamma),), mask, rewards)[0]
+
+
+def _returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
@@ -81,18 +107,22 @@ def gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if x.values is None:
         raise ValueError("gae needs critic values")
     mask = x.action_mask.to(x.values.dtype)
-    rewards = x.token_rewards()
-    values = x.values * mask
+    advantages, returns = on_actions(lambda m, r, v: _gae(r, v, m, x.gamma, x.lam), mask, x.token_rewards(),
+                                     x.values * mask)
+    return masked_whiten(advantages, mask), returns
+
+
+def _gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
     T = rewards.shape[1]
     for t in reversed(range(T)):
         next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
-        delta = rewards[:, t] + x.gamma * next_value - values[:, t]
-        last = (delta + x.gamma * x.lam * last) * mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last) * mask[:, t]
         advantages[:, t] = last
-    returns = (advantages + values) * mask
-    return masked_whiten(advantages, mask), returns
+    return advantages, (advantages + values) * mask
 
 
 def reinforce(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

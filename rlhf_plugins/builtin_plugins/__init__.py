@@ -22,4 +22,5 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.lora",
     "rlhf_plugins.builtin_plugins.logging_backends",
     "rlhf_plugins.builtin_plugins.scheduling",
+    "rlhf_plugins.builtin_plugins.environments",
 )

@@ -70,11 +70,9 @@ class RewardConfig:
     functions: list[str] = field(default_factory=list)
     #: reward model folders (TRL RewardTrainer or OpenRLHF format), scored in the reward role
     models: list[str] = field(default_factory=list)
-    #: OpenRLHF-protocol reward servers (POST {"query", "prompts", "labels"} -> {"rewards"}); requests
-    #: are spread over them
+    #: OpenRLHF-protocol reward servers (POST {"query", "prompts", "labels"} -> {"rewards"}), spread over
     remote_urls: list[str] = field(default_factory=list)
-    #: one weight per source -- functions, then models, then the remote servers (default 1.0 each);
-    #: the combined score is the weighted sum
+    #: one weight per source (functions, models, remote servers; default 1.0 each): a weighted sum
     weights: list[float] = field(default_factory=list)
     #: samples per reward-model forward
     model_batch_size: int = setting(16, ge=1)
@@ -211,9 +209,8 @@ class LearnerConfig:
     eps: float = setting(1e-8, gt=0)
     #: SGD's momentum
     momentum: float = setting(0.0, ge=0, lt=1)
-    #: learning-rate schedule over all optimizer updates of the run: constant | linear | cosine
-    #: (decaying to ``min_lr_ratio`` * lr), after a linear warm-up of ``warmup_steps`` updates
-    #: (or ``warmup_ratio`` of them)
+    #: schedule over all optimizer updates: constant | linear | cosine (decaying to ``min_lr_ratio`` * lr),
+    #: after a linear warm-up of ``warmup_steps`` updates (or ``warmup_ratio`` of them)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     #: optimizer updates of linear warm-up from 0 to lr
     warmup_steps: int = setting(0, ge=0)
@@ -267,6 +264,22 @@ class EvalConfig:
 
 
 @dataclass
+class EnvConfig:
+    #: multi-turn environment of every row; empty: single-turn unless rows name one in ``column``
+    name: str | None = None
+    #: a data column naming each row's environment (else ``name``)
+    column: str = "environment"
+    #: model turns per trajectory (after the last, finish reason max_turns)
+    max_turns: int = setting(4, ge=1)
+    #: tokens of a trajectory after the prompt, model and environment (TRL's max_completion_length)
+    max_total_tokens: int = setting(256, ge=1)
+    #: tokens of one model turn; empty: what is left of max_total_tokens (not generation.max_new_tokens)
+    max_turn_tokens: int | None = setting(None, ge=1)
+    #: environment steps (tool calls) run at the same time
+    concurrency: int = setting(16, ge=1)
+
+
+@dataclass
 class TrainConfig:
     #: rollout steps (generate, score, update, sync) of the run
     steps: int = setting(200, ge=1)
@@ -312,6 +325,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     #: plugins to load, as with ``--plugin`` (entry-point names, modules, .py paths, no:NAME)
     plugins: list[str] = field(default_factory=list)
     #: sections added by plugins through ``rlhf_add_options``

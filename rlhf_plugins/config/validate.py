@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..settings import check_bounds
 from ..types import (
     AdvantageEstimator,
+    Environment,
     GenerationBackend,
     KLEstimator,
     LearnerBackend,
@@ -47,6 +48,8 @@ class Plan:
     engine_workers: int = 1
     #: (run directory, checkpoint folder) when the run continues from a checkpoint
     resume: tuple[Path, Path] | None = None
+    #: the environment of --env.name (rows may name others in --env.column)
+    environment: Environment | None = None
 
     def provider(self, component: Any) -> str:
         return self.providers.get(f"{component.area}:{component.name}", "?")
@@ -145,9 +148,10 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def choose_rewards(c: Config, pm: RLHFPluginManager) -> tuple[list[str], list[float]]:
+def choose_rewards(c: Config, pm: RLHFPluginManager, plugin_env: bool = False) -> tuple[list[str], list[float]]:
     """Explicit names win; else none when reward models or servers score; else the only reward a
-    non-builtin plugin gives; else the task default. Returns function names and one weight per source."""
+    non-builtin plugin gives; else a plugin environment's own reward (``plugin_env``); else the
+    task default. Returns function names and one weight per source."""
     names = list(c.reward.functions)
     others = len(c.reward.models) + (1 if c.reward.remote_urls else 0)
     if not names and not others:
@@ -159,8 +163,10 @@ def choose_rewards(c: Config, pm: RLHFPluginManager) -> tuple[list[str], list[fl
                 "plugins provide several reward functions (" + ", ".join(r.name for r in rows)
                 + "); choose with --reward.functions NAME[,NAME]"
             )
-        elif c.data.path is None:
-            names = ["exact_match"]
+        elif plugin_env or (c.env.name and c.data.path is not None and not str(c.data.path).startswith("builtin:")):
+            names = ["env_reward"]
+        elif c.data.path is None or str(c.data.path).startswith("builtin:"):
+            names = ["exact_match"]  # the built-in tasks have labels
         else:
             choices = ", ".join(pm.components.names(RewardFunction))
             raise ConfigError(f"no reward function chosen; set --reward.functions (available: {choices})")
@@ -207,8 +213,8 @@ def _resolve(c: Config, pm: RLHFPluginManager) -> Plan:
     # defaults that depend on the chosen components, written back so the saved config is explicit
     c.sync.method = sync_name
     c.algo.policy_loss.aggregation = c.algo.policy_loss.aggregation or plan.policy_loss.default_aggregation
-    if c.algo.policy_loss.norm_length is None:
-        c.algo.policy_loss.norm_length = c.generation.max_new_tokens
+    if c.algo.policy_loss.norm_length is None:  # the longest completion: a turn, or a whole trajectory
+        c.algo.policy_loss.norm_length = c.env.max_total_tokens if c.env.name else c.generation.max_new_tokens
     return plan
 
 
@@ -264,13 +270,37 @@ def check_staleness(c: Config) -> None:
                           "asynchronous training; set --train.max_staleness 1 (or more), or drop partial_rollout")
 
 
+def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:
+    """``--env.name``'s environment (else the only one a non-builtin plugin gives, as an OpenRLHF
+    agent file does), and its default data and model when the run gives none."""
+    if not c.env.name:
+        rows = [r for r in pm.components.of(Environment) if not pm.is_builtin(r.provider)]
+        if len(rows) != 1:
+            return
+        c.env.name = rows[0].name
+    try:
+        env = pm.components.get(Environment, c.env.name)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (--env.name)") from None
+    plan.environment = env
+    plan.providers[f"{env.area}:{env.name}"] = pm.components.provider(Environment, env.name)
+    if c.data.path is None and env.default_data:
+        c.data.path = env.default_data
+    if c.model.path is None and env.default_model is not None:
+        c.model.path = env.default_model()
+    _require(not c.generation.partial_rollout, "generation.partial_rollout continues one long generation across "
+                                               "weight updates, which multi-turn rollouts do not do; drop it with --env.name")
+
+
 def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     """Resolve every component once, check ranges and combinations, then let plugins check."""
     plan = _resolve(c, pm)
+    resolve_environment(c, pm, plan)
     check_ranges(c)
     plan.engine_workers = plan.engine.num_workers(c)
     check_combinations(c, plan)
-    plan.rewards, plan.weights = choose_rewards(c, pm)
+    env = plan.environment
+    plan.rewards, plan.weights = choose_rewards(c, pm, env is not None and not pm.is_builtin(plan.provider(env)))
     c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
     plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled

@@ -138,6 +138,9 @@ class PluginLoading:
             raise PluginError(f"plugin file '{arg}' cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[modname] = module
+        from ..environments.openrlhf import provide_agent_module
+
+        provide_agent_module(path.read_text(errors="replace"))
         try:
             spec.loader.exec_module(module)
         except SystemExit as exc:
@@ -152,13 +155,14 @@ class PluginLoading:
     def _register_user_plugin(self, plugin: object, name: str) -> None:
         has_hooks = any(self.parse_hookimpl_opts(plugin, attr) is not None for attr in dir(plugin))
         if not has_hooks and isinstance(plugin, ModuleType):
+            from ..environments.openrlhf import AgentFile
             from ..rewards.callables import FunctionRewards
 
-            rewards = FunctionRewards.of_module(plugin)
-            if rewards is None:
+            found = AgentFile.of_module(plugin, name) or FunctionRewards.of_module(plugin)
+            if found is None:
                 raise PluginError(
-                    f"plugin '{name}' defines no rlhf_* hooks and no reward function "
-                    "'(prompts, completions, **kwargs) -> list[float]'"
+                    f"plugin '{name}' defines no rlhf_* hooks, no reward function "
+                    "'(prompts, completions, **kwargs) -> list[float]' and no OpenRLHF AgentInstance"
                 )
-            plugin = rewards
+            plugin = found
         self.register(plugin, name)

@@ -56,8 +56,9 @@ def data_files(path: Path, key: str = "data.path") -> tuple[str, list[str]]:
     raise DataError(f"dataset '{path}' does not exist; set --{key} to a .jsonl/.json/.parquet file or folder")
 
 
-#: built-in datasets by name (``--data.path builtin:addition-test``)
-BUILTIN = {"addition": "all", "addition-train": "train", "addition-test": "test"}
+#: built-in datasets by name (``--data.path builtin:addition-test``): task and split
+BUILTIN = {f"{task}{suffix}": (task, split) for task in ("addition", "calculator")
+           for suffix, split in (("", "all"), ("-train", "train"), ("-test", "test"))}
 
 
 #: what ``rlhf train`` trains on without --data.path: the built-in task's training split
@@ -104,9 +105,14 @@ def builtin_rows(path: str | Path) -> list[dict[str, Any]] | None:
     name = text.removeprefix("builtin:")
     if name not in BUILTIN:
         raise DataError(f"unknown built-in dataset '{name}'; choose one of: {', '.join('builtin:' + n for n in BUILTIN)}")
+    task, split = BUILTIN[name]
+    if task == "calculator":
+        from ..models.tool_model import calculator_rows
+
+        return calculator_rows(split)
     from ..models.tiny_model import task_rows
 
-    return task_rows(BUILTIN[name])
+    return task_rows(split)
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

@@ -20,8 +20,12 @@ from ..data.prompts import PromptSet
 from ..protocols import Samples, SamplingParams
 from .metrics import summarise
 
-#: (prompt index of each sample, the samples, their decoded texts, the step) -> one score per sample
-Scorer = Callable[[list[int], Samples, list[str], int], list[float]]
+#: (prompt index of each sample, the samples, their decoded texts, the step, extra per-sample
+#: columns) -> one score per sample
+Scorer = Callable[[list[int], Samples, list[str], int, dict[str, list[Any]]], list[float]]
+#: (prompt indices, sampling params) -> (samples, the texts to judge, extra per-sample columns):
+#: how a multi-turn run samples (the trajectories, judged on their last model turn)
+Sampler = Callable[[list[int], SamplingParams], tuple[Samples, list[str], dict[str, list[Any]]]]
 Extractor = Callable[[str, dict[str, Any]], Any]  # (completion, the prompt's row) -> answer or None
 
 
@@ -45,7 +49,8 @@ class Evaluator:
     """``evaluator(step)`` -> ``{"pass@1": ..., "pass@8": ..., ...}`` for the policy the engine holds."""
 
     def __init__(self, prompts: PromptSet, tokenizer: Any, engine: Any, score: Scorer, extract: Extractor,
-                 settings: EvalSettings) -> None:
+                 settings: EvalSettings, sample: Sampler | None = None) -> None:
+        self.sample = sample
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.engine = engine
@@ -84,9 +89,12 @@ class Evaluator:
         return {"prompt": self.prompts.prompts[i], **{k: v[i] for k, v in self.prompts.columns.items()}}
 
     def _scored(self, idx: list[int], params: SamplingParams, step: int) -> tuple[list[list[float]], list[list[str]]]:
-        samples = self.engine.generate([self.prompts.prompt_ids[i] for i in idx], params)
-        texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
-        values = [float(v) for v in self.score([idx[j] for j in samples.prompt_index], samples, texts, step)]
+        if self.sample is not None:
+            samples, texts, extra = self.sample(idx, params)
+        else:
+            samples = self.engine.generate([self.prompts.prompt_ids[i] for i in idx], params)
+            texts, extra = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True), {}
+        values = [float(v) for v in self.score([idx[j] for j in samples.prompt_index], samples, texts, step, extra)]
         n = params.n
         return ([values[j * n:(j + 1) * n] for j in range(len(idx))],
                 [texts[j * n:(j + 1) * n] for j in range(len(idx))])

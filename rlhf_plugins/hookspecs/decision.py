@@ -75,3 +75,19 @@ def rlhf_admit_rollout(step: int, learner_version: int, engine_version: int, que
         def rlhf_admit_rollout(step, learner_version, engine_version, queued, max_staleness):
             return len(queued) < 1
     """
+
+
+@hookspec(firstresult=True)
+def rlhf_rollout(prompts: list[Any], rows: list[dict[str, Any]], params: Any, engine: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """Take over generation for one step (TRL's ``rollout_func``): return the samples, or ``None``
+    to let the builtin generate (single-turn, or multi-turn with ``--env.name``).
+
+    Called in the driver once per rollout (and refill round), first-result. ``prompts`` are the
+    step's prompts as the dataset gives them, ``rows`` their dataset rows, ``params`` the
+    :class:`~rlhf_plugins.SamplingParams` (``params.n`` samples per prompt), ``engine`` the
+    generation role (``engine.generate(prompt_ids, params)``). Return a dict with
+    ``prompt_ids`` (one per prompt or per sample), ``completion_ids`` and ``logprobs`` (one per
+    sample, ``n`` consecutive per prompt), optionally ``env_mask`` (1 on tokens to train on, 0 on
+    environment tokens) and ``finish_reasons``; any other key is a per-sample column for the reward
+    functions.
+    """

@@ -15,6 +15,7 @@ from .._markers import hookspec
 if TYPE_CHECKING:
     from ..types import (
         AdvantageEstimator,
+        Environment,
         GenerationBackend,
         KLEstimator,
         LearnerBackend,
@@ -154,4 +155,33 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
         @hookimpl
         def rlhf_weight_sync_methods():
             yield WeightSyncMethod("disk", factory=DiskSync, same_process=False)
+    """
+
+
+@hookspec
+def rlhf_environments() -> Iterable[Environment]:
+    """Register multi-turn environments (``--env.name NAME``, or per row by ``--env.column``).
+
+    Called once at start-up; collecting. Return an iterable of
+    :class:`~rlhf_plugins.Environment`; ``factory()`` returns one instance per trajectory, a TRL
+    environment class (public methods are tools, ``reset``, optional ``get_reward``) or an
+    OpenRLHF ``AgentInstance`` (async ``reset`` / ``step``).
+
+    Example::
+
+        class Shell:
+            def reset(self, **row):
+                self.cwd = "/"
+
+            def ls(self, path: str) -> str:
+                '''List a folder.
+
+                Args:
+                    path: the folder
+                '''
+                return "a.txt b.txt"
+
+        @hookimpl
+        def rlhf_environments():
+            yield Environment("shell", factory=Shell)
     """

@@ -198,7 +198,8 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 
 def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
     """Optimizer and schedule, as TRL's Trainer would run them (its default decays linearly)."""
-    optim, schedule = str(f["optim"]), str(f["lr_scheduler_type"])
+    # a GRPOConfig object holds enums (SchedulerType.CONSTANT); YAML holds their values
+    optim, schedule = (str(getattr(f[k], "value", f[k])) for k in ("optim", "lr_scheduler_type"))
     if optim not in OPTIMIZERS:
         raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
     if schedule not in SCHEDULERS:
@@ -282,28 +283,43 @@ class GRPOTrainer:
     ``model`` is a local model folder, ``reward_funcs`` callables (TRL's signature, sync or
     async) or ``"module.function"`` strings, ``args`` a ``trl.GRPOConfig``, ``train_dataset``
     a ``datasets.Dataset`` or a list of rows with a ``prompt`` column, ``peft_config`` a
-    ``peft.LoraConfig``. ``rlhf`` overrides our config (e.g. the placement).
+    ``peft.LoraConfig``; ``tools``, ``environment_factory`` (one or a dict) and ``rollout_func``
+    as TRL takes them (:mod:`rlhf_plugins.integrations.trl_rollouts`). ``rlhf`` overrides our
+    config (e.g. the placement).
     """
 
-    def __init__(self, model: str, reward_funcs: Any, args: Any = None, train_dataset: Any = None,
-                 processing_class: Any = None, peft_config: Any = None, rlhf: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: str, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 processing_class: Any = None, peft_config: Any = None, tools: list[Callable[..., Any]] | None = None,
+                 rollout_func: Callable[..., Any] | None = None, environment_factory: Any = None,
+                 rlhf: dict[str, Any] | None = None) -> None:
         from ..config.loading import merge
+        from .trl_rollouts import RolloutTrainer, TRLRollouts
 
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)} if args is not None else {}
         defaults = grpo_defaults()
         fields = {k: v for k, v in fields.items() if k in defaults and v != defaults[k]}
         raw, self.notes = from_grpo_fields(fields)
         _set(raw, "model.path", str(model))
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
+                                                 else [reward_funcs])
         self.plugins = [f.rpartition(".")[0] for f in funcs if isinstance(f, str)]
         callables = [f for f in funcs if not isinstance(f, str)]
         from ..rewards.callables import component_name
 
         names = [f.rpartition(".")[2] if isinstance(f, str) else component_name(f.__name__) for f in funcs]
+        n = int(raw.get("generation", {}).get("n_samples_per_prompt", 8))
+        self.rollouts = TRLRollouts(tools, environment_factory, rollout_func, RolloutTrainer(args, n))
+        if self.rollouts.factories and self.rollouts.owns_reward():
+            names.append("env_reward")  # TRL adds the environment's get_reward as a reward source
+        if not names:
+            raise ConfigError("no reward source: pass reward_funcs, or an environment_factory whose environment "
+                              "defines get_reward")
         _set(raw, "reward.functions", names)
         if peft_config is not None:
             raw = merge(raw, {"lora": _peft_to_lora(peft_config)})
-        self.raw = merge(raw, rlhf or {})
+        if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory
+            _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
+        self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})
         self.rewards = TRLRewards(callables) if callables else None
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
 
@@ -317,4 +333,6 @@ class GRPOTrainer:
         for note in self.notes:
             console.print(f"[yellow]note:[/] {note}")
         inline = [("trl_rewards", self.rewards)] if self.rewards is not None else []
+        if self.rollouts.factories or self.rollouts.rollout_func is not None:
+            inline.append(("trl_rollouts", self.rollouts))
         return train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)

@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 RECIPE_VERSION = 1
 CHAT_TEMPLATE = (
@@ -40,7 +40,12 @@ def cache_dir() -> Path:
 
 def default_model_path(*, quiet: bool = False) -> str:
     """Path of the cached tiny Llama, building it first if needed (safe across processes)."""
-    target = cache_dir() / f"tiny-llama-v{RECIPE_VERSION}"
+    return cached_build(f"tiny-llama-v{RECIPE_VERSION}", build_tiny_llama, quiet=quiet)
+
+
+def cached_build(name: str, build: Callable[[Path], None], *, quiet: bool = False) -> str:
+    """``cache_dir() / name``, built by ``build(folder)`` once (atomically, one process at a time)."""
+    target = cache_dir() / name
     if (target / "config.json").is_file():
         check_cached(target)
         return str(target)
@@ -54,10 +59,10 @@ def default_model_path(*, quiet: bool = False) -> str:
     with _lock(target.parent / f".{target.name}.lock"):
         if not (target / "config.json").is_file():
             if not quiet:
-                print(f"building the embedded tiny Llama once into {target} ...", flush=True)
+                print(f"building the embedded {name} once into {target} ...", flush=True)
             tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
             try:
-                build_tiny_llama(tmp)
+                build(tmp)
                 os.replace(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -98,16 +103,19 @@ def task_rows(split: str = "all") -> list[dict[str, str]]:
     return [r for i, r in enumerate(rows) if (i % 5 == 0) == (split == "test")]
 
 
-def build_tokenizer(corpus: list[str]):
+def build_tokenizer(corpus: list[str], special_tokens: list[str] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE,
+                    vocab_size: int = 384, single_digits: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if single_digits:  # every digit its own token: numbers are copied digit by digit
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -118,7 +126,7 @@ def build_tokenizer(corpus: list[str]):
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=256,
     )
 
@@ -126,7 +134,6 @@ def build_tokenizer(corpus: list[str]):
 def build_tiny_llama(out: Path, *, seed: int = 0, steps: int = 600, correct_prob: float = 0.5) -> None:
     """Train the tokenizer, pre-train the base model on noisy sums, ``save_pretrained`` both."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -137,6 +144,23 @@ def build_tiny_llama(out: Path, *, seed: int = 0, steps: int = 600, correct_prob
     )
     corpus = [f"{r['prompt']}{a}" for r in rows for a in range(19)] + [english] * 20
     tokenizer = build_tokenizer(corpus)
+
+    def noisy(row: dict[str, str]) -> str:
+        answer = row["label"] if rng.random() < correct_prob else str(rng.randrange(19))
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": answer}],
+            tokenize=False,
+        )
+
+    pretrain(out, tokenizer, lambda: [noisy(r) for r in rows], steps)
+
+
+def pretrain(out: Path, tokenizer: Any, batch_texts: Callable[[], list[str]], steps: int, lr: float = 3e-3) -> None:
+    """A tiny Llama (head_dim 32) trained from scratch on ``batch_texts()`` (a fresh batch per step),
+    saved with its tokenizer to ``out``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -151,18 +175,10 @@ def build_tiny_llama(out: Path, *, seed: int = 0, steps: int = 600, correct_prob
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-
-    def noisy(row: dict[str, str]) -> str:
-        answer = row["label"] if rng.random() < correct_prob else str(rng.randrange(19))
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": answer}],
-            tokenize=False,
-        )
-
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        batch = tokenizer([noisy(r) for r in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = tokenizer(batch_texts(), return_tensors="pt", padding=True, add_special_tokens=False)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         loss = model(**batch, labels=labels).loss
         loss.backward()

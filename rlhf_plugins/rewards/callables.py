@@ -48,7 +48,9 @@ class TRLReward:
     def __call__(self, **kwargs: Any) -> Any:
         prompts = kwargs.get("prompts")
         if prompts and isinstance(prompts[0], list):  # conversational data: TRL passes messages
-            kwargs["completions"] = [[{"role": "assistant", "content": c}] for c in kwargs["completions"]]
+            turns = kwargs.get("trajectory")  # multi-turn: every turn, tool replies included
+            kwargs["completions"] = ([list(t) for t in turns] if turns is not None
+                                     else [[{"role": "assistant", "content": c}] for c in kwargs["completions"]])
         if not self.accepts_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self.accepted}
         out = self.fn(**kwargs)

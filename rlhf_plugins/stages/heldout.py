@@ -29,7 +29,7 @@ def evaluate_model(path: str, rows: list[dict[str, Any]], n: int = 8, temperatur
 
     labels = prompts.columns["label"]
 
-    def score(index: list[int], samples: Any, texts: list[str], step: int) -> list[float]:
+    def score(index: list[int], samples: Any, texts: list[str], step: int, extra: Any) -> list[float]:
         return exact_match([prompts.prompts[i] for i in index], texts, label=[labels[i] for i in index])
 
     evaluator = Evaluator(prompts, tokenizer, TransformersEngine(ctx), score, lambda text, row: extract_answer(text),

@@ -13,27 +13,35 @@ from ..evaluation.evaluator import EvalSettings, Evaluator
 from .reward_role import RewardBatch, RewardRole
 
 
-def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: Any, prompts: PromptSet) -> Evaluator:
+def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: Any, prompts: PromptSet,
+                   env_runner: Any = None) -> Evaluator:
     """``engine`` and ``reward`` are the run's generation and reward roles (local objects or Ray
     handles); with ``--eval.reward_functions`` those functions judge instead (their sum, in this
-    process). Answers for maj@k come from the ``rlhf_extract_answer`` hook."""
+    process). Answers for maj@k come from the ``rlhf_extract_answer`` hook. With ``env_runner``
+    (a multi-turn run) every sample is a trajectory in its environment, judged as in training."""
     if config.eval.reward_functions:
         names = list(config.eval.reward_functions)
         judge, with_texts = RewardRole(config, pm.spec, names, [1.0] * len(names)), False
     else:  # reward servers see the prompt as the policy did (template included)
         judge, with_texts = reward, bool(config.reward.remote_urls)
 
-    def score(index: list[int], samples: Any, texts: list[str], step: int) -> list[float]:
+    def score(index: list[int], samples: Any, texts: list[str], step: int, extra: dict[str, list[Any]]) -> list[float]:
         p = prompts
-        batch = RewardBatch.of(tokenizer, [p.prompts[i] for i in index], [p.prompt_ids[i] for i in index],
-                               samples.completion_ids, texts, {k: [v[i] for i in index] for k, v in p.columns.items()},
-                               step, samples.finish_reasons, with_texts, evaluation=True)
+        prompt_ids = extra.pop("prompt_ids", None) or [p.prompt_ids[i] for i in index]
+        columns = {**{k: [v[i] for i in index] for k, v in p.columns.items()}, **extra}
+        batch = RewardBatch.of(tokenizer, [p.prompts[i] for i in index], prompt_ids, samples.completion_ids, texts,
+                               columns, step, samples.finish_reasons, with_texts, evaluation=True)
         return judge.score(batch).scores
 
     def extract(text: str, row: dict[str, Any]) -> Any:
         return pm.hook.rlhf_extract_answer(completion=text, sample=row)
 
-    return Evaluator(prompts, tokenizer, engine, score, extract, EvalSettings.from_config(config))
+    sample = None
+    if env_runner is not None:
+        from ..environments import eval_sampler
+
+        sample = eval_sampler(env_runner, engine, prompts)
+    return Evaluator(prompts, tokenizer, engine, score, extract, EvalSettings.from_config(config), sample)
 
 
 def improved(trainer: Any, metrics: dict[str, float]) -> bool:

@@ -25,11 +25,12 @@ from ..config.schema import Config
 from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
 from ..data.prompts import PromptSampler, PromptSet
+from ..environments import make_env_runner
 from ..protocols import PlacementContext, SamplingParams
 from ..sync import verify_parity
 from .reward_role import RewardBatch, RewardRole
 from .roles import CriticRole, GenerationRole, PolicyRole, ReferenceRole
-from .rollout import Rollout, make_batch, rollout_metrics
+from .rollout import Rollout, make_batch, rollout_metrics, step_rollout
 
 
 def seed_everything(seed: int) -> None:
@@ -80,6 +81,8 @@ class Trainer:
         self.worker: Any = None
         self.sampler_position: dict[str, Any] | None = None
         self.learner_lock, self.engine_lock = threading.RLock(), threading.RLock()
+        #: multi-turn rollouts (--env.name or a data column naming environments)
+        self.env_runner: Any = None
 
     # --- set-up --------------------------------------------------------------
     def setup(self) -> None:
@@ -102,6 +105,7 @@ class Trainer:
             if plan.needs_critic else None
         )
         self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
+        self.env_runner = make_env_runner(c, self.pm, self.prompts.columns, self.tokenizer)
         if c.train.max_staleness:
             from .async_rollouts import LockedEngine
 
@@ -154,19 +158,7 @@ class Trainer:
         c = self.config
         idx = self.sampler.take(c.train.prompts_per_step)
         params = dataclasses.replace(self.sampling, seed=c.train.seed * 1_000_003 + step * 101 + round_)
-        samples, versions = self.sample([self.prompts.prompt_ids[i] for i in idx], params)
-        per_sample = [idx[j] for j in samples.prompt_index]
-        rollout = Rollout(
-            prompts=[self.prompts.prompts[i] for i in per_sample],
-            prompt_ids=[self.prompts.prompt_ids[i] for i in per_sample],
-            completion_ids=samples.completion_ids,
-            completions=self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True),
-            finish_reasons=samples.finish_reasons,
-            rollout_logprobs=samples.logprobs,
-            columns={k: [v[i] for i in per_sample] for k, v in self.prompts.columns.items()},
-            group_size=c.generation.n_samples_per_prompt,
-            versions=versions,
-        )
+        rollout = step_rollout(self, idx, params)
         result = self.reward.score(RewardBatch.of(self.tokenizer, rollout.prompts, rollout.prompt_ids,
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
                                                   rollout.finish_reasons, bool(c.reward.remote_urls)))
@@ -181,9 +173,9 @@ class Trainer:
         """One rollout; with dynamic filtering, only groups with signal, refilled from further prompts."""
         c = self.config
         rollout = self.generate(step)
-        raw = list(rollout.raw_scores)
+        raw, measured = list(rollout.raw_scores), rollout.metrics
         if not c.reward.dynamic_filtering:
-            return rollout, {"reward/mean": _mean(raw)}
+            return rollout, {"reward/mean": _mean(raw), **measured}
         want, kept, n_kept, rounds = c.train.prompts_per_step, [], 0, 1
         while True:
             groups = keep_groups(rollout.scores, rollout.group_size, c.reward.filter_range)
@@ -195,7 +187,8 @@ class Trainer:
             rollout = self.generate(step, rounds)
             raw += rollout.raw_scores
             rounds += 1
-        metrics = {"reward/mean": _mean(raw), "filter/rounds": rounds, "filter/kept_groups": min(n_kept, want) / want}
+        metrics = {"reward/mean": _mean(raw), "filter/rounds": rounds, "filter/kept_groups": min(n_kept, want) / want,
+                   **measured}
         if not kept:
             return rollout, metrics  # nothing had signal: the update is a no-op for group estimators
         return Rollout.concat(kept).select_groups(range(min(n_kept, want))), metrics
@@ -349,6 +342,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         self.stop_worker(timeout=30.0)  # at the end of a run: do not wait out a long generation
+        if self.env_runner is not None:
+            self.env_runner.close()
         if self.placement is not None:
             self.placement.shutdown()
 

@@ -27,6 +27,10 @@ class Rollout:
     raw_scores: list[float] = field(default_factory=list)
     #: the policy version (updates its weights had) that sampled each completion token
     versions: list[list[int]] = field(default_factory=list)
+    #: multi-turn: 1 on the model's tokens, 0 on environment output (empty: every token is the model's)
+    action_masks: list[list[int]] = field(default_factory=list)
+    #: what generating it measured (multi-turn: turns, tool calls, finish reasons)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -52,6 +56,7 @@ class Rollout:
             reward_components={k: pick(v) for k, v in self.reward_components.items()},
             raw_scores=pick(self.raw_scores),
             versions=pick(self.versions),
+            action_masks=pick(self.action_masks),
         )
 
     @staticmethod
@@ -74,7 +79,67 @@ class Rollout:
             reward_components={k: [x for p in parts for x in p.reward_components[k]] for k in first.reward_components},
             raw_scores=cat("raw_scores"),
             versions=cat("versions"),
+            action_masks=cat("action_masks"),
         )
+
+
+def sampled_rollout(prompts: Any, tokenizer: Any, idx: list[int], samples: Any, versions: list[list[int]],
+                    group_size: int) -> Rollout:
+    """The Rollout of an engine's single-turn ``samples`` for prompts ``idx`` of a PromptSet."""
+    per_sample = [idx[j] for j in samples.prompt_index]
+    return Rollout(
+        prompts=[prompts.prompts[i] for i in per_sample],
+        prompt_ids=[prompts.prompt_ids[i] for i in per_sample],
+        completion_ids=samples.completion_ids,
+        completions=tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True),
+        finish_reasons=samples.finish_reasons,
+        rollout_logprobs=samples.logprobs,
+        columns={k: [v[i] for i in per_sample] for k, v in prompts.columns.items()},
+        group_size=group_size,
+        versions=versions,
+    )
+
+
+def step_rollout(trainer: Any, idx: list[int], params: Any) -> Rollout:
+    """One step's samples for prompts ``idx`` (scored later by the loop): a plugin's own rollout
+    (``rlhf_rollout``), else multi-turn trajectories, else the engine's single-turn samples."""
+    p = trainer.prompts
+    rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
+    custom = trainer.pm.hook.rlhf_rollout(prompts=[p.prompts[i] for i in idx], rows=rows, params=params,
+                                          engine=trainer.engine, tokenizer=trainer.tokenizer)
+    if custom is not None:
+        from .custom_rollout import custom_rollout
+
+        return custom_rollout(trainer, idx, params, custom)
+    if trainer.env_runner is not None:
+        return env_rollout(trainer, idx, params)
+    samples, versions = trainer.sample([p.prompt_ids[i] for i in idx], params)
+    return sampled_rollout(p, trainer.tokenizer, idx, samples, versions, params.n)
+
+
+def env_rollout(trainer: Any, idx: list[int], params: Any) -> Any:
+    """One step's trajectories for prompts ``idx`` as a Rollout (scored later by the loop)."""
+    p, n = trainer.prompts, params.n
+    rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
+    where = [f"dataset row {i + 1}" for i in idx]
+    traj = trainer.env_runner.run(trainer.engine.generate, [p.prompts[i] for i in idx], rows, where, params)
+    per_sample = [i for i in idx for _ in range(n)]
+    columns = {k: [v[i] for i in per_sample] for k, v in p.columns.items()}
+    columns["trajectory"], columns["env_reward"] = traj.messages, traj.env_rewards
+    rollout = Rollout(
+        prompts=[p.prompts[i] for i in per_sample],
+        prompt_ids=traj.prompt_ids,
+        completion_ids=traj.completion_ids,
+        completions=traj.final_texts,
+        finish_reasons=traj.finish_reasons,
+        rollout_logprobs=traj.logprobs,
+        columns=columns,
+        group_size=n,
+        versions=[[trainer.engine_version] * len(c) for c in traj.completion_ids],
+        action_masks=traj.action_masks,
+        metrics=traj.metrics(),
+    )
+    return rollout
 
 
 def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
@@ -92,7 +157,7 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         if c:
             sequences[i, P : P + len(c)] = torch.tensor(c)
             attention[i, P : P + len(c)] = 1
-            action[i, : len(c)] = 1
+            action[i, : len(c)] = torch.tensor(rollout.action_masks[i], dtype=torch.float32) if rollout.action_masks else 1
             rollout_lp[i, : len(c)] = torch.tensor(rollout.rollout_logprobs[i][: len(c)])
     return {
         "sequences": sequences,
@@ -100,10 +165,16 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         "action_mask": action,
         "rollout_logprobs": rollout_lp,
         "scores": torch.tensor(rollout.scores, dtype=torch.float32),
-        # layout hints: samples of one prompt are consecutive and share the first P columns
+        # layout hints: samples of one prompt are consecutive and share the first P columns (not so
+        # when an environment's reset gave samples of one prompt different prompts)
         "group_size": rollout.group_size,
-        "prompt_width": P,
+        "prompt_width": P if _groups_share_prompts(rollout) else None,
     }
+
+
+def _groups_share_prompts(rollout: Rollout) -> bool:
+    g, ids = rollout.group_size, rollout.prompt_ids
+    return all(ids[i] == ids[i - i % g] for i in range(len(ids)))
 
 
 def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None,
@@ -116,7 +187,7 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     scores = batch["scores"]
     out = {
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "completion/length": float(mask.sum(-1).mean()),
+        "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
         "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
         "advantage/mean": float(masked_mean(batch["advantages"], mask)),
     }

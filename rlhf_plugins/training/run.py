@@ -59,7 +59,10 @@ def load_data(config: Config, plan: Plan, tokenizer: Any, rows: list[dict[str, A
     prompts = load_prompts(config.data, tokenizer, rows=rows)
     if source not in (None, SPLIT):
         held = load_prompts(dataclasses.replace(config.data, path=source), tokenizer)
-    check_lengths(config, plan, prompts)
+    if plan.environment is not None or config.env.column in prompts.columns:  # multi-turn: the trajectory budget
+        check_lengths(config, plan, prompts, "env.max_total_tokens", config.env.max_total_tokens)
+    else:
+        check_lengths(config, plan, prompts)
     if held is not None:
         held = held.head(config.eval.max_prompts)
         check_lengths(config, plan, held, "eval.max_new_tokens",
@@ -151,7 +154,8 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
                 trainer.save_checkpoint(run_dir, t.keep_checkpoints)  # a state to go back to after a fault
             pm.notify("rlhf_before_train", config=config, run_dir=run_dir)
             if held is not None:
-                trainer.evaluator = make_evaluator(config, pm, tokenizer, trainer.engine, trainer.reward, held)
+                trainer.evaluator = make_evaluator(config, pm, tokenizer, trainer.engine, trainer.reward, held,
+                                                   trainer.env_runner)
                 if start == 0:
                     with TaskProgress(console if t.progress else None, "eval", "prompts") as bar:
                         run_eval(trainer, run_dir, log, console, bar)

@@ -1,0 +1,225 @@
+"""The multi-turn rollout: generate -> read the turn -> step the environment -> append its output
+-> generate again, for every trajectory of a step at once.
+
+Each turn is one batched call to the generation engine (``n = 1`` per trajectory, the whole token
+context so far as its prompt: vLLM's prefix cache reuses earlier turns). The model's tokens are
+kept exactly as sampled, with their engine log-probs; the environment's output is tokenized once
+and inserted with action mask 0. Environment calls (reset, tools, step, get_reward) of all
+trajectories run concurrently on an event loop of their own (synchronous ones on a thread pool).
+
+A trajectory ends when the model calls no tool (``stop``), the environment says so (``env_done``),
+after ``--env.max_turns`` model turns (``max_turns``), or when its tokens reach
+``--env.max_total_tokens`` or a turn reaches ``--env.max_turn_tokens`` (``length``).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine
+
+from ..errors import ConfigError
+from ..protocols import SamplingParams
+from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent
+from .tools import Renderer, run_in
+
+FINISH_REASONS = ("stop", "length", "max_turns", "env_done")
+
+
+@dataclass
+class Trajectories:
+    """Per trajectory, in the order of the samples (``n`` consecutive per prompt)."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    #: every token after the prompt: model turns and environment output
+    completion_ids: list[list[int]] = field(default_factory=list)
+    #: 1 on the model's tokens, 0 on the environment's
+    action_masks: list[list[int]] = field(default_factory=list)
+    #: engine log-prob of each model token (0.0 on environment tokens)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    #: the text of each trajectory's last model turn (what answer-checking rewards read)
+    final_texts: list[str] = field(default_factory=list)
+    #: the trajectory as chat messages (assistant turns, tool / environment replies)
+    messages: list[list[dict[str, Any]]] = field(default_factory=list)
+    #: the environment's own reward (get_reward, an agent's summed rewards); None where it has none
+    env_rewards: list[float | None] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tool_calls: list[int] = field(default_factory=list)
+    tool_failures: list[int] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.turns), 1)
+        calls = sum(self.tool_calls)
+        env_tokens = sum(len(m) - sum(m) for m in self.action_masks)
+        out = {
+            "env/turns": sum(self.turns) / n,
+            "env/tool_call_rate": sum(c > 0 for c in self.tool_calls) / n,
+            "env/tool_calls": calls / n,
+            "env/tool_failures": float(sum(self.tool_failures)),
+            "env/tool_failure_rate": sum(self.tool_failures) / calls if calls else 0.0,
+            "env/env_tokens": env_tokens / n,
+        }
+        for reason in FINISH_REASONS:
+            out[f"env/finish_{reason}"] = sum(r == reason for r in self.finish_reasons) / n
+        return out
+
+
+class EnvRunner:
+    """Runs the multi-turn rollouts of a run: the environments by name (``{name: Environment}``),
+    which environment each row uses, and instance pools (an instance is built once and reset
+    for every trajectory it serves)."""
+
+    def __init__(self, config: Any, tokenizer: Any, environments: dict[str, Any]) -> None:
+        self.cfg, self.tokenizer = config.env, tokenizer
+        self.chat = bool(config.data.apply_chat_template)
+        self.envs = dict(environments)
+        self.factories = {name: env.factory for name, env in self.envs.items()}
+        self.pools: dict[str, list[Any]] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rlhf-environments", daemon=True)
+        self.thread.start()
+        self.executor = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="rlhf-tool")
+        self.renderer: Renderer | None = None
+        if any(not is_agent(self._probe(name)) for name in self.factories):
+            try:
+                self.renderer = Renderer(tokenizer)
+            except Exception as exc:
+                raise ConfigError(f"the model's chat template cannot render tool calls and tool messages "
+                                  f"({type(exc).__name__}: {exc}); multi-turn tool use needs a template that does")
+        self.ctx = SessionContext(tokenizer, self.renderer, run_in(self.executor), self.chat)
+
+    def _probe(self, name: str) -> Any:
+        """One instance, checked for a known shape; it seeds the pool."""
+        if not self.pools.get(name):
+            instance = self.factories[name]()
+            if instance is not None:
+                check_shape(name, instance)
+            self.pools[name] = [instance]
+        return self.pools[name][0]
+
+    def env_of(self, row: dict[str, Any]) -> str | None:
+        name = row.get(self.cfg.column) or self.cfg.name
+        if name is not None and name not in self.factories:
+            raise ConfigError(f"unknown environment '{name}' (row column '{self.cfg.column}' or --env.name); "
+                              f"choose one of: {', '.join(sorted(self.factories)) or 'none registered'}")
+        return name
+
+    def _instances(self, names: list[str | None]) -> list[Any]:
+        """One pooled instance per trajectory (the pool grows when a step needs more)."""
+        used: dict[str, int] = {}
+        out = []
+        for name in names:
+            if name is None:
+                out.append(None)
+                continue
+            k = used.get(name, 0)
+            pool = self.pools.setdefault(name, [])
+            while len(pool) <= k:
+                pool.append(self.factories[name]())
+            used[name] = k + 1
+            out.append(pool[k])
+        return out
+
+    def _gather(self, coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+        async def run_all() -> list[Any]:
+            limit = asyncio.Semaphore(self.cfg.concurrency)
+
+            async def one(coro: Coroutine[Any, Any, Any]) -> Any:
+                async with limit:
+                    return await coro
+
+            return await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+
+        results = asyncio.run_coroutine_threadsafe(run_all(), self.loop).result()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def run(self, generate: Callable[[list[list[int]], SamplingParams], Any], prompts: list[Any],
+            rows: list[dict[str, Any]], where: list[str], params: SamplingParams) -> Trajectories:
+        """``params.n`` trajectories for each prompt (``rows``: its dataset row; ``where``: how an
+        error names it)."""
+        n, cfg, tok = params.n, self.cfg, self.tokenizer
+        names = [self.env_of(row) for row in rows for _ in range(n)]
+        instances = self._instances(names)
+        sessions = []
+        for j, (name, inst) in enumerate(zip(names, instances)):
+            row, at = rows[j // n], where[j // n]
+            if inst is not None and is_agent(inst):
+                sessions.append(AgentSession(name or "", inst, self.ctx, row, at))
+            else:
+                tools = list(self.envs[name].tools) if name is not None else []
+                sessions.append(ToolSession(name or "none", inst, tools, self.ctx, row, at))
+        reset_rows = [{k: v for k, v in rows[j // n].items() if k != cfg.column} for j in range(len(sessions))]
+        out = Trajectories()
+        out.prompt_ids = self._gather([s.start(prompts[j // n], reset_rows[j]) for j, s in enumerate(sessions)])
+        B = len(sessions)
+        out.completion_ids, out.action_masks, out.logprobs = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+        out.final_texts, out.turns, finish = [""] * B, [0] * B, [""] * B
+        active = list(range(B))
+        for turn in range(cfg.max_turns):
+            room = {i: cfg.max_total_tokens - len(out.completion_ids[i]) for i in active}
+            for i in [i for i in active if room[i] <= 0]:
+                finish[i] = "length"
+            active = [i for i in active if room[i] > 0]
+            if not active:
+                break
+            contexts = [out.prompt_ids[i] + out.completion_ids[i] for i in active]
+            seed = None if params.seed is None else params.seed + 7919 * turn
+            turn_budget = min(cfg.max_turn_tokens or cfg.max_total_tokens, max(room.values()))
+            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=turn_budget)
+            samples = generate(contexts, turn_params)
+            stepping, texts, prefixes = [], [], []
+            for j, i in enumerate(active):
+                ids, lps = list(samples.completion_ids[j]), list(samples.logprobs[j])
+                cut = len(ids) > room[i]
+                ids, lps = ids[: room[i]], lps[: room[i]]
+                out.completion_ids[i] += ids
+                out.action_masks[i] += [1] * len(ids)
+                out.logprobs[i] += lps
+                out.turns[i] += 1
+                out.final_texts[i] = tok.decode(ids, skip_special_tokens=True)
+                if cut or samples.finish_reasons[j] == "length":
+                    finish[i] = "length"
+                    continue
+                stepping.append(i)
+                texts.append(tok.decode(ids, skip_special_tokens=False))
+                prefixes.append(tok.decode(contexts[j][-16:], skip_special_tokens=False))
+            results = self._gather([_step(sessions[i], t, p) for i, t, p in zip(stepping, texts, prefixes)])
+            active = []
+            for i, res in zip(stepping, results):
+                if res.done:
+                    finish[i] = res.reason or "stop"
+                elif turn == cfg.max_turns - 1:
+                    finish[i] = "max_turns"
+                else:
+                    left = cfg.max_total_tokens - len(out.completion_ids[i])
+                    ids = res.ids[:left]
+                    out.completion_ids[i] += ids
+                    out.action_masks[i] += [0] * len(ids)
+                    out.logprobs[i] += [0.0] * len(ids)
+                    if len(res.ids) >= left:
+                        finish[i] = "length"
+                    else:
+                        active.append(i)
+        out.finish_reasons = finish
+        out.env_rewards = self._gather([s.reward() for s in sessions])
+        out.messages = [s.messages for s in sessions]
+        out.tool_calls = [s.tool_calls for s in sessions]
+        out.tool_failures = [s.tool_failures for s in sessions]
+        return out
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _step(session: Any, text: str, prefix: str) -> Any:
+    if isinstance(session, ToolSession):
+        session.prefix = prefix
+    return await session.step(text)

@@ -1,0 +1,92 @@
+"""TRL's multi-turn arguments on our loop: ``GRPOTrainer(tools=..., environment_factory=...,
+rollout_func=...)``.
+
+* ``tools=[f, ...]`` -- standalone tools: one environment ``trl_tools`` with no object of its own.
+* ``environment_factory=Factory`` -- one environment ``trl_env`` (its public methods are tools,
+  ``reset(**row)``, optional ``get_reward()``), the standalone tools beside it.
+* ``environment_factory={"name": Factory, ...}`` -- one environment per name; each row picks its
+  own in its ``environment`` column (TRL's dict form).
+* ``rollout_func(prompts, trainer)`` -- takes over generation through the ``rlhf_rollout`` hook;
+  ``trainer`` is a :class:`RolloutTrainer` (TRL's attributes a rollout function reads, and
+  ``generate`` on the run's engine).
+
+An environment that defines ``get_reward`` adds the ``env_reward`` reward source (weight 1), as TRL
+adds it; with no ``reward_funcs`` it is the only one.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from ..errors import ConfigError
+from ..protocols import SamplingParams
+from ..types import _NAME, Environment
+
+
+class RolloutTrainer:
+    """What a TRL ``rollout_func(prompts, trainer)`` sees as ``trainer``."""
+
+    def __init__(self, args: Any, num_generations: int) -> None:
+        self.args, self.num_generations = args, num_generations
+        self.processing_class: Any = None
+        self.engine: Any = None
+        self.max_completion_length = getattr(args, "max_completion_length", None) or 256
+
+    def generate(self, prompt_ids: list[list[int]], n: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, seed: int | None = None) -> Any:
+        """``n`` samples per prompt from the run's engine (current weights): a :class:`~rlhf_plugins.Samples`."""
+        t = getattr(self.args, "temperature", 1.0) if temperature is None else temperature
+        params = SamplingParams(n=n, max_new_tokens=max_new_tokens or self.max_completion_length, temperature=t,
+                                seed=seed)
+        return self.engine.generate(prompt_ids, params)
+
+
+class TRLRollouts:
+    """A plugin made of TRL's ``tools``, ``environment_factory`` and ``rollout_func`` (registered inline)."""
+
+    def __init__(self, tools: list[Callable[..., Any]] | None, environment_factory: Any,
+                 rollout_func: Callable[..., Any] | None, trainer: RolloutTrainer) -> None:
+        self.tools = tuple(tools or ())
+        if environment_factory is None:
+            self.factories: dict[str, Callable[[], Any]] = {"trl_tools": _no_environment} if self.tools else {}
+        elif isinstance(environment_factory, dict):
+            self.factories = dict(environment_factory)
+            for name in self.factories:
+                if not isinstance(name, str) or not _NAME.match(name):
+                    raise ConfigError(f"environment_factory key {name!r} cannot name an environment here: use "
+                                      "lowercase letters, digits, '_' or '-', starting with a letter")
+        else:
+            self.factories = {"trl_env": environment_factory}
+        for name, factory in self.factories.items():
+            if not callable(factory):
+                raise ConfigError(f"environment_factory {name!r} is {type(factory).__name__}; give a class or a "
+                                  "callable returning an environment")
+        self.multi = isinstance(environment_factory, dict)
+        self.rollout_func, self.trainer = rollout_func, trainer
+
+    def config(self) -> dict[str, Any]:
+        """Our config for these environments: one for every row, or a row's ``environment`` column."""
+        if not self.factories:
+            return {}
+        return {"env": {"column": "environment"}} if self.multi else {"env": {"name": next(iter(self.factories))}}
+
+    def owns_reward(self) -> bool:
+        """Whether an environment defines ``get_reward`` (probed on one instance, as TRL does)."""
+        return any(callable(getattr(f(), "get_reward", None)) for f in self.factories.values()
+                   if f is not _no_environment)
+
+    def rlhf_environments(self) -> Iterable[Environment]:
+        for name, factory in self.factories.items():
+            yield Environment(name, factory=factory, tools=self.tools, description="TRL environment_factory")
+
+    def rlhf_rollout(self, prompts: list[Any], rows: list[dict[str, Any]], params: Any, engine: Any,
+                     tokenizer: Any) -> dict[str, Any] | None:
+        if self.rollout_func is None:
+            return None
+        self.trainer.engine, self.trainer.processing_class = engine, tokenizer
+        self.trainer.num_generations = params.n
+        return self.rollout_func(prompts, self.trainer)
+
+
+def _no_environment() -> None:
+    """Standalone tools alone: no environment object."""
+    return None

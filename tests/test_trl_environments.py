@@ -1,0 +1,252 @@
+"""TRL's multi-turn arguments (tools=, environment_factory= single and dict, rollout_func=) on our
+GRPOTrainer, and OpenRLHF agent files loaded unchanged with --plugin."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_subprocess
+
+pytest.importorskip("trl")
+
+
+@pytest.fixture(scope="module")
+def tool_model():
+    from rlhf_plugins.models.tool_model import tool_model_path
+
+    return tool_model_path(quiet=True)
+
+
+def dataset(n=16, env=None):
+    from rlhf_plugins.models.tool_model import calculator_rows
+
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
+            for r in calculator_rows("train")[:n]]
+    if env is not None:
+        for i, r in enumerate(rows):
+            r["environment"] = env[i % len(env)]
+    return rows
+
+
+def grpo_args(tmp_path, steps=2):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(tmp_path / "runs" / "trl"), learning_rate=5e-4, num_generations=4,
+                      per_device_train_batch_size=16, max_completion_length=64, beta=0.001, max_steps=steps,
+                      use_cpu=True, bf16=False, report_to="none", lr_scheduler_type="constant")
+
+
+SEEN: dict[str, list] = {}
+
+
+def correct(prompts, completions, label, **kwargs):
+    """TRL's signature: a multi-turn completion is its list of messages."""
+    SEEN.setdefault("completions", []).extend(completions)
+    return [1.0 if c[-1]["content"].strip() == l else 0.0 for c, l in zip(completions, label)]
+
+
+class CalcEnv:
+    """A TRL environment: reset gets the row, calculator is its tool."""
+
+    resets: list = []
+
+    def reset(self, **row):
+        CalcEnv.resets.append(row)
+        self.calls = 0
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate a sum.
+
+        Args:
+            expression: numbers joined by +
+        """
+        from rlhf_plugins.models.tool_model import calculator
+
+        result = calculator(expression)
+        self.calls += 1
+        return result
+
+
+def metrics(tmp_path):
+    run = next((tmp_path / "runs" / "trl").iterdir())
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in line]
+
+
+def test_environment_factory_runs_unchanged(tool_model, tmp_path, monkeypatch):
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    SEEN.clear()
+    CalcEnv.resets = []
+    GRPOTrainer(model=tool_model, reward_funcs=correct, args=grpo_args(tmp_path), train_dataset=dataset(),
+                environment_factory=CalcEnv).train()
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and all("env/tool_call_rate" in r for r in rows)
+    # reset saw the dataset row; the reward saw whole trajectories as messages, tool replies included
+    assert CalcEnv.resets and {"prompt", "label"} <= set(CalcEnv.resets[0])
+    with_tool = [c for c in SEEN["completions"] if any(m["role"] == "tool" for m in c)]
+    assert with_tool and with_tool[0][0]["tool_calls"][0]["function"]["name"] == "calculator"
+
+
+def test_standalone_tools_run_without_an_environment(tool_model, tmp_path, monkeypatch):
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tool_model import calculator
+
+    monkeypatch.chdir(tmp_path)
+    SEEN.clear()
+    GRPOTrainer(model=tool_model, reward_funcs=correct, args=grpo_args(tmp_path, steps=1), train_dataset=dataset(),
+                tools=[calculator]).train()
+    replies = [m for c in SEEN["completions"] for m in c if m["role"] == "tool"]
+    assert replies and all(m["name"] == "calculator" for m in replies)
+    assert any(m["content"].isdigit() for m in replies)
+
+
+def test_get_reward_is_the_reward_without_reward_funcs(tool_model, tmp_path, monkeypatch):
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    class Scored(CalcEnv):
+        """An environment that owns the reward: its successful tool calls."""
+
+        def get_reward(self):
+            return float(self.calls)
+
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainer(model=tool_model, args=grpo_args(tmp_path), train_dataset=dataset(),
+                          environment_factory=Scored)
+    assert trainer.raw["reward"]["functions"] == ["env_reward"]
+    trainer.train()
+    for r in metrics(tmp_path):  # 16 trajectories a step: mean successful calls = calls - failures / 16
+        assert r["reward/mean"] == pytest.approx(r["env/tool_calls"] - r["env/tool_failures"] / 16, abs=1e-6)
+
+
+def test_dict_environment_factory_routes_rows_by_their_environment(tool_model, tmp_path, monkeypatch):
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    class Quiz:
+        """A second environment with no tools: one turn."""
+
+        resets: list = []
+
+        def reset(self, **row):
+            Quiz.resets.append(row)
+            return " Answer directly."
+
+    monkeypatch.chdir(tmp_path)
+    CalcEnv.resets, Quiz.resets = [], []
+    GRPOTrainer(model=tool_model, reward_funcs=correct, args=grpo_args(tmp_path, steps=1),
+                train_dataset=dataset(env=["calc", "quiz"]), environment_factory={"calc": CalcEnv, "quiz": Quiz}).train()
+    calc_prompts = {r["prompt"][0]["content"] for r in CalcEnv.resets}
+    quiz_prompts = {r["prompt"][0]["content"] for r in Quiz.resets}
+    rows = dataset(env=["calc", "quiz"])
+    assert calc_prompts and quiz_prompts and not calc_prompts & quiz_prompts
+    assert calc_prompts <= {r["prompt"][0]["content"] for r in rows if r["environment"] == "calc"}
+    assert all("environment" not in r for r in CalcEnv.resets)  # the selector is not passed to reset
+
+
+def test_bad_environment_factory_key_is_one_line(tool_model, tmp_path):
+    from rlhf_plugins.errors import ConfigError
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    with pytest.raises(ConfigError, match="environment_factory key 'My Env' cannot name an environment"):
+        GRPOTrainer(model=tool_model, reward_funcs=correct, args=grpo_args(tmp_path), train_dataset=dataset(),
+                    environment_factory={"My Env": CalcEnv})
+    with pytest.raises(ConfigError, match="no reward source"):
+        GRPOTrainer(model=tool_model, args=grpo_args(tmp_path), train_dataset=dataset(), environment_factory=CalcEnv)
+
+
+def test_rollout_func_takes_over_generation_with_env_mask(tool_model, tmp_path, monkeypatch):
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        """Sample with the run's engine, append a fixed feedback token run, mask it."""
+        tok = trainer.processing_class
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        out = trainer.generate(ids, n=trainer.num_generations, max_new_tokens=8)
+        feedback = tok("<|user|>ok", add_special_tokens=False)["input_ids"]
+        calls.append((len(prompts), trainer.num_generations))
+        return {"prompt_ids": ids,
+                "completion_ids": [c + feedback for c in out.completion_ids],
+                "logprobs": [lp + [0.0] * len(feedback) for lp in out.logprobs],
+                "env_mask": [[1] * len(c) + [0] * len(feedback) for c in out.completion_ids],
+                "source": ["custom"] * len(out.completion_ids)}
+
+    def saw_source(prompts, completions, source, **kwargs):
+        assert set(source) == {"custom"}
+        return [0.0] * len(completions)
+
+    monkeypatch.chdir(tmp_path)
+    GRPOTrainer(model=tool_model, reward_funcs=[saw_source], args=grpo_args(tmp_path), train_dataset=dataset(),
+                rollout_func=rollout_func).train()
+    assert calls == [(4, 4), (4, 4)]
+    rows = metrics(tmp_path)
+    # the trained length counts the model's tokens only (the feedback is masked)
+    assert all(r["completion/length"] <= 8 for r in rows)
+
+
+AGENT = '''
+import torch
+from openrlhf.utils.agent import AgentInstanceBase
+
+
+class AgentInstance(AgentInstanceBase):
+    """Scores the answer against the label; gives one hint on a wrong answer."""
+
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def reset(self, states: dict, **kwargs):
+        self.turn = 0
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        self.turn += 1
+        answer = states["action_text"].replace("<|eos|>", "").strip()
+        right = answer == states["label"]
+        done = right or self.turn >= 2
+        return {"rewards": torch.tensor(1.0 if right else 0.0), "scores": torch.tensor(1.0 if right else 0.0),
+                "environment_feedback": "" if done else "<|user|>try again<|assistant|>", "done": done,
+                "extra_logs": {}}
+'''
+
+
+def test_openrlhf_agent_file_loads_unchanged_with_plugin(tmp_path, tool_model):
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(AGENT)
+    out = run_subprocess("train", "--plugin", str(agent), "--model.path", tool_model,
+                         "--data.path", "builtin:calculator-train", "--train.steps", "2",
+                         "--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4",
+                         "--train.progress", "false", "--eval.enabled", "false", cwd=tmp_path,
+                         env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert out.returncode == 0, out.stderr
+    run = next((tmp_path / "runs").iterdir())
+    config = (run / "config.yaml").read_text()
+    assert "name: agent_func" in config and "env_reward" in config
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in x]
+    # the agent decides when a trajectory ends: a right answer, or after the hint's second turn
+    assert all(r["env/finish_env_done"] == 1.0 and 1 <= r["env/turns"] <= 2 for r in rows)
+    assert any(r["env/env_tokens"] > 0 for r in rows)
+
+
+def test_agent_file_without_openrlhf_uses_our_base_classes(tmp_path):
+    from rlhf_plugins.core.manager import create_manager
+    from rlhf_plugins.environments.openrlhf import AgentInstanceBase
+    from rlhf_plugins.types import Environment
+
+    agent = tmp_path / "my_agent.py"
+    agent.write_text(AGENT)
+    pm = create_manager([str(agent)], autoload=False)
+    env = pm.components.get(Environment, "my_agent")
+    assert issubclass(env.factory, AgentInstanceBase)
+
+
+def test_examples_doc_snippet_names_match(tmp_path):
+    """docs/from_trl.md documents the multi-turn arguments with these names."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "from_trl.md").read_text()
+    for word in ("environment_factory", "rollout_func", "tools=", "env_reward"):
+        assert word in doc
