@@ -91,14 +91,15 @@ def rows(n=6):
 def test_trained_tokens_are_exactly_the_sampled_ones_and_env_tokens_are_masked(tokenizer, engine):
     runner = runner_for(tokenizer, max_turns=3)
     rec = Recorder(engine)
-    data = rows(6)
-    params = SamplingParams(n=4, max_new_tokens=64, temperature=1.0, seed=3)
-    traj = runner.run(rec.generate, [r["prompt"] for r in data], data, ["r"] * 6, params)
+    data = rows(8)
+    params = SamplingParams(n=8, max_new_tokens=64, temperature=1.0, seed=3)
+    traj = runner.run(rec.generate, [r["prompt"] for r in data], data, ["r"] * 8, params)
     runner.close()
-    assert len(traj.completion_ids) == 24 and any(c > 0 for c in traj.tool_calls)
+    B = len(traj.completion_ids)
+    assert B == 64 and any(c > 0 for c in traj.tool_calls)
     # replay the engine calls: each active trajectory's context and its sampled turn, in order
-    replay = [[] for _ in range(24)]
-    active = list(range(24))
+    replay = [[] for _ in range(B)]
+    active = list(range(B))
     for prompts, sampled, _ in rec.calls:
         assert len(prompts) == len(active)
         for i, ctx, turn in zip(active, prompts, sampled):
@@ -106,7 +107,7 @@ def test_trained_tokens_are_exactly_the_sampled_ones_and_env_tokens_are_masked(t
             assert ctx == traj.prompt_ids[i] + traj.completion_ids[i][: len(ctx) - len(traj.prompt_ids[i])]
             replay[i].append((len(ctx) - len(traj.prompt_ids[i]), turn))
         active = [i for i in active if len(replay[i]) < traj.turns[i]]
-    for i in range(24):
+    for i in range(B):
         comp, mask = traj.completion_ids[i], traj.action_masks[i]
         model_tokens = [t for t, m in zip(comp, mask) if m]
         assert model_tokens == [t for _, turn in replay[i] for t in turn]
@@ -129,13 +130,13 @@ def test_learner_logprobs_match_the_engine_on_every_turn(tokenizer, engine, tool
     from rlhf_plugins.training.rollout import Rollout, make_batch
 
     runner = runner_for(tokenizer)
-    data = rows(4)
-    traj = runner.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 4,
-                      SamplingParams(n=4, max_new_tokens=64, seed=5))
+    data = rows(8)
+    traj = runner.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 8,
+                      SamplingParams(n=8, max_new_tokens=64, seed=5))
     runner.close()
     n = len(traj.completion_ids)
     rollout = Rollout([None] * n, traj.prompt_ids, traj.completion_ids, traj.final_texts, traj.finish_reasons,
-                      traj.logprobs, {}, 4, scores=[0.0] * n, action_masks=traj.action_masks)
+                      traj.logprobs, {}, 8, scores=[0.0] * n, action_masks=traj.action_masks)
     batch = make_batch(rollout, tokenizer.pad_token_id)
     model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
     with torch.no_grad():
@@ -147,7 +148,7 @@ def test_learner_logprobs_match_the_engine_on_every_turn(tokenizer, engine, tool
 
 def test_finish_reasons_length_and_max_turns(tokenizer, engine):
     data = rows(8)
-    params = SamplingParams(n=4, max_new_tokens=64, seed=1)
+    params = SamplingParams(n=8, max_new_tokens=64, seed=1)
     short = runner_for(tokenizer, max_total_tokens=5)
     traj = short.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 8, params)
     short.close()
@@ -399,3 +400,16 @@ def test_env_reset_failure_from_the_cli_exits_2_and_names_env_and_row(rlhf, tmp_
     assert "environment 'broken' failed in reset()" in line and "dataset row" in line and "no sandbox for" in line
     # it failed before the first step: nothing is left on disk
     assert not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
+def test_calculator_environment_on_vllm_keeps_engine_and_learner_in_step(rlhf):
+    pytest.importorskip("vllm")
+    code, out, err = rlhf("train", "--env.name", "calculator", "--generation.backend", "vllm", "--train.steps", "2",
+                          "--train.prompts_per_step", "8", "--algo.policy_loss.mismatch", "tis",
+                          "--train.progress", "false", "--eval.enabled", "false")
+    assert code == 0, err
+    rows = [r for r in all_rows_of(the_run()) if "reward/mean" in r]
+    assert len(rows) == 2 and any(r["env/tool_calls"] > 0 for r in rows)
+    # every turn's tokens were sampled by vLLM; the learner's log-probs of them match vLLM's
+    assert all(r["mismatch/abs_log_ratio"] < 1e-3 for r in rows)
+    assert "enable_prefix_caching: true" in (the_run() / "config.yaml").read_text()

@@ -250,3 +250,54 @@ def test_examples_doc_snippet_names_match(tmp_path):
     doc = (Path(__file__).resolve().parent.parent / "docs" / "from_trl.md").read_text()
     for word in ("environment_factory", "rollout_func", "tools=", "env_reward"):
         assert word in doc
+
+
+RAY_SCRIPT = '''
+from trl import GRPOConfig
+
+from rlhf_plugins.integrations.trl import GRPOTrainer
+from rlhf_plugins.models.tool_model import calculator_rows, tool_model_path
+
+
+class Calc:
+    """Defined in the script: shipped to the Ray workers by value with the plugin."""
+
+    def reset(self, **row):
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate a sum.
+
+        Args:
+            expression: numbers joined by +
+        """
+        return str(sum(int(x) for x in expression.split("+")))
+
+
+def correct(prompts, completions, label, **kwargs):
+    return [1.0 if c[-1]["content"].strip() == l else 0.0 for c, l in zip(completions, label)]
+
+
+rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in calculator_rows("train")]
+args = GRPOConfig(output_dir="runs/trl-env-ray", learning_rate=5e-4, num_generations=4, per_device_train_batch_size=16,
+                  max_completion_length=64, max_steps=2, use_cpu=True, bf16=False, report_to="none")
+GRPOTrainer(model=tool_model_path(), reward_funcs=correct, args=args, train_dataset=rows, environment_factory=Calc,
+            rlhf={"placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4}}).train()
+'''
+
+
+def test_trl_environment_runs_under_ray_placement(tmp_path, tool_model):
+    import subprocess
+    import sys
+
+    from tests.helpers import clean_env
+
+    (tmp_path / "train_env.py").write_text(RAY_SCRIPT)
+    proc = subprocess.run([sys.executable, "train_env.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = next((tmp_path / "runs" / "trl-env-ray").iterdir())
+    assert "strategy: ray" in (run / "config.yaml").read_text()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in x]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 for r in rows)
+    assert any(r["env/tool_calls"] > 0 and r["env/env_tokens"] > 0 for r in rows)

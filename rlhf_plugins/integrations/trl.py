@@ -46,7 +46,7 @@ DERIVED = {
     "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "warmup_steps",
+    "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations",
 }
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adam": "adam", "sgd": "sgd"}
@@ -174,6 +174,8 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     if f.get("run_name"):
         _set(raw, "train.run_name", str(f["run_name"]))
     _optimizer(f, raw)
+    if f.get("max_tool_calling_iterations") is not None:  # rounds of tool calls: one more model turn
+        _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
     if f["use_vllm"]:
         _set(raw, "generation.backend", "vllm")
         if f["vllm_importance_sampling_correction"]:

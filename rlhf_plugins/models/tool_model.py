@@ -67,11 +67,12 @@ def calculator(expression: str) -> str:
 
 
 def calculator_rows(split: str = "all") -> list[dict[str, str]]:
-    """Two-digit sums: ``all`` 300, ``train`` 240 of them, ``test`` the other 60 (every fifth)."""
+    """Sums of two numbers from 50 to 99 (three-digit results): ``all`` 300, ``train`` 240 of them,
+    ``test`` the other 60 (every fifth)."""
     rng = random.Random(1234)
     rows = []
     for _ in range(300):
-        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        a, b = rng.randrange(50, 100), rng.randrange(50, 100)
         rows.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
     if split == "all":
         return rows
@@ -91,8 +92,8 @@ def tool_schema() -> dict[str, Any]:
     return get_json_schema(calculator)
 
 
-def build_tool_llama(out: Path, *, seed: int = 0, steps: tuple[int, int] = (3000, 1000),
-                     tool_prob: tuple[float, float] = (0.5, 0.1), batch_size: int = 64) -> None:
+def build_tool_llama(out: Path, *, seed: int = 0, steps: tuple[int, int] = (450, 150),
+                     tool_prob: tuple[float, float] = (0.5, 0.1), batch_size: int = 32) -> None:
     """Train the tokenizer, pre-train on sums answered directly (a random number) or through one
     calculator call -- first often (to learn copying into the call), then rarely (so calling
     is what RL has to learn) -- and ``save_pretrained`` both."""
@@ -121,7 +122,7 @@ def build_tool_llama(out: Path, *, seed: int = 0, steps: tuple[int, int] = (3000
     # the tokenizer learns from both kinds of turn, with every answer the task can have
     probe = build_tokenizer(["x"], SPECIAL_TOKENS, CHAT_TEMPLATE, vocab_size=len(SPECIAL_TOKENS) + 256)
     corpus = [render(probe, conversation(r, use, r["label"])) for r in rows for use in (False, True)]
-    corpus += [str(n) for n in range(20, 199)] * 4
+    corpus += [str(n) for n in range(100, 199)] * 4
     tokenizer = build_tokenizer(corpus, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab_size=512, single_digits=True)
     tokenizer.response_template = RESPONSE_TEMPLATE
 
@@ -132,8 +133,8 @@ def build_tool_llama(out: Path, *, seed: int = 0, steps: tuple[int, int] = (3000
         done[0] += 1
         picked = []
         for _ in range(batch_size):
-            a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+            a, b = rng.randrange(50, 100), rng.randrange(50, 100)
             picked.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
-        return [render(tokenizer, conversation(r, rng.random() < p, str(rng.randrange(20, 199)))) for r in picked]
+        return [render(tokenizer, conversation(r, rng.random() < p, str(rng.randrange(100, 199)))) for r in picked]
 
     pretrain(out, tokenizer, batch, sum(steps))
