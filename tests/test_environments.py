@@ -54,7 +54,9 @@ class Recorder:
 
     def generate(self, prompt_ids, params):
         out = self.engine.generate(prompt_ids, params)
-        self.calls.append(([list(p) for p in prompt_ids], [list(c) for c in out.completion_ids], out))
+        # one context per sample (a request with n samples stands for n identical contexts)
+        contexts = [list(p) for p in prompt_ids for _ in range(params.n)]
+        self.calls.append((contexts, [list(c) for c in out.completion_ids], params))
         return out
 
 
@@ -97,6 +99,8 @@ def test_trained_tokens_are_exactly_the_sampled_ones_and_env_tokens_are_masked(t
     runner.close()
     B = len(traj.completion_ids)
     assert B == 64 and any(c > 0 for c in traj.tool_calls)
+    # the first turn of each group is one request of n samples (its prompt prefilled once)
+    assert rec.calls[0][2].n == 8 and all(call[2].n == 1 for call in rec.calls[1:])
     # replay the engine calls: each active trajectory's context and its sampled turn, in order
     replay = [[] for _ in range(B)]
     active = list(range(B))

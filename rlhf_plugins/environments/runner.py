@@ -5,7 +5,7 @@ Each turn is one batched call to the generation engine (``n = 1`` per trajectory
 context so far as its prompt: vLLM's prefix cache reuses earlier turns). The model's tokens are
 kept exactly as sampled, with their engine log-probs; the environment's output is tokenized once
 and inserted with action mask 0. Environment calls (reset, tools, step, get_reward) of all
-trajectories run concurrently on an event loop of their own (synchronous ones on a thread pool).
+trajectories run concurrently on the run's event loop (synchronous tools on a thread pool).
 
 A trajectory ends when the model calls no tool (``stop``), the environment says so (``env_done``),
 after ``--env.max_turns`` model turns (``max_turns``), or when its tokens reach
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
@@ -78,9 +77,9 @@ class EnvRunner:
         self.envs = dict(environments)
         self.factories = {name: env.factory for name, env in self.envs.items()}
         self.pools: dict[str, list[Any]] = {}
+        # one event loop for the run (an async environment may keep loop-bound resources between
+        # steps), run in the calling thread for each batch of environment calls
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rlhf-environments", daemon=True)
-        self.thread.start()
         self.executor = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="rlhf-tool")
         self.renderer: Renderer | None = None
         if any(not is_agent(self._probe(name)) for name in self.factories):
@@ -133,7 +132,7 @@ class EnvRunner:
 
             return await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
 
-        results = asyncio.run_coroutine_threadsafe(run_all(), self.loop).result()
+        results = self.loop.run_until_complete(run_all())
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -172,7 +171,12 @@ class EnvRunner:
             seed = None if params.seed is None else params.seed + 7919 * turn
             turn_budget = min(cfg.max_turn_tokens or cfg.max_total_tokens, max(room.values()))
             turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=turn_budget)
-            samples = generate(contexts, turn_params)
+            if turn == 0 and n > 1 and all(contexts[j] == contexts[j - j % n] for j in range(B)):
+                # the first turn of a group starts from one prompt: sample its n turns in one request
+                # (the engine prefills the prompt once)
+                samples = generate(contexts[::n], dataclasses.replace(turn_params, n=n))
+            else:
+                samples = generate(contexts, turn_params)
             stepping, texts, prefixes = [], [], []
             for j, i in enumerate(active):
                 ids, lps = list(samples.completion_ids[j]), list(samples.logprobs[j])
@@ -214,9 +218,9 @@ class EnvRunner:
         return out
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if not self.loop.is_closed():
+            self.loop.close()
 
 
 async def _step(session: Any, text: str, prefix: str) -> Any:

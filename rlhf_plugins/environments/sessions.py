@@ -82,6 +82,8 @@ class _Session:
         return tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
+        if self.ctx.renderer is not None:
+            return self.ctx.renderer.prompt_ids(text)
         return self.ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -99,9 +101,7 @@ class ToolSession(_Session):
         extra = None
         if self.instance is not None:
             try:
-                reset = self.instance.reset
-                extra = await (_maybe_await(reset(**reset_row)) if inspect.iscoroutinefunction(reset)
-                               else self.ctx.run_sync(reset, **reset_row))
+                extra = await _maybe_await(self.instance.reset(**reset_row))  # a reset is quick: run it here
             except Exception as exc:
                 raise self.fail("failed in reset()", exc) from exc
             if extra is not None and not isinstance(extra, str):
@@ -136,7 +136,7 @@ class ToolSession(_Session):
         if not callable(get):
             return None
         try:
-            value = await (_maybe_await(get()) if inspect.iscoroutinefunction(get) else self.ctx.run_sync(get))
+            value = await _maybe_await(get())
         except Exception as exc:
             raise self.fail("failed in get_reward()", exc) from exc
         return _number(self, value, "get_reward()")

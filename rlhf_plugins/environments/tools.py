@@ -10,6 +10,7 @@ read, a tool that is not offered and a tool that raises all become an observatio
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
@@ -114,13 +115,30 @@ class Renderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._base = tokenizer.apply_chat_template(self._BASE, tokenize=False)
+        self._cache: dict[str, list[int]] = {}
 
     def suffix_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        key = json.dumps(messages, sort_keys=True, default=str)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return list(hit)
         full = self.tokenizer.apply_chat_template(self._BASE + messages, tokenize=False, add_generation_prompt=True)
         if not full.startswith(self._base):
             raise ValueError("the chat template renders earlier messages differently once a tool message follows; "
                              "multi-turn training needs a prefix-preserving template")
-        return self.tokenizer(full[len(self._base):], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(full[len(self._base):], add_special_tokens=False)["input_ids"]
+        if len(self._cache) < 65536:  # tool replies repeat (the same result of the same call): render once
+            self._cache[key] = list(ids)
+        return ids
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A rendered prompt's token ids (prompts repeat: every sample of a row starts alike)."""
+        hit = self._cache.get(text)
+        if hit is None:
+            hit = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(self._cache) < 65536:
+                self._cache[text] = hit
+        return list(hit)
 
 
 def tool_message(name: str, result: Any) -> dict[str, Any]:
@@ -137,8 +155,13 @@ def _dump(result: Any) -> str:
 def public_methods(instance: Any) -> list[Callable[..., Any]]:
     """The tools of a TRL-style environment: its public methods other than reset and get_reward
     (listed on the class, so properties are not evaluated)."""
-    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
+    return [getattr(instance, name) for name in _tool_names(type(instance))]
+
+
+@functools.lru_cache(maxsize=256)
+def _tool_names(cls: type) -> tuple[str, ...]:
+    return tuple(name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+                 if name not in ("reset", "get_reward") and not name.startswith("_"))
 
 
 def run_in(pool: Any) -> Callable[..., Any]:
