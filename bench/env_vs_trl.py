@@ -17,23 +17,16 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+from _trl import common_flags, step_clock, warm_trainer
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    common_flags(p, steps=10, warmup=2, prompts=8, group=8, lr=5e-4)
     p.add_argument("--max-completion", type=int, default=64, help="tokens of a whole trajectory")
     p.add_argument("--max-turns", type=int, default=2, help="model turns per trajectory")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (both load a reference model)")
-    p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
     return p.parse_args()
 
 
@@ -44,12 +37,6 @@ def answer_reward(prompts, completions, label, **kwargs):
 
 
 def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    from rlhf_plugins.api import prepare
-    from rlhf_plugins.data.prompts import load_prompts
-    from rlhf_plugins.training.loop import Trainer
-
     raw = {
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
         "learner": {"lr": args.lr},
@@ -61,12 +48,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         "env": {"name": "calculator", "max_total_tokens": args.max_completion, "max_turns": args.max_turns},
         "eval": {"enabled": False},
     }
-    config, pm, plan = prepare(raw, autoload=False)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, model_path)
-    trainer.setup()
-    for step in range(args.warmup):
-        trainer.step(step)
+    trainer = warm_trainer(raw, model_path, args.warmup)
     tokens = turns = 0.0
     n = args.prompts * args.group
     start = time.perf_counter()
@@ -83,7 +65,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
 
 def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     from datasets import Dataset
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_plugins.builtin_plugins.environments import Calculator
@@ -93,23 +75,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
                                  for r in rows])
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.t: list[float] = []
-            self.lengths: list[float] = []
-            self.calls: list[float] = []
-            self.rewards: list[float] = []
-
-        def on_step_end(self, a, state, control, **kw):
-            self.t.append(time.perf_counter())
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                self.lengths.append(logs["completions/mean_length"])
-                self.calls.append(logs.get("tools/call_frequency", 0.0))
-                self.rewards.append(logs.get("reward", float("nan")))
-
-    clock = Clock()
+    clock = step_clock()
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, seed=0,
@@ -126,9 +92,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
                               environment_factory=Calculator)
         trainer.remove_callback(PrinterCallback)
         trainer.train()
-    t = clock.t
-    elapsed = t[-1] - t[args.warmup - 1] if args.warmup > 0 else t[-1] - t[0]
-    timed = args.steps if args.warmup > 0 else args.steps - 1
+    timed, elapsed = clock.timed(args.warmup, args.steps)
     n = args.prompts * args.group
     tokens = sum(clock.lengths[args.warmup:]) * n
     # a tool-call round is followed by one more model turn (at most max_tool_calling_iterations rounds)

@@ -17,32 +17,20 @@ import time
 from pathlib import Path
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+from _trl import common_flags, step_clock, warm_trainer
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30, help="timed steps per framework")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    common_flags(p, steps=30, warmup=3, prompts=16, group=8, lr=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (both load a reference model)")
     p.add_argument("--vllm", action="store_true",
                    help="generate with vLLM on both sides (ours: --generation.backend vllm; "
                         "TRL: use_vllm=True, vllm_mode='colocate')")
-    p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
     return p.parse_args()
 
 
 def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    from rlhf_plugins.api import prepare
-    from rlhf_plugins.data.prompts import load_prompts
-    from rlhf_plugins.training.loop import Trainer
-
     raw = {
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
         "learner": {"lr": args.lr},
@@ -51,12 +39,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
                        "backend": "vllm" if args.vllm else "transformers"},
     }
-    config, pm, plan = prepare(raw, autoload=False)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, model_path)
-    trainer.setup()
-    for step in range(args.warmup):
-        trainer.step(step)
+    trainer = warm_trainer(raw, model_path, args.warmup)
     tokens = 0.0
     start = time.perf_counter()
     for step in range(args.warmup, args.warmup + args.steps):
@@ -71,7 +54,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
 
 def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     from datasets import Dataset
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_plugins.builtin_plugins.rewards import exact_match
@@ -83,21 +66,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     rows = task_rows()
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.t: list[float] = []
-            self.lengths: list[float] = []
-            self.rewards: list[float] = []
-
-        def on_step_end(self, a, state, control, **kw):
-            self.t.append(time.perf_counter())
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                self.lengths.append(logs["completions/mean_length"])
-                self.rewards.append(logs.get("reward", float("nan")))
-
-    clock = Clock()
+    clock = step_clock()
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, seed=0,
@@ -115,9 +84,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
                               processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
         trainer.remove_callback(PrinterCallback)
         trainer.train()
-    t = clock.t
-    elapsed = t[-1] - t[args.warmup - 1] if args.warmup > 0 else t[-1] - t[0]
-    timed = args.steps if args.warmup > 0 else args.steps - 1
+    timed, elapsed = clock.timed(args.warmup, args.steps)
     tokens = sum(clock.lengths[args.warmup:]) * args.prompts * args.group
     return {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
             "reward_first": clock.rewards[0], "reward_last": clock.rewards[-1]}

@@ -1,0 +1,66 @@
+"""Shared by the benchmarks that run TRL's GRPOTrainer beside ours: the common flags and a
+callback that times TRL's steps and keeps what it logs."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+
+def common_flags(p: argparse.ArgumentParser, *, steps: int, warmup: int, prompts: int, group: int, lr: float) -> None:
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per framework")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
+    p.add_argument("--group", type=int, default=group, help="samples per prompt")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (both load a reference model)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
+
+
+def step_clock() -> Any:
+    """A TrainerCallback recording when each step ends and, per step, TRL's logged completion length,
+    tool-call frequency and reward."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+            self.lengths: list[float] = []
+            self.calls: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_step_end(self, a, state, control, **kw):
+            self.t.append(time.perf_counter())
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+                self.calls.append(logs.get("tools/call_frequency", 0.0))
+                self.rewards.append(logs.get("reward", float("nan")))
+
+        def timed(self, warmup: int, steps: int) -> tuple[int, float]:
+            """(steps timed, seconds): the steps after the warm-up."""
+            if warmup > 0:
+                return steps, self.t[-1] - self.t[warmup - 1]
+            return steps - 1, self.t[-1] - self.t[0]
+
+    return Clock()
+
+
+def warm_trainer(raw: dict[str, Any], model_path: str, warmup: int) -> Any:
+    """Our Trainer for the config ``raw``, set up, after ``warmup`` untimed steps."""
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.training.loop import Trainer
+
+    config, pm, plan = prepare(raw, autoload=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, model_path)
+    trainer.setup()
+    for step in range(warmup):
+        trainer.step(step)
+    return trainer
