@@ -68,7 +68,7 @@ def test_a_partial_rollout_takes_new_weights_between_chunks_and_continues_token_
     monkeypatch.chdir(tmp_path)
     raw = {"train": {"prompts_per_step": 4, "max_staleness": 1}, "generation": {
         "backend": backend, "n_samples_per_prompt": 4, "max_new_tokens": 10, "partial_rollout": True,
-        "partial_chunk_tokens": 2, "temperature": 1.5}, "algo": {"policy_loss": {"mismatch": "tis"}}}
+        "partial_chunk_tokens": 1, "temperature": 1.5}, "algo": {"policy_loss": {"mismatch": "tis"}}}
     t = in_process_trainer(tiny_model, raw)
     try:
         t.worker = RolloutWorker(t, start=False)
@@ -78,8 +78,9 @@ def test_a_partial_rollout_takes_new_weights_between_chunks_and_continues_token_
         t.shutdown()
     lengths = [len(ids) for ids in rollout.completion_ids]
     assert all(len(v) == n for v, n in zip(rollout.versions, lengths))
-    assert all(v == [0] * n if n <= 2 else v == [0, 0] + [1] * (n - 2) for v, n in zip(rollout.versions, lengths))
-    assert any(n > 2 for n in lengths), lengths  # something did continue past the first chunk
+    # chunks of one token: every answer ("7" then EOS) continues past its first chunk under new weights
+    assert all(v == [0] * n if n <= 1 else v == [0] + [1] * (n - 1) for v, n in zip(rollout.versions, lengths))
+    assert any(n > 1 for n in lengths), lengths  # something did continue past the first chunk
     assert t.engine_version == 1
     for ids, why in zip(rollout.completion_ids, rollout.finish_reasons):
         assert (why == "stop") == (ids[-1] == t.tokenizer.eos_token_id) and (why == "stop" or len(ids) == 10)
