@@ -55,17 +55,31 @@ def shard_batch(batch: dict[str, Any], n: int, objective: Any = None) -> list[di
     group = int(batch.get("group_size", 1))
     unit = group if B % group == 0 else 1
     units = B // unit
-    sizes = [units // n + (1 if i < units % n else 0) for i in range(n)]
-    shards, start = [], 0
-    for size in sizes:
-        stop = start + size * unit
-        shards.append({k: v[start:stop] if _is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()})
-        start = stop
+    if objective is not None and batch.get("balance_tokens"):
+        # packed micro batches: ranks get about equal real tokens (whole groups, longest first)
+        loads = batch["attention_mask"].view(units, -1).sum(-1).tolist()
+        shards = [_select(batch, [u * unit + j for u in share for j in range(unit)]) for share in balance(loads, n)]
+    else:
+        sizes = [units // n + (1 if i < units % n else 0) for i in range(n)]
+        shards, start = [], 0
+        for size in sizes:
+            stop = start + size * unit
+            shards.append({k: v[start:stop] if _is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()})
+            start = stop
     weigh = getattr(objective, "weight", None)
     if callable(weigh):
         for shard in shards:
             shard["dp_weight"] = weigh(shard["action_mask"], batch["action_mask"]) * n
     return shards
+
+
+def _select(batch: dict[str, Any], idx: list[int]) -> dict[str, Any]:
+    def pick(v: Any) -> Any:
+        if _is_tensor(v):
+            return v[idx]
+        return [v[i] for i in idx] if isinstance(v, list) else v
+
+    return {k: pick(v) for k, v in batch.items()}
 
 
 def balance(loads: list[int], n: int) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -417,3 +418,13 @@ def test_calculator_environment_on_vllm_keeps_engine_and_learner_in_step(rlhf):
     # every turn's tokens were sampled by vLLM; the learner's log-probs of them match vLLM's
     assert all(r["mismatch/abs_log_ratio"] < 1e-3 for r in rows)
     assert "enable_prefix_caching: true" in (the_run() / "config.yaml").read_text()
+
+
+def test_rlhf_eval_samples_trajectories_in_the_environment(rlhf):
+    """The base tool model answers directly almost never right; through the calculator it often is:
+    a pass@8 well above the direct answers' shows the evaluation ran whole trajectories."""
+    code, out, err = rlhf("eval", "--env.name", "calculator", "--eval.max_prompts", "12", "--train.progress", "false")
+    assert code == 0, err
+    report = json.loads(Path("eval.json").read_text())
+    assert report["data"] == "builtin:calculator-test" and report["prompts"] == 12
+    assert report["metrics"]["pass@8"] > 0.2

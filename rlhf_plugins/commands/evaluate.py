@@ -90,6 +90,7 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
 
     from .._lazy import resolve
     from ..data.prompts import eval_source
+    from ..environments import make_env_runner
     from ..models.tiny_model import default_model_path
     from ..protocols import PlacementContext
     from ..training.heldout import make_evaluator
@@ -110,14 +111,18 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
     ctx = PlacementContext(config, ("generation", "reward"), workers={"generation": plan.engine_workers},
                            plugin_spec=spec, accelerated=("generation", *(("reward",) if config.reward.models else ())))
     placement = resolve(plan.placement.factory)(ctx)
+    runner = None
     try:
         engine = placement.create_role("generation", GenerationRole, config, spec, model_path, plan.engine,
                                        plan.provider(plan.engine), False)
         reward = placement.create_role("reward", RewardRole, config, spec, plan.rewards, plan.weights)
-        evaluator = make_evaluator(config, pm, tokenizer, engine, reward, held)
+        runner = make_env_runner(config, pm, held.columns, tokenizer)  # --env.name: multi-turn samples
+        evaluator = make_evaluator(config, pm, tokenizer, engine, reward, held, runner)
         with TaskProgress(console if config.train.progress else None, "eval", "prompts") as bar:
             metrics = evaluator(0, bar)
     finally:
+        if runner is not None:
+            runner.close()
         placement.shutdown()
     console.print(f"held-out evaluation of {escape(model_path)} on {escape(str(source))} ({len(held)} prompts, "
                   f"{config.eval.n_samples} samples each)", highlight=False, soft_wrap=True)

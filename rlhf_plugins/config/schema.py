@@ -56,8 +56,8 @@ class GenerationConfig:
     top_p: float = setting(1.0, gt=0, le=1)
     #: 0 disables top-k
     top_k: int = setting(0, ge=0)
-    #: with train.max_staleness >= 1: generate in chunks and take new weights between chunks, so a long
-    #: generation continues from its prefix with the newest policy (each token records its version)
+    #: with train.max_staleness >= 1: generate in chunks, taking new weights between chunks (a long
+    #: generation continues from its prefix with the newest policy; tokens record their version)
     partial_rollout: bool = False
     #: tokens per chunk of a partial rollout (weights can change after every chunk)
     partial_chunk_tokens: int = setting(32, ge=1)
@@ -65,8 +65,7 @@ class GenerationConfig:
 
 @dataclass
 class RewardConfig:
-    #: reward functions by name; empty picks the only one a --plugin provides, else the task's default
-    #: (none when reward models or remote servers are given)
+    #: reward functions by name; empty: a --plugin's only one, else the task's (none with models or servers)
     functions: list[str] = field(default_factory=list)
     #: reward model folders (TRL RewardTrainer or OpenRLHF format), scored in the reward role
     models: list[str] = field(default_factory=list)
@@ -199,6 +198,8 @@ class LearnerConfig:
     mini_batch_size: int = setting(0, ge=0)
     #: samples per forward/backward (gradient accumulation); 0 means the mini batch
     micro_batch_size: int = setting(0, ge=0)
+    #: pack micro batches of at most N real tokens, no padding (learner and reference); 0: micro_batch_size
+    max_tokens_per_micro_batch: int = setting(0, ge=0)
     #: recompute activations in the backward pass (less memory, about a third more compute)
     gradient_checkpointing: bool = False
     #: adamw | adam | sgd

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..models.forward import group_permutation, policy_forward, split_batch, value_forward
+from ..models.packing import in_token_budget, token_budget_split
 
 
 def make_optimizer(params: list[Any], cfg: Any, lr: float) -> torch.optim.Optimizer:
@@ -86,7 +87,8 @@ class Learner:
         """The model's per-token output without gradient: log-probs, or values for a critic."""
         module = self._module()
         module.eval()
-        return self.forward(module, batch, self.temperature)[self.output]
+        return in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
+                               self.cfg.max_tokens_per_micro_batch)
 
     def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
         module = self._module()
@@ -111,7 +113,8 @@ class Learner:
     def _update(self, module: Any, mini_batch: dict[str, Any], micro: int, objective: Any) -> dict[str, float]:
         metrics: dict[str, float] = defaultdict(float)
         mini_mask = mini_batch["action_mask"]
-        for part in split_batch(mini_batch, micro):
+        budget = self.cfg.max_tokens_per_micro_batch
+        for part in token_budget_split(mini_batch, budget) if budget else split_batch(mini_batch, micro):
             outputs = self.forward(module, part, self.temperature, with_entropy=objective.needs_entropy)
             loss, m = objective(outputs, part)
             w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))

@@ -38,6 +38,10 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     shared by its samples: the forward runs on ``B / group * P + B * T`` tokens
     instead of ``B * (P + T)``. Gradients flow through the shared prefix.
     """
+    if batch.get("packed"):  # a token-budget micro batch: one packed row, no padding
+        from .packing import packed_completion_logits
+
+        return packed_completion_logits(model, batch)
     seq, mask = batch["sequences"], batch["attention_mask"]
     T = batch["action_mask"].shape[1]
     group = int(batch.get("group_size", 1))

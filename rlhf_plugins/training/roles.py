@@ -168,12 +168,16 @@ class ReferenceRole(Role):
         self.model = self.backend = get_manager(plugin_spec).load_model("reference", model_path, config)
         self.model.eval().requires_grad_(False)
         self.temperature = config.generation.temperature
+        self.budget = config.learner.max_tokens_per_micro_batch
         self._forward = policy_forward
 
     @dispatch("split")
     @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._forward(self.model, batch, self.temperature)["logprobs"]
+        from ..models.packing import in_token_budget
+
+        return in_token_budget(lambda part: self._forward(self.model, part, self.temperature)["logprobs"], batch,
+                               self.budget)
 
 
 class GenerationRole(Role):

@@ -1,0 +1,92 @@
+"""Sequence packing: token-budget micro batches without padding.
+
+``--learner.max_tokens_per_micro_batch N`` cuts a mini batch into micro batches of at most ``N``
+real tokens (prompt + completion; a longer sample goes alone) and runs each as packed rows: the
+samples' tokens back to back, position ids restarting at every sample, no attention mask --
+transformers then keeps attention inside each sample (its packed-sequence mask). The logits come
+back in the padded ``[B, T]`` layout, so losses, masks and metrics are unchanged, and the gradients
+equal those of the padded computation (tested in float64 for every loss aggregation).
+
+The learner's log-prob and value passes and the reference model's use the same budget.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+#: a micro batch marked for the packed forward
+PACKED = "packed"
+
+
+def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Consecutive slices of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample
+    longer than the budget is a slice of its own), each marked for the packed forward."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    parts, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > max_tokens:
+            parts.append((start, i))
+            start, used = i, 0
+        used += n
+    parts.append((start, len(lengths)))
+    out = []
+    for a, b in parts:
+        part = {k: (v[a:b] if torch.is_tensor(v) or isinstance(v, list) else v) for k, v in batch.items()}
+        part[PACKED] = True
+        out.append(part)
+    return out
+
+
+def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Next-token logits ``[B, T, V]`` of the completion tokens, computed on packed rows.
+
+    The samples are packed first-fit (longest first) into rows as long as the longest sample, so
+    each row's attention costs no more than a padded row's while the rows carry few pad slots; pad
+    slots at a row's end form a sequence of their own (positions restart), and nothing reads them."""
+    seq, mask = batch["sequences"], batch["attention_mask"].bool()
+    B, W = seq.shape
+    T = batch["action_mask"].shape[1]
+    P = W - T
+    lengths = mask.sum(-1).tolist()
+    R = max(max(lengths), 1)
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for b in sorted(range(B), key=lambda i: -lengths[i]):
+        for r, u in enumerate(used):
+            if u + lengths[b] <= R:
+                rows[r].append(b)
+                used[r] += lengths[b]
+                break
+        else:
+            rows.append([b])
+            used.append(lengths[b])
+    ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
+    pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
+    where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
+    for r, members in enumerate(rows):
+        offset = 0
+        for b in members:
+            n = lengths[b]
+            ids[r, offset:offset + n] = seq[b][mask[b]]
+            pos[r, offset:offset + n] = torch.arange(n)
+            where[b] = torch.tensor([r, offset])
+            offset += n
+        pos[r, offset:] = torch.arange(R - offset)
+    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+    # completion token k of sample b sits at offset + prompt_len + k of its row and is predicted by
+    # the logits one position before it
+    prompt_len = mask[:, :P].sum(-1)
+    k = torch.arange(T, device=seq.device)
+    col = (where[:, 1].to(seq.device) + prompt_len)[:, None] + k[None, :] - 1
+    col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
+    row = where[:, 0].to(seq.device)[:, None].expand(B, T)
+    return out.logits[row, col]
+
+
+def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[str, Any],
+                    max_tokens: int) -> torch.Tensor:
+    """``fn`` (a no-grad per-token pass, ``[b, T]``) over token-budget micro batches, concatenated."""
+    if not max_tokens:
+        return fn(batch)
+    return torch.cat([fn(part) for part in token_budget_split(batch, max_tokens)], dim=0)

@@ -1,0 +1,107 @@
+"""Sequence packing (--learner.max_tokens_per_micro_batch): packed micro batches give the padded
+computation's log-probs and gradients, for every loss aggregation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_plugins.algorithms import policy_losses
+from rlhf_plugins.algorithms.objective import Objective
+from rlhf_plugins.config.schema import PolicyLossConfig
+from rlhf_plugins.models.forward import policy_forward, split_batch
+from rlhf_plugins.models.packing import in_token_budget, token_budget_split
+from rlhf_plugins.training.rollout import Rollout, make_batch
+from tests.helpers import all_rows_of, short_run, the_run
+
+
+def tiny_llama64():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+def spread_batch(n=10, seed=0):
+    """Prompts of 2-9 tokens and completions of 1-20 (a multi-turn one with a masked gap)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions, masks = [], [], []
+    for i in range(n):
+        prompts.append(torch.randint(1, 64, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist())
+        c = torch.randint(1, 64, (int(torch.randint(1, 21, (1,), generator=g)),), generator=g).tolist()
+        completions.append(c)
+        masks.append([1] * len(c) if i % 3 else [1 if j % 4 else 0 for j in range(len(c))])
+    r = Rollout([""] * n, prompts, completions, [""] * n, ["stop"] * n, [[0.0] * len(c) for c in completions], {}, 1,
+                scores=[0.0] * n, action_masks=masks)
+    batch = make_batch(r, pad_id=0)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g, dtype=torch.float64)
+    batch["old_logprobs"] = -torch.rand(batch["action_mask"].shape, generator=g, dtype=torch.float64) * 3
+    return batch
+
+
+def test_token_budget_split_packs_consecutive_samples_within_the_budget():
+    batch = spread_batch()
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    parts = token_budget_split(batch, 30)
+    assert sum(p["sequences"].shape[0] for p in parts) == len(lengths) and len(parts) > 2
+    start = 0
+    for p in parts:
+        n = p["sequences"].shape[0]
+        used = sum(lengths[start:start + n])
+        assert used <= 30 or n == 1  # a sample longer than the budget goes alone
+        assert p["packed"] is True
+        start += n
+
+
+def test_packed_logprobs_equal_the_padded_forward():
+    model, batch = tiny_llama64(), spread_batch()
+    with torch.no_grad():
+        padded = policy_forward(model, batch)["logprobs"]
+        packed = in_token_budget(lambda part: policy_forward(model, part)["logprobs"], batch, 40)
+    mask = batch["action_mask"].bool()
+    assert torch.allclose(packed[mask], padded[mask], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_packed_gradients_equal_the_padded_gradients(mode):
+    batch = spread_batch(seed=3)
+    objective = Objective(policy_losses.ppo, PolicyLossConfig(aggregation=mode), norm_length=20)
+    grads = []
+    for parts in (split_batch(batch, 3), token_budget_split(batch, 40)):
+        model = tiny_llama64()
+        for part in parts:
+            loss, _ = objective(policy_forward(model, part), part)
+            (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    padded, packed = grads
+    assert padded.keys() == packed.keys() and len(padded) > 10
+    for name in padded:
+        assert torch.allclose(packed[name], padded[name], rtol=1e-5, atol=1e-9), name
+
+
+def test_a_run_with_packed_micro_batches_trains(rlhf):
+    code, _, err = rlhf("train", *short_run("--learner.max_tokens_per_micro_batch", "48", "--algo.kl.coef", "0.01"))
+    assert code == 0, err
+    rows = [r for r in all_rows_of(the_run()) if "reward/mean" in r]
+    assert len(rows) == 3 and all(r["grad_norm"] > 0 and r["kl"] >= 0 for r in rows)
+
+
+def test_data_parallel_shards_of_packed_training_hold_about_equal_tokens():
+    from rlhf_plugins.dispatch import shard_batch
+
+    batch = spread_batch(n=12, seed=5)
+    objective = Objective(policy_losses.ppo, PolicyLossConfig(aggregation="token-mean"))
+    balanced = shard_batch({**batch, "balance_tokens": True}, 2, objective=objective)
+    plain = shard_batch(batch, 2, objective=objective)
+
+    def gap(shards):
+        tokens = [int(s["attention_mask"].sum()) for s in shards]
+        return abs(tokens[0] - tokens[1])
+
+    longest = int(batch["attention_mask"].sum(-1).max())
+    assert gap(balanced) <= longest and gap(balanced) <= gap(plain)
+    # every sample in exactly one shard, and the shards' loss shares still add up to the whole
+    rows = sorted(tuple(r.tolist()) for s in balanced for r in s["sequences"])
+    assert rows == sorted(tuple(r.tolist()) for r in batch["sequences"])
+    assert sum(s["dp_weight"] for s in balanced) == pytest.approx(2.0)
