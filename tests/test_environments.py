@@ -165,6 +165,7 @@ def test_finish_reasons_length_and_max_turns(tokenizer, engine):
     called = [i for i, c in enumerate(traj.tool_calls) if c]
     assert called and all(traj.finish_reasons[i] == "max_turns" for i in called)
     assert all(sum(m) == len(m) for m in traj.action_masks)  # nothing appended after the last turn
+    assert all([m["role"] for m in traj.messages[i]] == ["assistant"] for i in called)
 
 
 class Agent:

@@ -193,13 +193,15 @@ class EnvRunner:
                 stepping.append(i)
                 texts.append(tok.decode(ids, skip_special_tokens=False))
                 prefixes.append(tok.decode(contexts[j][-16:], skip_special_tokens=False))
+            before = {i: len(sessions[i].messages) for i in stepping}
             results = self._gather([_step(sessions[i], t, p) for i, t, p in zip(stepping, texts, prefixes)])
             active = []
             for i, res in zip(stepping, results):
                 if res.done:
                     finish[i] = res.reason or "stop"
-                elif turn == cfg.max_turns - 1:
+                elif turn == cfg.max_turns - 1:  # out of turns: what answered the last turn is not kept
                     finish[i] = "max_turns"
+                    del sessions[i].messages[before[i] + 1:]
                 else:
                     left = cfg.max_total_tokens - len(out.completion_ids[i])
                     ids = res.ids[:left]
