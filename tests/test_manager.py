@@ -125,7 +125,7 @@ def test_plugin_errors(tmp_path):
         create_manager([str(broken)], autoload=False)
     empty = tmp_path / "empty.py"
     empty.write_text("X = 1\n")
-    with pytest.raises(PluginError, match="defines no rlhf_\\* hooks and no reward function"):
+    with pytest.raises(PluginError, match="defines no rlhf_\\* hooks, no reward function"):
         create_manager([str(empty)], autoload=False)
 
 

@@ -3,6 +3,7 @@ GRPOTrainer, and OpenRLHF agent files loaded unchanged with --plugin."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,38 @@ def test_trl_environment_runs_under_ray_placement(tmp_path, tool_model):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in x]
     assert len(rows) == 2 and all(r["env/turns"] >= 1 for r in rows)
     assert any(r["env/tool_calls"] > 0 and r["env/env_tokens"] > 0 for r in rows)
+
+
+def test_a_plugin_rlhf_rollout_hook_takes_over_generation(rlhf, tmp_path):
+    """The hook behind rollout_func, from a plugin file: its samples are trained on, its masked
+    reply is not, and its extra field reaches the reward function."""
+    plugin = tmp_path / "own_rollout.py"
+    plugin.write_text(textwrap.dedent('''
+        from rlhf_plugins import RewardFunction, hookimpl
+
+        @hookimpl
+        def rlhf_rollout(prompts, rows, params, engine, tokenizer):
+            ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for p in prompts]
+            out = engine.generate(ids, params)
+            reply = tokenizer("<|user|>ok", add_special_tokens=False)["input_ids"]
+            return {"prompt_ids": ids, "completion_ids": [c + reply for c in out.completion_ids],
+                    "logprobs": [lp + [0.0] * len(reply) for lp in out.logprobs],
+                    "env_mask": [[1] * len(c) + [0] * len(reply) for c in out.completion_ids],
+                    "origin": ["plugin"] * len(out.completion_ids)}
+
+        def from_plugin(prompts, completions, origin, **kwargs):
+            return [1.0 if o == "plugin" else 0.0 for o in origin]
+
+        @hookimpl
+        def rlhf_reward_functions():
+            yield RewardFunction("from_plugin", from_plugin)
+        '''))
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--reward.functions", "from_plugin", "--train.steps", "2",
+                        "--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4",
+                        "--train.progress", "false", "--eval.enabled", "false")
+    assert code == 0, err
+    run = next(Path("runs").iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in x]
+    assert all(r["reward/mean"] == 1.0 for r in rows)  # every sample came from the hook
+    assert all(r["completion/length"] <= 6 for r in rows)  # the masked reply is not counted as trained

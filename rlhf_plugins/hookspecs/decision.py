@@ -90,4 +90,16 @@ def rlhf_rollout(prompts: list[Any], rows: list[dict[str, Any]], params: Any, en
     sample, ``n`` consecutive per prompt), optionally ``env_mask`` (1 on tokens to train on, 0 on
     environment tokens) and ``finish_reasons``; any other key is a per-sample column for the reward
     functions.
+
+    Example (sample with the run's engine, then append a fixed reply the policy is not trained on)::
+
+        @hookimpl
+        def rlhf_rollout(prompts, rows, params, engine, tokenizer):
+            ids = [tokenizer(p)["input_ids"] for p in prompts]
+            out = engine.generate(ids, params)
+            reply = tokenizer("<|user|>ok", add_special_tokens=False)["input_ids"]
+            return {"prompt_ids": ids,
+                    "completion_ids": [c + reply for c in out.completion_ids],
+                    "logprobs": [lp + [0.0] * len(reply) for lp in out.logprobs],
+                    "env_mask": [[1] * len(c) + [0] * len(reply) for c in out.completion_ids]}
     """
