@@ -22,7 +22,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--micro", type=int, default=4, help="samples per padded micro batch")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 

@@ -40,18 +40,17 @@ def spread_batch(n=10, seed=0):
     return batch
 
 
-def test_token_budget_split_packs_consecutive_samples_within_the_budget():
+def test_token_budget_split_packs_samples_longest_first_within_the_budget():
     batch = spread_batch()
     lengths = batch["attention_mask"].sum(-1).tolist()
     parts = token_budget_split(batch, 30)
-    assert sum(p["sequences"].shape[0] for p in parts) == len(lengths) and len(parts) > 2
-    start = 0
+    rows = [int(i) for p in parts for i in p["rows"]]
+    assert sorted(rows) == list(range(len(lengths))) and len(parts) > 2  # every sample once
+    assert [lengths[i] for i in rows] == sorted(lengths, reverse=True)  # longest first
     for p in parts:
-        n = p["sequences"].shape[0]
-        used = sum(lengths[start:start + n])
-        assert used <= 30 or n == 1  # a sample longer than the budget goes alone
-        assert p["packed"] is True
-        start += n
+        used = sum(lengths[int(i)] for i in p["rows"])
+        assert used <= 30 or len(p["rows"]) == 1  # a sample longer than the budget goes alone
+        assert p["packed"] is True and torch.equal(p["sequences"], batch["sequences"][p["rows"]])
 
 
 def test_packed_logprobs_equal_the_padded_forward():

@@ -20,20 +20,27 @@ PACKED = "packed"
 
 
 def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
-    """Consecutive slices of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample
-    longer than the budget is a slice of its own), each marked for the packed forward."""
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    parts, start, used = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and used + n > max_tokens:
-            parts.append((start, i))
-            start, used = i, 0
+    """Micro batches of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample longer
+    than the budget is one of its own), each marked for the packed forward. Samples are taken longest
+    first, so a micro batch holds samples of similar length and its packed rows waste few slots; each
+    micro batch keeps its samples' places in ``batch`` under ``"rows"`` (the gradient of a sum over
+    micro batches does not depend on how samples are grouped)."""
+    lengths = batch["attention_mask"].sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    groups, current, used = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if current and used + n > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
         used += n
-    parts.append((start, len(lengths)))
+    groups.append(current)
     out = []
-    for a, b in parts:
-        part = {k: (v[a:b] if torch.is_tensor(v) or isinstance(v, list) else v) for k, v in batch.items()}
-        part[PACKED] = True
+    for idx in groups:
+        part = {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx] if isinstance(v, list) else v)
+                for k, v in batch.items()}
+        part[PACKED], part["rows"] = True, torch.tensor(idx)
         out.append(part)
     return out
 
@@ -89,4 +96,9 @@ def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[st
     """``fn`` (a no-grad per-token pass, ``[b, T]``) over token-budget micro batches, concatenated."""
     if not max_tokens:
         return fn(batch)
-    return torch.cat([fn(part) for part in token_budget_split(batch, max_tokens)], dim=0)
+    parts = token_budget_split(batch, max_tokens)
+    results = [fn(part) for part in parts]
+    out = results[0].new_zeros((batch["sequences"].shape[0], *results[0].shape[1:]))
+    for part, result in zip(parts, results):
+        out[part["rows"]] = result
+    return out
