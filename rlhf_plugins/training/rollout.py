@@ -104,23 +104,25 @@ def step_rollout(trainer: Any, idx: list[int], params: Any) -> Rollout:
     """One step's samples for prompts ``idx`` (scored later by the loop): a plugin's own rollout
     (``rlhf_rollout``), else multi-turn trajectories, else the engine's single-turn samples."""
     p = trainer.prompts
-    rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
-    custom = trainer.pm.hook.rlhf_rollout(prompts=[p.prompts[i] for i in idx], rows=rows, params=params,
-                                          engine=trainer.engine, tokenizer=trainer.tokenizer)
-    if custom is not None:
-        from .custom_rollout import custom_rollout
+    hook = trainer.pm.hook.rlhf_rollout
+    if hook.get_hookimpls() or trainer.env_runner is not None:  # rows only when someone reads them
+        rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
+        custom = hook(prompts=[p.prompts[i] for i in idx], rows=rows, params=params, engine=trainer.engine,
+                      tokenizer=trainer.tokenizer)
+        if custom is not None:
+            from .custom_rollout import custom_rollout
 
-        return custom_rollout(trainer, idx, params, custom)
-    if trainer.env_runner is not None:
-        return env_rollout(trainer, idx, params)
+            return custom_rollout(trainer, idx, params, custom)
+        if trainer.env_runner is not None:
+            return env_rollout(trainer, idx, params, rows)
     samples, versions = trainer.sample([p.prompt_ids[i] for i in idx], params)
     return sampled_rollout(p, trainer.tokenizer, idx, samples, versions, params.n)
 
 
-def env_rollout(trainer: Any, idx: list[int], params: Any) -> Any:
-    """One step's trajectories for prompts ``idx`` as a Rollout (scored later by the loop)."""
+def env_rollout(trainer: Any, idx: list[int], params: Any, rows: list[dict[str, Any]]) -> Any:
+    """One step's trajectories for prompts ``idx`` (``rows``: their dataset rows) as a Rollout
+    (scored later by the loop)."""
     p, n = trainer.prompts, params.n
-    rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
     where = [f"dataset row {i + 1}" for i in idx]
     traj = trainer.env_runner.run(trainer.engine.generate, [p.prompts[i] for i in idx], rows, where, params)
     per_sample = [i for i in idx for _ in range(n)]
