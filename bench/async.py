@@ -6,8 +6,9 @@ at 32 prompts x 16 samples per step, where making a rollout (generation, reward,
 log-probs) and training on it take similar time.
 Each K is run with several seeds; throughput is measured after the first step (start-up excluded),
 learning as the reward gain (mean of the last 10 steps minus the first 10). A second part runs
-K = 1 on long, variable-length completions (high temperature, a long budget) with and without
-partial rollouts, and reports engine and learner idle time.
+K = 1 on long, variable-length completions (a random model of the same shape whose completions
+end at random, up to 64 tokens) with and without partial rollouts, and reports engine and learner
+idle time (``--partial-only`` runs that half alone).
 
     python bench/async.py --steps 60 --seeds 0 1 2 --json bench/results/async.json --png bench/results/async.png
 """
@@ -26,10 +27,40 @@ CORRECTED = {"policy_loss": {"mismatch": "tis"}}
 #: the default task at a batch where generation and training take similar time
 SHAPE = {"prompts_per_step": 32}
 SAMPLES = 16
-LONG = {"max_new_tokens": 48, "temperature": 2.5}
+#: the partial-rollout half: a random model of the default's shape whose completions end at random
+#: (median about 15 tokens, many run to the budget), so generation time varies a lot between samples
+LONG = {"max_new_tokens": 64, "temperature": 1.0}
+EOS_LIFT = 0.2
 
 
-def run(k: int, seed: int, steps: int, generation: dict | None = None, train: dict | None = None) -> dict:
+def long_talker(out: Path) -> str:
+    """A random Llama with the default model's shape and tokenizer, built so that completions are
+    long and of very different lengths: one residual feature is held constant (the embedding sets
+    it, no layer writes it) and only the EOS logit reads it, so EOS comes at a steady small rate."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.models.tiny_model import default_model_path
+
+    src = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        eos = tokenizer.eos_token_id
+        model.lm_head.weight[eos] = 0.0
+        model.lm_head.weight[eos, 0] = EOS_LIFT
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def run(k: int, seed: int, steps: int, generation: dict | None = None, train: dict | None = None,
+        model: str | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from rlhf_plugins.api import prepare
@@ -40,7 +71,9 @@ def run(k: int, seed: int, steps: int, generation: dict | None = None, train: di
     raw = {**RAY, "algo": CORRECTED, "train": {**SHAPE, **(train or {}), "steps": steps, "seed": seed,
                                                  "max_staleness": k},
            "generation": {"n_samples_per_prompt": SAMPLES, **(generation or {})}}
-    path = default_model_path()
+    path = model or default_model_path()
+    if model:
+        raw["model"] = {"path": model}
     config, pm, plan = prepare(raw, autoload=False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, path)
@@ -95,11 +128,20 @@ def main() -> None:
     p.add_argument("--partial-steps", type=int, default=20)
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
+    p.add_argument("--partial-only", action="store_true",
+                   help="run only the partial-rollout half and update its part of --json")
     args = p.parse_args()
 
     import ray
 
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    if args.partial_only:
+        partial = partial_rollouts(args)
+        ray.shutdown()
+        if args.json:
+            old = json.loads(args.json.read_text())
+            args.json.write_text(json.dumps({**old, "partial": partial}, indent=1))
+        return
     results: dict[str, list[dict]] = {f"K={k}": [] for k in (0, 1, 2)}
     for seed in args.seeds:  # K interleaved per seed: a slow spell of the machine hits every K alike
         for k in (0, 1, 2):
@@ -124,21 +166,32 @@ def main() -> None:
         print(f"{name}: {s['steps_per_s_mean']:.2f} steps/s ({s['speedup_vs_sync']:.2f}x sync), reward gain "
               f"{s['reward_gain_mean']:+.3f} (spread {s['reward_gain_spread']:.3f}, vs sync {s['gain_minus_sync']:+.3f})",
               flush=True)
-    partial = {}
-    for name, generation in (("K=1 long completions", LONG),
-                             ("K=1 long completions, partial rollouts",
-                              {**LONG, "partial_rollout": True, "partial_chunk_tokens": 8})):
-        partial[name] = r = run(1, args.seeds[0], args.partial_steps, generation)
-        r.pop("rewards")
-        print(f"{name}: {r['steps_per_s']:.2f} steps/s, learner idle {r['learner_idle_s_per_step']:.3f} s/step, "
-              f"engine idle {r['engine_idle_s_per_step']:.3f} s/step, staleness {r['staleness_mean']:.2f}, "
-              f"length {r['completion_length']:.1f}", flush=True)
+    partial = partial_rollouts(args)
     ray.shutdown()
     if args.png:
         plot(results, args.png)
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "summary": summary,
                                          "partial": partial, "runs": results}, indent=1))
+
+
+def partial_rollouts(args: argparse.Namespace) -> dict[str, dict]:
+    """K = 1 on long, variable-length completions (the random long talker), whole vs partial rollouts."""
+    import tempfile
+
+    partial = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = long_talker(Path(tmp) / "long-talker")
+        for name, generation in (("K=1 long completions", LONG),
+                                 ("K=1 long completions, partial rollouts",
+                                  {**LONG, "partial_rollout": True, "partial_chunk_tokens": 8})):
+            partial[name] = r = run(1, args.seeds[0], args.partial_steps, generation, model=model)
+            time.sleep(5)
+            r.pop("rewards")
+            print(f"{name}: {r['steps_per_s']:.2f} steps/s, learner idle {r['learner_idle_s_per_step']:.3f} s/step, "
+                  f"engine idle {r['engine_idle_s_per_step']:.3f} s/step, staleness {r['staleness_mean']:.2f}, "
+                  f"length {r['completion_length']:.1f}", flush=True)
+    return partial
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def test_the_worker_held_to_zero_staleness_reproduces_the_synchronous_loop(tiny_
     from rlhf_plugins.training.async_rollouts import async_step
 
     monkeypatch.chdir(tmp_path)
-    raw = {"train": {"prompts_per_step": 4, "steps": 4}, "generation": {"n_samples_per_prompt": 4},
+    # one generation call per rollout, as the synchronous loop makes (parts: the next test)
+    raw = {"train": {"prompts_per_step": 4, "steps": 4}, "generation": {"n_samples_per_prompt": 4, "rollout_parts": 1},
            "learner": {"epochs": 2}, "algo": {"kl": {"coef": 0.05}}}
     sync = in_process_trainer(tiny_model, raw)
     expected = [sync.step(s) for s in range(4)]
@@ -51,6 +52,36 @@ def test_the_worker_held_to_zero_staleness_reproduces_the_synchronous_loop(tiny_
     assert [comparable(m) for m in got] == [comparable(m) for m in expected]
     assert all(m["async/staleness_max"] == 0 for m in got)
     assert expected[3]["kl"] != 0  # the policy did move away from the reference: the runs compared are not trivial
+
+
+def test_a_rollout_made_in_parts_is_scored_whole_with_the_reference_of_each_part(tiny_model, tmp_path, monkeypatch):
+    """generation.rollout_parts 3: the step's prompts (in the sampler's order) are generated in three
+    calls of whole prompt groups, each with its own seed; the reference log-probs gathered from the
+    parts equal the reference model's on the whole batch; rewards are those of the whole rollout."""
+    from rlhf_plugins.training.async_rollouts import RolloutWorker
+    from rlhf_plugins.training.rollout import make_batch
+
+    monkeypatch.chdir(tmp_path)
+    raw = {"train": {"prompts_per_step": 6, "max_staleness": 1}, "algo": {"policy_loss": {"mismatch": "tis"}},
+           "generation": {"n_samples_per_prompt": 3, "rollout_parts": 3, "temperature": 1.5}}
+    t = in_process_trainer(tiny_model, raw)
+    calls, generate = [], t.engine.generate
+    t.engine.generate = lambda ids, params: calls.append((len(ids), params.seed)) or generate(ids, params)
+    try:
+        order = t.sampler.__class__(len(t.prompts), 0, t.config.data.shuffle).take(6)
+        worker = RolloutWorker(t, start=False)
+        rollout, metrics, pending = worker._collect(step=0)
+        batch = pending.result()
+        whole = t.reference.logprobs(make_batch(rollout, t.pad_id))
+    finally:
+        t.shutdown()
+    assert [n for n, _ in calls] == [2, 2, 2] and len({seed for _, seed in calls}) == 3
+    assert rollout.prompts == [t.prompts.prompts[i] for i in order for _ in range(3)]
+    mask = batch["action_mask"].bool()
+    assert batch["ref_logprobs"].shape == whole.shape
+    assert torch.allclose(batch["ref_logprobs"][mask], whole[mask], atol=1e-5)
+    assert metrics["reward/mean"] == pytest.approx(sum(rollout.raw_scores) / 18) and len(rollout.scores) == 18
+    assert metrics["time/reference"] > 0
 
 
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.integration)])

@@ -1,9 +1,8 @@
 """Typed run configuration: dataclasses, loaded from YAML, overridden by dotted flags.
 
-``rlhf train --config ppo.yaml --algo.advantage.estimator gae`` reads the YAML,
-applies each ``--section.field value`` on top, and checks every key and type
-before any process, model or GPU is taken (:mod:`rlhf_plugins.config.loading`). Plugins add their own sections through
-the ``rlhf_add_options`` hook; those are typed and checked the same way.
+``rlhf train --config ppo.yaml --algo.advantage.estimator gae`` reads the YAML, applies each ``--section.field
+value`` on top, and checks every key and type before any process, model or GPU is taken
+(:mod:`rlhf_plugins.config.loading`). Plugins add typed, checked sections through the ``rlhf_add_options`` hook.
 """
 from __future__ import annotations
 
@@ -61,6 +60,9 @@ class GenerationConfig:
     partial_rollout: bool = False
     #: tokens per chunk of a partial rollout (weights can change after every chunk)
     partial_chunk_tokens: int = setting(32, ge=1)
+    #: with train.max_staleness >= 1 and a reference model: generate a rollout in this many parts (whole
+    #: prompt groups); the reference model scores each part while the engine generates the next
+    rollout_parts: int = setting(2, ge=1)
 
 
 @dataclass
@@ -334,10 +336,8 @@ class Config:
 
     def section(self, name: str) -> Any:
         """A plugin's config section (added with ``options.add_section``)."""
-        if name in self.extra:
-            return self.extra[name]
-        value = getattr(self, name, None)
-        if dataclasses.is_dataclass(value):
+        value = self.extra[name] if name in self.extra else getattr(self, name, None)
+        if name in self.extra or dataclasses.is_dataclass(value):
             return value
         raise KeyError(f"no config section '{name}'")
 

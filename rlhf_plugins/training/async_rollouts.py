@@ -12,9 +12,10 @@ With ``generation.partial_rollout`` the worker generates in chunks of
 generation continues from its prefix (resubmitted to the engine, which works for every backend)
 under the newest policy, and each token records the version that sampled it.
 
-The reference model's log-probs of each rollout (they depend on the rollout alone) are computed
-in a thread of their own while the engine generates the next rollout, so the learner's path is
-its own forwards and update. Weight syncs run in the
+The reference model's log-probs (they depend on the rollout alone) are computed in a thread of
+their own, off the learner's path. A rollout is generated in ``generation.rollout_parts`` parts
+(whole prompt groups, one engine call each) and the reference scores each part while the engine
+generates the next, so only the last part's reference pass lies between admission and the learner. Weight syncs run in the
 worker, between generation calls, under the learner's lock: the learner is held only for the sync
 itself. Held-out evaluation shares the engine through the same engine
 lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
@@ -31,8 +32,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..protocols import Samples, SamplingParams
-from .rollout import make_batch
+from .rollout import Rollout, make_batch, step_rollout
 
 
 @dataclass
@@ -85,6 +88,7 @@ class RolloutWorker:
         self.last_step = c.train.steps
         self.partial = c.generation.partial_rollout
         self.chunk = c.generation.partial_chunk_tokens
+        self.parts = c.generation.rollout_parts
         self.cond = threading.Condition()
         self.queue: deque[Produced] = deque()
         self.learner_version = trainer.step_count
@@ -175,10 +179,7 @@ class RolloutWorker:
                 self.sync_seconds = 0.0
                 self.catch_up(required=step - self.k)
                 t.reward_retries = 0
-                rollout, metrics = t.collect(step)
-                if t.config.reward.max_retries:
-                    metrics["reward/retries"] = float(t.reward_retries)
-                batch = self.finisher.submit(self._finish, rollout, metrics)
+                rollout, metrics, batch = self._collect(step)
                 item = Produced(step, rollout, metrics, dict(t.sampler.state_dict()), waited, self.sync_seconds, batch)
                 with self.cond:
                     self.queue.append(item)
@@ -193,13 +194,51 @@ class RolloutWorker:
                 self.error = exc
                 self.cond.notify_all()
 
-    def _finish(self, rollout: Any, metrics: dict[str, float]) -> dict[str, Any]:
+    def _collect(self, step: int) -> tuple[Any, dict[str, float], Future]:
+        """The rollout of ``step``, its metrics, and its batch to come (with reference log-probs).
+        In parts (whole prompt groups, ``generation.rollout_parts``), the reference scores each part
+        while the engine generates the next, so only the last part's reference pass is on the path
+        from admission to the learner; scored as one rollout (shaping sees the whole batch)."""
+        t = self.trainer
+        parts = min(self.parts, t.config.train.prompts_per_step)
+        plain = not t.pm.hook.rlhf_rollout.get_hookimpls() and t.env_runner is None
+        if parts <= 1 or t.reference is None or t.config.reward.dynamic_filtering or not plain:
+            rollout, metrics = t.collect(step)
+            self._retries(metrics)
+            return rollout, metrics, self.finisher.submit(self._finish, rollout, metrics, None)
+        idx = t.sampler.take(t.config.train.prompts_per_step)
+        pieces, refs = [], []
+        for i in range(parts):
+            piece = step_rollout(t, idx[i * len(idx) // parts:(i + 1) * len(idx) // parts], t.params_at(step, i))
+            pieces.append(piece)
+            refs.append(self.finisher.submit(self._reference, piece))
+        rollout = t.score(step, Rollout.concat(pieces))
+        metrics = {"reward/mean": sum(rollout.raw_scores) / len(rollout)}
+        self._retries(metrics)
+        return rollout, metrics, self.finisher.submit(self._finish, rollout, metrics, refs)
+
+    def _reference(self, piece: Any, batch: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        batch = make_batch(piece, self.trainer.pad_id) if batch is None else batch
+        return self.trainer.reference.logprobs(batch), time.perf_counter() - start
+
+    def _retries(self, metrics: dict[str, float]) -> None:
+        if self.trainer.config.reward.max_retries:
+            metrics["reward/retries"] = float(self.trainer.reward_retries)
+
+    def _finish(self, rollout: Any, metrics: dict[str, float], parts: list[Future] | None) -> dict[str, Any]:
+        """The rollout's batch with its reference log-probs: computed here, or gathered from the
+        parts' (each part's width padded to the batch's)."""
         t = self.trainer
         batch = make_batch(rollout, t.pad_id)
         if t.reference is not None:
-            start = time.perf_counter()
-            batch["ref_logprobs"] = t.reference.logprobs(batch)
-            metrics["time/reference"] = time.perf_counter() - start
+            if parts is None:
+                done = [self._reference(rollout, batch)]
+            else:
+                done = [f.result() for f in parts]
+            width = batch["action_mask"].shape[1]
+            batch["ref_logprobs"] = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp, _ in done])
+            metrics["time/reference"] = sum(seconds for _, seconds in done)
         return batch
 
     def catch_up(self, required: int | None = None) -> None:

@@ -157,8 +157,15 @@ class Trainer:
         """Sample ``n`` completions for the next ``prompts_per_step`` prompts, and score them."""
         c = self.config
         idx = self.sampler.take(c.train.prompts_per_step)
-        params = dataclasses.replace(self.sampling, seed=c.train.seed * 1_000_003 + step * 101 + round_)
-        rollout = step_rollout(self, idx, params)
+        return self.score(step, step_rollout(self, idx, self.params_at(step, round_)))
+
+    def params_at(self, step: int, round_: int = 0) -> SamplingParams:
+        """The sampling parameters of a step's ``round_``-th generation call (its seed)."""
+        return dataclasses.replace(self.sampling, seed=self.config.train.seed * 1_000_003 + step * 101 + round_)
+
+    def score(self, step: int, rollout: Rollout) -> Rollout:
+        """Score a rollout in place: reward functions or models, then shaping."""
+        c = self.config
         result = self.reward.score(RewardBatch.of(self.tokenizer, rollout.prompts, rollout.prompt_ids,
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
                                                   rollout.finish_reasons, bool(c.reward.remote_urls)))

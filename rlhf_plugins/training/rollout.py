@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -145,7 +146,8 @@ def env_rollout(trainer: Any, idx: list[int], params: Any, rows: list[dict[str, 
 
 
 def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
-    """Left-pad prompts, right-pad completions: ``sequences = [prompt | completion]``."""
+    """Left-pad prompts, right-pad completions: ``sequences = [prompt | completion]`` (filled by
+    scatter from the flattened lists: no per-row tensor)."""
     B = len(rollout)
     P = max(len(p) for p in rollout.prompt_ids)
     T = max(max(len(c) for c in rollout.completion_ids), 1)
@@ -153,14 +155,22 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
     attention = torch.zeros((B, P + T), dtype=torch.long)
     action = torch.zeros((B, T), dtype=torch.float32)
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids)):
-        sequences[i, P - len(p) : P] = torch.tensor(p)
-        attention[i, P - len(p) : P] = 1
-        if c:
-            sequences[i, P : P + len(c)] = torch.tensor(c)
-            attention[i, P : P + len(c)] = 1
-            action[i, : len(c)] = torch.tensor(rollout.action_masks[i], dtype=torch.float32) if rollout.action_masks else 1
-            rollout_lp[i, : len(c)] = torch.tensor(rollout.rollout_logprobs[i][: len(c)])
+    p_rows, p_cols = _ragged(rollout.prompt_ids, left=P)
+    sequences[p_rows, p_cols] = torch.tensor(list(chain.from_iterable(rollout.prompt_ids)), dtype=torch.long)
+    attention[p_rows, p_cols] = 1
+    c_rows, c_cols = _ragged(rollout.completion_ids)
+    if len(c_rows):
+        completions = rollout.completion_ids
+        sequences[c_rows, P + c_cols] = torch.tensor(list(chain.from_iterable(completions)), dtype=torch.long)
+        attention[c_rows, P + c_cols] = 1
+        if rollout.action_masks:
+            action[c_rows, c_cols] = torch.tensor(list(chain.from_iterable(rollout.action_masks)), dtype=torch.float32)
+        else:
+            action[c_rows, c_cols] = 1.0
+        lps = rollout.rollout_logprobs
+        if any(len(lp) != len(c) for lp, c in zip(lps, completions)):
+            lps = [lp[: len(c)] for lp, c in zip(lps, completions)]
+        rollout_lp[c_rows, c_cols] = torch.tensor(list(chain.from_iterable(lps)), dtype=torch.float32)
     return {
         "sequences": sequences,
         "attention_mask": attention,
@@ -172,6 +182,16 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         "group_size": rollout.group_size,
         "prompt_width": P if _groups_share_prompts(rollout) else None,
     }
+
+
+def _ragged(rows: list[list[Any]], left: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every element of ragged ``rows`` laid out from column 0, or ending at
+    column ``left`` (left padding)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(int(lengths.sum())) - starts[row]
+    return row, col if left is None else col + (left - lengths)[row]
 
 
 def _groups_share_prompts(rollout: Rollout) -> bool:
