@@ -28,6 +28,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` by inverse-CDF sampling with the given uniforms in [0, 1):
+    exact for the categorical distribution, and it needs one random number per row instead of one
+    per vocabulary entry (``torch.multinomial`` and the exponential race are bound by that RNG).
+    A token of probability 0 is never drawn (its CDF step has zero width)."""
+    cdf = probs.cumsum(-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
 class TransformersEngine:
     """Engine of the ``transformers`` generation backend."""
 
@@ -68,13 +78,15 @@ class TransformersEngine:
         logps = torch.zeros((B, params.max_new_tokens))
         lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long)
         done = torch.zeros(B, dtype=torch.bool)
+        uniforms = torch.rand((params.max_new_tokens, B), generator=gen)
+        filtered = params.top_k or params.top_p < 1.0
         for t in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float()
             if params.temperature != 1.0:
                 logits = logits / params.temperature
             logprobs_all = torch.log_softmax(logits, dim=-1)
-            sample_logits = filter_logits(logits, params.top_k, params.top_p)
-            token = torch.multinomial(torch.softmax(sample_logits, dim=-1), 1, generator=gen).squeeze(-1)
+            probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1) if filtered else logprobs_all.exp()
+            token = sample_from(probs, uniforms[t])
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens[:, t] = token
             logps[:, t] = logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0)
