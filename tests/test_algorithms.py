@@ -511,3 +511,24 @@ def test_gspo_defaults_to_the_sequence_mean_and_dr_grpo_to_the_budget():
     assert c.algo.policy_loss.aggregation == "token-mean" and c.algo.policy_loss.norm_length == 64
     c, _, _ = prepare({}, autoload=False)
     assert c.algo.policy_loss.aggregation == "token-mean"
+
+
+def test_inverse_cdf_sampling_draws_the_categorical_distribution_and_never_a_filtered_token():
+    """The transformers engine's sampler: token frequencies over many draws match the probabilities
+    (5 binomial standard deviations), tokens removed by top-k have probability 0 and are never
+    drawn, and the extreme uniforms land on the first and last tokens that can be drawn."""
+    from rlhf_plugins.engines.transformers_engine import filter_logits, sample_from
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 12, generator=g) * 2
+    probs = torch.softmax(filter_logits(logits, top_k=5, top_p=1.0), -1)
+    n = 200_000
+    for row in range(2):
+        drawn = sample_from(probs[row].expand(n, -1), torch.rand(n, generator=g))
+        freq = torch.bincount(drawn, minlength=12).double() / n
+        p = probs[row].double()
+        assert (freq[p == 0] == 0).all() and int((p > 0).sum()) == 5
+        assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-12).all(), (freq, p)
+        kept = (p > 0).nonzero().flatten()
+        edges = sample_from(probs[row].expand(2, -1), torch.tensor([0.0, 1.0 - 1e-7]))
+        assert edges.tolist() == [int(kept[0]), int(kept[-1])]
