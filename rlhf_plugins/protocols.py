@@ -63,6 +63,8 @@ class Samples:
     logprobs: list[list[float]] = field(default_factory=list)
     #: "stop" (EOS) or "length" (the token budget ran out)
     finish_reasons: list[str] = field(default_factory=list)
+    #: prompt tokens the engine served from its prefix cache (None: the engine does not say)
+    cached_prompt_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)

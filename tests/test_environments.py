@@ -419,6 +419,10 @@ def test_calculator_environment_on_vllm_keeps_engine_and_learner_in_step(rlhf):
     # every turn's tokens were sampled by vLLM; the learner's log-probs of them match vLLM's
     assert all(r["mismatch/abs_log_ratio"] < 1e-3 for r in rows)
     assert "enable_prefix_caching: true" in (the_run() / "config.yaml").read_text()
+    # later turns resubmit the trajectory so far: vLLM serves most of it from its prefix cache
+    # (whole KV blocks only, so not all of it)
+    later = [r["env/prefix_cache_hit_rate"] for r in rows if "env/prefix_cache_hit_rate" in r]
+    assert later and all(rate > 0.3 for rate in later), later
 
 
 def test_rlhf_eval_samples_trajectories_in_the_environment(rlhf):

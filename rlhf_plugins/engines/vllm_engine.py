@@ -99,6 +99,8 @@ class VLLMEngine:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
                                     lora_request=self._take_lora())
         samples = Samples()
+        cached = [r.num_cached_tokens for r in outputs if getattr(r, "num_cached_tokens", None) is not None]
+        samples.cached_prompt_tokens = sum(cached) if cached else None
         for i, request in enumerate(outputs):
             for completion in request.outputs:
                 samples.prompt_index.append(i)

@@ -48,6 +48,10 @@ class Trajectories:
     turns: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
     tool_failures: list[int] = field(default_factory=list)
+    #: prompt tokens of the turns after the first, and how many of them the engine's prefix cache
+    #: served (None: the engine does not say)
+    later_prompt_tokens: int = 0
+    later_cached_tokens: int | None = None
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.turns), 1)
@@ -63,6 +67,8 @@ class Trajectories:
         }
         for reason in FINISH_REASONS:
             out[f"env/finish_{reason}"] = sum(r == reason for r in self.finish_reasons) / n
+        if self.later_cached_tokens is not None and self.later_prompt_tokens:
+            out["env/prefix_cache_hit_rate"] = self.later_cached_tokens / self.later_prompt_tokens
         return out
 
 
@@ -177,6 +183,9 @@ class EnvRunner:
                 samples = generate(contexts[::n], dataclasses.replace(turn_params, n=n))
             else:
                 samples = generate(contexts, turn_params)
+                if turn > 0 and getattr(samples, "cached_prompt_tokens", None) is not None:
+                    out.later_cached_tokens = (out.later_cached_tokens or 0) + samples.cached_prompt_tokens
+                    out.later_prompt_tokens += sum(len(c) for c in contexts)
             stepping, texts, prefixes = [], [], []
             for j, i in enumerate(active):
                 ids, lps = list(samples.completion_ids[j]), list(samples.logprobs[j])
