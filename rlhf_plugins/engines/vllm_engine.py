@@ -68,6 +68,8 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep_enabled,
             use_tqdm_on_load=False,  # our own output says what is loading
         )
+        if o.block_size:
+            kwargs["block_size"] = o.block_size
         self.lora_request: Any = None
         self.lora_dir: Path | None = None
         if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them
