@@ -3,6 +3,7 @@ the uninterrupted run; on Ray a killed engine or learner rank is restarted and t
 every step; a call that hangs stops the run naming the role, rank and method."""
 from __future__ import annotations
 
+import shutil
 import textwrap
 
 import pytest
@@ -35,16 +36,22 @@ def close(a: list[dict], b: list[dict], keys=("loss/policy", "reward/mean", "kl"
     ["--deepspeed.zero_stage", "3", *RAY, "--ray.actor_workers", "2"],
 ], ids=["zero2-local", "zero3-local", "zero3-ray-2-ranks"])
 def test_deepspeed_resume_matches_the_uninterrupted_run(tmp_path, tiny_model, placement):
+    """A copy of the whole run, resumed from its step-2 checkpoint (the later lines dropped), makes
+    steps 2 and 3 again from DeepSpeed's restored partitions exactly as the whole run made them."""
     flags = ["--learner.backend", "deepspeed", *placement, *SHORT]
     whole = train(tmp_path, *flags, "--train.steps", "4", "--train.run_name", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    part = train(tmp_path, *flags, "--train.steps", "2", "--train.run_name", "part")
-    assert part.returncode == 0, part.stderr[-3000:]
-    ckpt = tmp_path / "runs" / "part" / "checkpoints" / "step-000002" / "actor" / "zero"
-    assert ckpt.is_dir() and list(ckpt.glob("*optim_states.pt"))  # DeepSpeed's own partitions
-    resumed = train(tmp_path, "--resume", str(tmp_path / "runs" / "part"), "--train.steps", "4")
+    runs = tmp_path / "runs"
+    shutil.copytree(runs / "whole", runs / "part")
+    ckpt = runs / "part" / "checkpoints" / "step-000002"
+    assert list((ckpt / "actor" / "zero").glob("*optim_states.pt"))  # DeepSpeed's own partitions
+    resumed = train(tmp_path, "--resume", str(ckpt))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    close(metrics_of(tmp_path / "runs" / "whole"), metrics_of(tmp_path / "runs" / "part"))
+    assert "after step 2" in resumed.stdout
+    part, whole = metrics_of(runs / "part"), metrics_of(runs / "whole")
+    assert [r["step"] for r in part] == [0, 1, 2, 3]
+    assert part[:2] == whole[:2] and all(p["time/step"] != w["time/step"] for p, w in zip(part[2:], whole[2:]))  # remade
+    close(whole, part)
 
 
 KILLER = textwrap.dedent("""
