@@ -15,10 +15,9 @@ under the newest policy, and each token records the version that sampled it.
 The reference model's log-probs (they depend on the rollout alone) are computed in a thread of
 their own, off the learner's path. A rollout is generated in ``generation.rollout_parts`` parts
 (whole prompt groups, one engine call each) and the reference scores each part while the engine
-generates the next, so only the last part's reference pass lies between admission and the learner. Weight syncs run in the
-worker, between generation calls, under the learner's lock: the learner is held only for the sync
-itself. Held-out evaluation shares the engine through the same engine
-lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
+generates the next, so only the last part's reference pass lies between admission and the learner.
+Weight syncs run in the worker, between generation calls, under the learner's lock: the learner is
+held only for the sync itself. Held-out evaluation shares the engine through the same engine lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
 resumed run regenerates the queue from there with the restored policy (deterministic prompts and
 seeds, but not the staler weights the interrupted run had used).
 """
