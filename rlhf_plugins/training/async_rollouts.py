@@ -17,8 +17,9 @@ their own, off the learner's path. A rollout is generated in ``generation.rollou
 (whole prompt groups, one engine call each) and the reference scores each part while the engine
 generates the next, so only the last part's reference pass lies between admission and the learner.
 Weight syncs run in the worker, between generation calls, under the learner's lock: the learner is
-held only for the sync itself. Held-out evaluation shares the engine through the same engine lock. Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a
-resumed run regenerates the queue from there with the restored policy (deterministic prompts and
+held only for the sync itself. Held-out evaluation shares the engine through the same engine lock.
+Checkpoints record the prompt sampler at the next rollout the learner has not consumed; a resumed
+run regenerates the queue from there with the restored policy (deterministic prompts and
 seeds, but not the staler weights the interrupted run had used).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ..protocols import Samples, SamplingParams
-from .rollout import Rollout, make_batch, step_rollout
+from .rollout import Rollout, make_batch, reads_rows, step_rollout
 
 
 @dataclass
@@ -200,8 +201,7 @@ class RolloutWorker:
         from admission to the learner; scored as one rollout (shaping sees the whole batch)."""
         t = self.trainer
         parts = min(self.parts, t.config.train.prompts_per_step)
-        plain = not t.pm.hook.rlhf_rollout.get_hookimpls() and t.env_runner is None
-        if parts <= 1 or t.reference is None or t.config.reward.dynamic_filtering or not plain:
+        if parts <= 1 or t.reference is None or t.config.reward.dynamic_filtering or reads_rows(t):
             rollout, metrics = t.collect(step)
             self._retries(metrics)
             return rollout, metrics, self.finisher.submit(self._finish, rollout, metrics, None)

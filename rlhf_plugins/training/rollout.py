@@ -105,11 +105,10 @@ def step_rollout(trainer: Any, idx: list[int], params: Any) -> Rollout:
     """One step's samples for prompts ``idx`` (scored later by the loop): a plugin's own rollout
     (``rlhf_rollout``), else multi-turn trajectories, else the engine's single-turn samples."""
     p = trainer.prompts
-    hook = trainer.pm.hook.rlhf_rollout
-    if hook.get_hookimpls() or trainer.env_runner is not None:  # rows only when someone reads them
+    if reads_rows(trainer):  # rows only when someone reads them
         rows = [{"prompt": p.prompts[i], **{k: v[i] for k, v in p.columns.items()}} for i in idx]
-        custom = hook(prompts=[p.prompts[i] for i in idx], rows=rows, params=params, engine=trainer.engine,
-                      tokenizer=trainer.tokenizer)
+        custom = trainer.pm.hook.rlhf_rollout(prompts=[p.prompts[i] for i in idx], rows=rows, params=params,
+                                              engine=trainer.engine, tokenizer=trainer.tokenizer)
         if custom is not None:
             from .custom_rollout import custom_rollout
 
@@ -118,6 +117,12 @@ def step_rollout(trainer: Any, idx: list[int], params: Any) -> Rollout:
             return env_rollout(trainer, idx, params, rows)
     samples, versions = trainer.sample([p.prompt_ids[i] for i in idx], params)
     return sampled_rollout(p, trainer.tokenizer, idx, samples, versions, params.n)
+
+
+def reads_rows(trainer: Any) -> bool:
+    """A rollout plugin or an environment may make the step's samples (else: the engine's plain
+    single-turn samples)."""
+    return bool(trainer.pm.hook.rlhf_rollout.get_hookimpls()) or trainer.env_runner is not None
 
 
 def env_rollout(trainer: Any, idx: list[int], params: Any, rows: list[dict[str, Any]]) -> Any:
