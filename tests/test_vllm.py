@@ -115,6 +115,33 @@ class TestEngine:
         assert verify_parity(Actor(model), engine, batch) < 1e-4
 
 
+def test_engine_dtype_auto_runs_a_float32_model_in_vllms_dtype_and_takes_float32_weights(tiny_model):
+    """``--vllm.dtype auto``: vLLM picks its dtype (bfloat16 on CPU for a float32 checkpoint), as
+    vLLM's own users and TRL's vLLM path get, while the learner stays in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "vllm": {"dtype": "auto"}}, autoload=False)
+    assert config.model.dtype == "float32"
+    engine = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
+    try:
+        assert engine.llm.llm_engine.model_config.dtype == torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        engine.load_weights(model.state_dict().items())
+        ids = prompts(tiny_model)
+        batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
+        gap = verify_parity(Actor(model), engine, batch, tol=1.0)
+        assert 1e-4 < gap < 0.1  # bfloat16 rounding of the synced weights: close, not exact (garbage is > 1)
+    finally:
+        engine.shutdown()
+
+
 def test_local_vllm_run_learns_with_matching_rollout_logprobs(rlhf):
     code, _, err = rlhf("train", "--generation.backend", "vllm", "--algo.policy_loss.mismatch", "tis",
                         "--sync.verify", "true", "--train.steps", "40", "--train.progress", "false")

@@ -5,7 +5,7 @@ Adds the ``vllm`` config section (``--vllm.num_engines``, ``--vllm.tensor_parall
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from .._lazy import Lazy
 from .._markers import hookimpl
@@ -25,6 +25,10 @@ class VLLMOptions:
     #: GPU memory fraction for weights + KV cache; on CPU the fraction of NUMA node 0's memory.
     #: Empty: 0.85 on GPU, 0.2 on CPU.
     gpu_memory_utilization: float | None = setting(None, gt=0, le=1)
+    #: the engine's weights and activations: ``model`` (the learner's --model.dtype), ``auto`` (vLLM's
+    #: choice: a float32 checkpoint runs in bfloat16 or float16, as vLLM users and TRL's vLLM path get),
+    #: or a dtype; weight sync casts the learner's tensors to it
+    dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = "model"
     #: no CUDA graphs (faster start, slower decode)
     enforce_eager: bool = True
     #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt, earlier turns)
@@ -53,6 +57,11 @@ def _max_model_len(config: Any) -> int | None:
 
 @hookimpl
 def rlhf_configure(config: Any, plan: Any) -> None:
+    dtype = config.section("vllm").dtype
+    if plan.engine.factory is ENGINE and config.sync.verify and dtype not in ("model", config.model.dtype):
+        raise ConfigError(f"--sync.verify checks that engine and learner log-probs agree to 1e-4, which an engine in "
+                          f"vllm.dtype {dtype} cannot against a {config.model.dtype} learner; drop --sync.verify or "
+                          "set --vllm.dtype model")
     if plan.engine.factory is ENGINE and plan.sync.needs_adapter:
         import importlib.util
 

@@ -57,7 +57,7 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(
             model=model_path,
             trust_remote_code=config.model.trust_remote_code,
-            dtype=config.model.dtype,
+            dtype=config.model.dtype if o.dtype == "model" else o.dtype,
             seed=config.train.seed,
             gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if self.cpu else 0.85),
             max_model_len=o.max_model_len,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import RoleFailed, UsageError
@@ -36,7 +38,10 @@ class RayPlacement:
 
         self.opts = opts = ctx.config.section("ray")
         check_options(opts)
+        begin = time.perf_counter()
         self.started = connect(opts)
+        #: seconds spent starting: joining or starting the cluster, reserving, and each role
+        self.startup: dict[str, float] = {"cluster": time.perf_counter() - begin}
         self._ray = ray
         if ctx.plugin_spec is not None:
             for module in ctx.plugin_spec.file_modules():  # not importable by name in workers
@@ -58,9 +63,16 @@ class RayPlacement:
         #: names this run's actors ``rlhf-<run id>-<role>-<rank>`` (for `ray list actors` and tests)
         self.run_id = uuid.uuid4().hex[:8]
         self.pgs: dict[str, Any] = {}
+        #: every actor this placement made (shutdown kills them even if their role never came up)
+        self.actors: list[Any] = []
+        #: roles start concurrently (their actors import torch and load models side by side);
+        #: ``ready()`` waits for all of them
+        self._starting = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlhf-role-start")
         check_capacity({key: bundles for key, (_, bundles) in self.layout.items()})
+        begin = time.perf_counter()
         for key, (members, bundles) in self.layout.items():
             self.pgs[key] = reserve(bundles, opts.strategy, opts.ready_timeout, name=f"rlhf-{key}")
+        self.startup["placement groups"] = time.perf_counter() - begin
 
     def _layout(self) -> dict[str, tuple[tuple[str, ...], list[dict[str, float]]]]:
         """Placement group key -> (roles in it, bundles)."""
@@ -87,10 +99,23 @@ class RayPlacement:
         raise UsageError(f"ray placement has no slot for role '{role}'; expected one of {', '.join(self.roles)}")
 
     def create_role(self, role: str, cls: type, *args: Any, **kwargs: Any) -> RoleGroup:
+        """The role's group at once; its actors start in the background (``ready()`` waits)."""
         self.specs[role] = (cls, args, kwargs)
-        group = RoleGroup(role, cls, self._start(role, cls, args, kwargs), self.opts.call_timeout or None)
+        started: Future = self._starting.submit(self._timed_start, role, cls, args, kwargs)
+        group = RoleGroup(role, cls, started, self.opts.call_timeout or None)
         self.groups[role] = group
         return group
+
+    def ready(self) -> None:
+        """Wait until every role created so far is constructed; the first failure is raised."""
+        for group in self.groups.values():
+            group.workers  # noqa: B018  (resolves the start, raising what it raised)
+
+    def _timed_start(self, role: str, cls: type, args: tuple, kwargs: dict) -> list[Any]:
+        begin = time.perf_counter()
+        workers = self._start(role, cls, args, kwargs)
+        self.startup[f"role {role}"] = time.perf_counter() - begin
+        return workers
 
     def _start(self, role: str, cls: type, args: tuple, kwargs: dict) -> list[Any]:
         """The role's actors on its bundles, each with its rank's distributed environment."""
@@ -100,7 +125,9 @@ class RayPlacement:
         pg, share, members = self._slot(role)
         bundle_cpus = share.get("CPU", 1.0) * members
         n = self.workers_of[role]
-        env_vars = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        # a cluster this process started inherited our environment; only a joined one needs it passed
+        # (a runtime env also keeps actors off the workers Ray pre-started, costing a process start)
+        env_vars = {} if self.started else {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         remote_cls = ray.remote(RoleWorker)
         workers = [
             remote_cls.options(
@@ -114,6 +141,7 @@ class RayPlacement:
             ).remote(role, rank, n)
             for rank in range(n)
         ]
+        self.actors += workers
         timeout = self.opts.call_timeout or None
         address, port = get(workers[0].free_address.remote(), f"role '{role}' start", timeout)
         ips = get([w.node_ip.remote() for w in workers], f"role '{role}' start", timeout)
@@ -157,13 +185,14 @@ class RayPlacement:
 
     def shutdown(self) -> None:
         ray = self._ray
-        for group in self.groups.values():
-            for worker in group.workers:
-                try:
-                    ray.get(worker.shutdown.remote(), timeout=10)
-                except Exception:
-                    pass
-                ray.kill(worker)
+        self._starting.shutdown(wait=True)
+        for worker in self.actors:
+            try:
+                ray.get(worker.shutdown.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(worker)
+        self.actors.clear()
         self.groups.clear()
         for pg in self.pgs.values():
             release(pg)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -136,10 +137,22 @@ class RayEndpoint:
 
 class RoleGroup:
     """N workers of one role; methods dispatch as the role class declares (:mod:`rlhf_plugins.dispatch`).
-    The object outlives its workers: a restart replaces ``workers`` in place."""
+    The object outlives its workers: a restart replaces ``workers`` in place. ``workers`` may be
+    given as a future of the list (the role still starting); the first use waits for it."""
 
-    def __init__(self, role: str, cls: type, workers: list[Any], timeout: float | None = None) -> None:
-        self.role, self.cls, self.workers, self.timeout = role, cls, workers, timeout
+    def __init__(self, role: str, cls: type, workers: Any, timeout: float | None = None) -> None:
+        self.role, self.cls, self.timeout = role, cls, timeout
+        self._workers = workers
+
+    @property
+    def workers(self) -> list[Any]:
+        if isinstance(self._workers, Future):
+            self._workers = self._workers.result()
+        return self._workers
+
+    @workers.setter
+    def workers(self, workers: list[Any]) -> None:
+        self._workers = workers
 
     def _get(self, refs: Any, method: str, rank: int | None = None) -> Any:
         if rank is None and len(self.workers) == 1:

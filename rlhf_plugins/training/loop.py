@@ -105,6 +105,7 @@ class Trainer:
             if plan.needs_critic else None
         )
         self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
+        getattr(self.placement, "ready", lambda: None)()  # a placement that starts roles concurrently
         self.env_runner = make_env_runner(c, self.pm, self.prompts.columns, self.tokenizer)
         if c.train.max_staleness:
             from .async_rollouts import LockedEngine
