@@ -115,6 +115,23 @@ class TestEngine:
         assert verify_parity(Actor(model), engine, batch) < 1e-4
 
 
+    def test_seeded_prompts_beyond_one_scheduler_step_are_all_sampled(self, engine, tiny_model):
+        """More prompt tokens than vLLM schedules in one step (4096): with chunked prefill, vLLM's CPU
+        build fails on seeded requests ("CPU Generator does not use offset"); the engine prefills whole."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        long = tok.apply_chat_template([{"role": "user", "content": " + ".join(["12"] * 60) + " ="}],
+                                       add_generation_prompt=True)["input_ids"]
+        ids = [long] * 40
+        assert len(long) * len(ids) > 4096 and len(long) + 4 <= 256
+        samples = engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=5))
+        assert samples.prompt_index == [i for i in range(40) for _ in range(2)]
+        assert all(len(c) >= 1 for c in samples.completion_ids)
+        again = engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=5))
+        assert again.completion_ids == samples.completion_ids  # seeded: the same samples
+
+
 def test_engine_dtype_auto_runs_a_float32_model_in_vllms_dtype_and_takes_float32_weights(tiny_model):
     """``--vllm.dtype auto``: vLLM picks its dtype (bfloat16 on CPU for a float32 checkpoint), as
     vLLM's own users and TRL's vLLM path get, while the learner stays in float32."""

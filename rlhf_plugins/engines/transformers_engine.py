@@ -2,7 +2,8 @@
 
 A lean sampling loop over the model's KV cache (no ``generate()`` machinery):
 left-padded prompts, temperature / top-k / top-p, per-token log-probs, early exit
-when every sample has finished.
+when every sample has finished. The KV cache reserves room for prompt + budget
+(:mod:`rlhf_plugins.models.kv_cache`) instead of growing by concatenation.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from ..models.forward import position_ids
+from ..models.kv_cache import reserved_cache
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 
@@ -63,16 +65,19 @@ class TransformersEngine:
             attention[i, P - len(p) :] = 1
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         pos = position_ids(attention)
-        # prefill each prompt once, then share its KV cache among its n samples (prefix sharing)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True, logits_to_keep=1
-        )
+        # prefill each prompt once, then share its KV cache among its n samples (prefix sharing); the
+        # cache reserves room for the whole budget (no per-step copy of it), as does the mask
+        cache = reserved_cache(self.model, P + params.max_new_tokens)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **({"past_key_values": cache} if cache is not None else {}))
         if n > 1:
             out.past_key_values.batch_repeat_interleave(n)
             out.logits = out.logits.repeat_interleave(n, dim=0)
             attention = attention.repeat_interleave(n, dim=0)
             pos = pos.repeat_interleave(n, dim=0)
         B = U * n
+        mask = torch.ones((B, P + params.max_new_tokens), dtype=attention.dtype)
+        mask[:, :P] = attention
         next_pos = pos[:, -1:] + 1
         tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((B, params.max_new_tokens))
@@ -95,10 +100,9 @@ class TransformersEngine:
             done = done | finished_now
             if bool(done.all()) or t + 1 == params.max_new_tokens:
                 break
-            attention = torch.cat([attention, torch.ones((B, 1), dtype=attention.dtype)], dim=1)
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention,
+                attention_mask=mask[:, : P + t + 1],
                 position_ids=next_pos,
                 past_key_values=out.past_key_values,
                 use_cache=True,

@@ -100,10 +100,8 @@ class Trainer:
         learner = (plan.learner, plan.provider(plan.learner))
         self.actor = create("actor", PolicyRole, c, spec, self.model_path, *learner)
         self.reference = create("reference", ReferenceRole, c, spec, self.model_path) if plan.needs_reference else None
-        self.critic = (
-            create("critic", CriticRole, c, spec, c.critic.path or self.model_path, *learner)
-            if plan.needs_critic else None
-        )
+        self.critic = create("critic", CriticRole, c, spec, c.critic.path or self.model_path,
+                             *learner) if plan.needs_critic else None
         self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
         getattr(self.placement, "ready", lambda: None)()  # a placement that starts roles concurrently
         self.env_runner = make_env_runner(c, self.pm, self.prompts.columns, self.tokenizer)
