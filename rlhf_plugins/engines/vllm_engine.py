@@ -114,6 +114,7 @@ class VLLMEngine:
             top_k=params.top_k,
             seed=params.seed,
             logprobs=0,
+            detokenize=False,  # the loop decodes what it needs; vLLM's incremental detokenizer is per token
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
                                     lora_request=self._take_lora())
