@@ -258,6 +258,9 @@ class Placement(Protocol):
       ``rlhf_plugins.dispatch`` say how to call several ranks.
     * ``describe()`` -- ``{where: what}`` lines printed at start-up.
     * ``shutdown()`` -- once, at the end (also after an error): stop every role, release resources.
+
+    Optional: ``ready()`` -- called once every role is created, for a placement whose ``create_role``
+    returns before the role is up (roles starting concurrently): wait for them, raise the first failure.
     """
 
     def create_role(self, role: str, cls: type, *args: Any, **kwargs: Any) -> Any: ...
