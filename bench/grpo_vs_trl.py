@@ -59,7 +59,8 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         "train": {"prompts_per_step": args.prompts, "steps": args.warmup + args.steps, "seed": 0},
         "learner": {"lr": args.lr},
         "model": {"path": model_path, "dtype": "float32"},
-        # vLLM in the dtype it picks for a float32 checkpoint (bfloat16 on CPU), as TRL's vLLM path runs
+        # --our-vllm-dtype: auto by default, the dtype vLLM picks for a float32 checkpoint (bfloat16 on
+        # CPU), as TRL's vLLM path runs
         "vllm": {"dtype": args.our_vllm_dtype, "max_model_len": 512 if args.data else 256},
         "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
