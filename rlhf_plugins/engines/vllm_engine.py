@@ -39,17 +39,6 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if lines else text
 
 
-def _context_length(ctx: BackendContext) -> int:
-    """The model's own context length (what vLLM uses when --vllm.max_model_len is empty)."""
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.config.model.trust_remote_code)
-        return int(getattr(cfg, "max_position_embeddings", 0) or 0)
-    except (OSError, ValueError):
-        return 0
-
-
 class VLLMEngine:
     def __init__(self, ctx: BackendContext) -> None:
         config, model_path = ctx.config, ctx.model_path
@@ -84,9 +73,8 @@ class VLLMEngine:
         if self.cpu:
             # every request carries a seed, and vLLM rewinds a seeded request's generator after a
             # partial (chunked) prefill with CUDA-only generator calls ("CPU Generator does not use
-            # offset"): on CPU, prompts are prefilled whole, a batch of them up to the context length
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, o.max_model_len or 0,
-                                                                                     _context_length(ctx)))
+            # offset"): on CPU, prompts are prefilled whole (vLLM then sizes a step to hold the context)
+            kwargs["enable_chunked_prefill"] = False
         self.lora_request: Any = None
         self.lora_dir: Path | None = None
         if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them
