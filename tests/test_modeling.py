@@ -65,6 +65,7 @@ def test_reserved_kv_cache_samples_exactly_what_the_growing_cache_samples(tiny_m
 
     config, pm, _ = prepare({}, autoload=False)
     engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
+    engine.shared_prefix = False  # the per-sample reserved cache (the cascade is tested below)
     g = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
     prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 17, 9, 30)]
@@ -82,6 +83,81 @@ def test_reserved_kv_cache_samples_exactly_what_the_growing_cache_samples(tiny_m
     assert max(map(len, reserved[1].completion_ids)) > 4  # decoding went on past the short budget
 
 
+def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_model):
+    """Cascade attention in decode (each prompt's keys read once for its samples) against the
+    reserved per-sample cache under SDPA: same tokens, log-probs equal to float32 rounding, on
+    ragged left-padded prompts, early-stopping and budget-length samples; n = 1 keeps SDPA."""
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.models.kv_cache import SHARED_PREFIX_ATTENTION
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({}, autoload=False)
+    engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
+    assert engine.shared_prefix and engine.model.config._attn_implementation == SHARED_PREFIX_ATTENTION
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 17, 9, 30)]
+    runs = {}
+    for shared in (True, False):
+        engine.shared_prefix = shared
+        runs[shared] = [engine.generate(prompts, SamplingParams(n=n, max_new_tokens=b, temperature=1.3, seed=11))
+                        for n, b in ((4, 40), (4, 4), (1, 12))]
+    for cascade, plain in zip(runs[True], runs[False]):
+        assert cascade.completion_ids == plain.completion_ids
+        assert cascade.finish_reasons == plain.finish_reasons
+        for a, b in zip(cascade.logprobs, plain.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert "stop" in runs[True][0].finish_reasons and "length" in runs[True][1].finish_reasons
+    assert max(map(len, runs[True][0].completion_ids)) > 4
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_cascade_attention_equals_sdpa_over_the_whole_sequence(kv_heads):
+    """Against torch's SDPA on the repeated prompt + own keys (grouped-query heads expanded as
+    transformers does), float64, left-padded prompts."""
+    from rlhf_plugins.models.kv_cache import cascade_attention
+
+    g = torch.Generator().manual_seed(0)
+    U, group, H, P, T, d = 3, 4, 4, 7, 5, 8
+    B = U * group
+    q = torch.randn(B, H, 1, d, generator=g, dtype=torch.float64)
+    pk, pv = (torch.randn(U, kv_heads, P, d, generator=g, dtype=torch.float64) for _ in range(2))
+    ok, ov = (torch.randn(B, kv_heads, T, d, generator=g, dtype=torch.float64) for _ in range(2))
+    prompt_mask = torch.ones(U, P, dtype=torch.bool)
+    prompt_mask[0, :3] = False
+    prompt_mask[2, :1] = False
+    got = cascade_attention(q, pk, pv, ok, ov, prompt_mask, group, d**-0.5)
+    k = torch.cat([pk.repeat_interleave(group, 0), ok], dim=2).repeat_interleave(H // kv_heads, dim=1)
+    v = torch.cat([pv.repeat_interleave(group, 0), ov], dim=2).repeat_interleave(H // kv_heads, dim=1)
+    mask = torch.cat([prompt_mask.repeat_interleave(group, 0), torch.ones(B, T, dtype=torch.bool)], 1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-12)
+
+
+def test_shared_prefix_attention_only_for_plain_sdpa_full_attention_models():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from rlhf_plugins.models.kv_cache import enable_shared_prefix_attention, shared_prefix_cache
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2)
+    assert enable_shared_prefix_attention(LlamaForCausalLM(LlamaConfig(**small)))
+    assert not enable_shared_prefix_attention(LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **small)))
+    assert not enable_shared_prefix_attention(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
+    layer = shared_prefix_cache(LlamaForCausalLM(LlamaConfig(**small)), torch.ones(1, 6), 3).layers[0]
+    layer.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16))
+    with pytest.raises(ValueError, match="batch_repeat_interleave first"):
+        layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    layer.batch_repeat_interleave(2)
+    for _ in range(3):
+        layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
+    assert layer.get_seq_length() == 9
+    with pytest.raises(ValueError, match="4 decoded positions of 3 reserved"):
+        layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
+
+
 def test_reserved_kv_cache_is_used_only_for_full_attention_models():
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -97,3 +173,63 @@ def test_reserved_kv_cache_is_used_only_for_full_attention_models():
     layer.update(k, k)
     with pytest.raises(ValueError, match="reserved for 40 positions, asked for 41"):
         layer.update(torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16))
+
+
+_FAULTS = """
+import json, resource, sys
+import torch
+from rlhf_plugins.config.schema import Config
+from rlhf_plugins.training import host_memory
+
+config = Config()
+config.train.reuse_freed_memory = sys.argv[1] == "on"
+host_memory.apply(config)
+
+def faults_of_a_64mb_activation():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(16 * 2**20)  # 64 MB, written through (as an activation is)
+    del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+first = faults_of_a_64mb_activation()
+print(json.dumps({"applied": host_memory._applied, "first": first,
+                  "again": [faults_of_a_64mb_activation() for _ in range(6)]}))
+"""
+
+
+def _faults(setting: str, **env: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+                                                               "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _FAULTS, setting], env={**clean, **env}, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_reuse_freed_memory_serves_the_next_activation_without_page_faults():
+    """A 64 MB tensor is 16384 pages: by default glibc maps it afresh each time (every page faulted
+    in and zeroed again); with train.reuse_freed_memory later ones reuse freed pages (glibc may place a
+    small allocation in a freed block first, so not every time: at least half of them)."""
+    from rlhf_plugins.training.host_memory import glibc
+
+    if glibc() is None:
+        pytest.skip("the setting applies to glibc's malloc only")
+    on, off = _faults("on"), _faults("off")
+    assert on["applied"] is True and off["applied"] is None
+    assert off["first"] > 10_000 and min(off["again"]) > 10_000  # mapped and faulted in every time
+    assert on["first"] > 10_000  # faulted once, then mostly reused
+    assert sum(on["again"]) <= 0.5 * sum(off["again"]) and min(on["again"]) < 500
+
+
+def test_reuse_freed_memory_leaves_a_users_own_malloc_tuning_alone():
+    from rlhf_plugins.training.host_memory import glibc
+
+    if glibc() is None:
+        pytest.skip("the setting applies to glibc's malloc only")
+    tuned = _faults("on", MALLOC_MMAP_THRESHOLD_="1048576")
+    assert tuned["applied"] is False
+    assert min(tuned["again"]) > 10_000  # the user's threshold (1 MB) still maps a 64 MB tensor afresh

@@ -308,6 +308,8 @@ class TrainConfig:
     progress: bool = True
     #: threads for torch on this process (0 leaves torch's default)
     num_threads: int = setting(0, ge=0)
+    #: reuse memory freed by large tensors (glibc: no mmap per tensor, no trim); RSS stays at its peak
+    reuse_freed_memory: bool = True
     #: asynchronous RL: rollouts of the next K steps are generated while the learner trains, and no
     #: sample is more than K policy versions old when trained on; 0 is the synchronous loop
     max_staleness: int = setting(0, ge=0)
@@ -353,8 +355,6 @@ class Config:
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
-    return value
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value

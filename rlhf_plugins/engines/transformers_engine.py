@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from ..models.forward import position_ids
-from ..models.kv_cache import reserved_cache
+from ..models.kv_cache import enable_shared_prefix_attention, reserved_cache, shared_prefix_cache
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 
@@ -53,6 +53,8 @@ class TransformersEngine:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
+        #: decode steps read each prompt's keys and values once for all its samples (cascade attention)
+        self.shared_prefix = enable_shared_prefix_attention(self.model)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
@@ -65,9 +67,13 @@ class TransformersEngine:
             attention[i, P - len(p) :] = 1
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         pos = position_ids(attention)
-        # prefill each prompt once, then share its KV cache among its n samples (prefix sharing); the
-        # cache reserves room for the whole budget (no per-step copy of it), as does the mask
-        cache = reserved_cache(self.model, P + params.max_new_tokens)
+        # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept
+        # once per prompt and read once per decode step for all its samples (cascade attention), or
+        # repeated per sample; either cache reserves room for the whole budget (no per-step copy of it)
+        shared = n > 1 and self.shared_prefix
+        cache = (shared_prefix_cache(self.model, attention, params.max_new_tokens) if shared
+                 else reserved_cache(self.model, P + params.max_new_tokens))
+        decode_kwargs = {"shared_prefix": cache} if shared else {}
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **({"past_key_values": cache} if cache is not None else {}))
         if n > 1:
@@ -102,10 +108,11 @@ class TransformersEngine:
                 break
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=mask[:, : P + t + 1],
+                attention_mask=None if shared else mask[:, : P + t + 1],  # the cascade masks the prompts
                 position_ids=next_pos,
                 past_key_values=out.past_key_values,
                 use_cache=True,
+                **decode_kwargs,
             )
             next_pos = next_pos + 1
         samples = Samples()

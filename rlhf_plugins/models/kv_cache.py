@@ -75,3 +75,126 @@ class ReservedLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the reserved KV cache is not cropped (the sampling loop never asks)")
+
+
+# --- shared-prefix (cascade) attention for the decode steps ---------------------------------------
+#: the attention implementation the engine's model runs under: SDPA, except in decode steps given a
+#: shared-prefix cache
+SHARED_PREFIX_ATTENTION = "rlhf_shared_prefix"
+#: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
+#: values (no soft-capping, sinks or sliding windows), so the cascade computes the same thing
+PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+
+
+def enable_shared_prefix_attention(model: Any) -> bool:
+    """Run ``model`` under the shared-prefix attention when it can (its attention is plain SDPA over
+    full-attention layers); the model computes exactly what SDPA does unless a decode step is given
+    a :func:`shared_prefix_cache`. Returns whether it was enabled."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config
+    if config._attn_implementation not in ("sdpa", SHARED_PREFIX_ATTENTION):
+        return False
+    kinds = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")}
+    if not kinds or not kinds <= set(PLAIN_ATTENTION) or reserved_cache(model, 1) is None:
+        return False
+    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
+    config._attn_implementation = SHARED_PREFIX_ATTENTION
+    return True
+
+
+def shared_prefix_cache(model: Any, prompt_mask: torch.Tensor, budget: int) -> DynamicCache:
+    """A cache that keeps each prompt's keys and values once (``[prompts, heads, P, d]``) and the
+    samples' own tokens in storage reserved for ``budget`` per sample. Decode steps pass it as
+    ``shared_prefix=`` to the model (see :func:`shared_prefix_attention`)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [SharedPrefixLayer(budget) for _ in cache.layers]
+    cache.prompt_mask = prompt_mask.bool()
+    return cache
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """The prompts' keys and values from the prefill, shared by the ``group`` samples of each
+    prompt once ``batch_repeat_interleave(group)`` is called, plus each sample's decoded tokens."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.budget, self.group, self.prefix_length, self.length = budget, 1, 0, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:  # the prefill: the prompts themselves
+            self.lazy_initialization(key_states, value_states)
+            # contiguous once, so that no decode step copies them for its matrix products
+            self.prefix_keys, self.prefix_values = key_states.contiguous(), value_states.contiguous()
+            self.keys, self.values, self.prefix_length = key_states, value_states, key_states.shape[-2]
+            return key_states, value_states
+        end = self.length + key_states.shape[-2]
+        if self.group == 1 or end > self.budget:
+            raise ValueError(f"shared-prefix KV cache: {end} decoded positions of {self.budget} reserved, "
+                             f"group {self.group} (batch_repeat_interleave first)")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each prompt now has ``repeats`` samples: reserve their own storage, share the prefix."""
+        u, h, _, d = self.prefix_keys.shape
+        self.group = repeats
+        self._keys = self.prefix_keys.new_empty((u * repeats, h, self.budget, d))
+        self._values = self.prefix_values.new_empty((u * repeats, h, self.budget, self.prefix_values.shape[-1]))
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.prefix_length + self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the shared-prefix KV cache keeps whole groups (the sampling loop never selects)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the shared-prefix KV cache is not cropped (the sampling loop never asks)")
+
+
+def shared_prefix_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            shared_prefix: DynamicCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA, except in a decode step given ``shared_prefix`` (the cache): then one new token per
+    sample attends to its prompt's shared keys (read once per prompt, as one matrix product for the
+    prompt's samples) and to its own decoded keys, with one softmax over both -- the attention of
+    the full sequence, without reading a prompt's keys and values once per sample."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if shared_prefix is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = shared_prefix.layers[module.layer_idx]
+    return cascade_attention(query, layer.prefix_keys, layer.prefix_values, key, value, shared_prefix.prompt_mask,
+                             layer.group, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+
+def cascade_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, own_k: torch.Tensor,
+                      own_v: torch.Tensor, prompt_mask: torch.Tensor, group: int, scaling: float) -> torch.Tensor:
+    """Attention of one query token per sample (``q``: ``[B, H, 1, d]``, samples grouped by prompt,
+    ``group`` each) over its prompt's keys (``[B / group, H_kv, P, d]``, ``prompt_mask`` 1 on real
+    tokens) and its own (``[B, H_kv, T, d]``), as ``[B, 1, H, d]`` (the attention functions' layout)."""
+    B, H, L, d = q.shape
+    U, Hkv, P, _ = prefix_k.shape
+    rep, T = H // Hkv, own_k.shape[-2]
+    if L != 1:
+        raise ValueError(f"cascade attention takes one new token per sample, got {L}")
+    # the prompt's part: its samples' queries (x the heads sharing a KV head) in one matrix product
+    qg = q.reshape(U, group, Hkv, rep, d).transpose(1, 2).reshape(U, Hkv, group * rep, d)
+    scores_p = torch.matmul(qg, prefix_k.transpose(-1, -2)).mul_(scaling)
+    scores_p.masked_fill_(~prompt_mask[:, None, None, :], float("-inf"))
+    scores_p = scores_p.view(U, Hkv, group, rep, P).transpose(1, 2).reshape(B, H, P)
+    scores_o = torch.matmul(q.reshape(B, Hkv, rep, d), own_k.transpose(-1, -2)).mul_(scaling).view(B, H, T)
+    probs = torch.softmax(torch.cat([scores_p, scores_o], dim=-1), dim=-1,
+                          dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    probs_p = probs[..., :P].reshape(U, group, Hkv, rep, P).transpose(1, 2).reshape(U, Hkv, group * rep, P)
+    out = torch.matmul(probs_p, prefix_v).view(U, Hkv, group, rep, d).transpose(1, 2).reshape(B, H, d)
+    out = out + torch.matmul(probs[..., P:].reshape(B, Hkv, rep, T), own_v).view(B, H, d)
+    return out.view(B, 1, H, d)

@@ -17,6 +17,7 @@ from ..core.spec import PluginSpec, get_manager
 from ..dispatch import dispatch
 from ..errors import RewardError, UsageError
 from ..types import RewardFunction
+from . import host_memory
 from .roles import Role
 
 logger = logging.getLogger("rlhf_plugins")
@@ -143,6 +144,7 @@ class RewardRole(Role):
     role = "reward"
 
     def __init__(self, config: Any, plugin_spec: PluginSpec, names: list[str], weights: list[float]) -> None:
+        host_memory.apply(config)  # reward models run forwards here
         self.sources = build_sources(config, get_manager(plugin_spec), names, weights)
         self.backend = self.sources
         self.max_retries = config.reward.max_retries

@@ -23,6 +23,7 @@ from ..dispatch import dispatch
 from ..errors import PluginError, UsageError
 from ..protocols import OPTIONAL, BackendContext, GenerationEngine, Learner, RankContext, missing_methods
 from ..types import Component, GenerationBackend, LearnerBackend
+from . import host_memory
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -93,6 +94,7 @@ def build_backend(component: Component, contract: type, ctx: BackendContext, pro
 
 
 def _context(config: Any, spec: PluginSpec, role: str, model_path: str, **extra: Any) -> BackendContext:
+    host_memory.apply(config)
     pm = get_manager(spec)
     rank, world = rank_and_world()
     return BackendContext(config, role, model_path, lambda: pm.load_model(role, model_path, config), rank, world,
@@ -165,6 +167,7 @@ class ReferenceRole(Role):
     def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
         from ..models.forward import policy_forward
 
+        host_memory.apply(config)
         self.model = self.backend = get_manager(plugin_spec).load_model("reference", model_path, config)
         self.model.eval().requires_grad_(False)
         self.temperature = config.generation.temperature

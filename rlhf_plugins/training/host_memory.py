@@ -1,0 +1,67 @@
+"""Host memory of a process that holds models: keep what large tensors free for the next ones.
+
+glibc's malloc serves every allocation above its mmap threshold (at most 32 MB) with a fresh
+``mmap`` and gives it back with ``munmap`` when the tensor is freed, and it returns the top of
+the heap to the system once more than its trim threshold is free. A training step on the CPU
+allocates and frees activations of tens of MB many times over, so each one is faulted in page by
+page and zeroed by the kernel again: at the realistic benchmark's shape (64 x 250 tokens, hidden
+512) that was about a fifth of a training step. ``--train.reuse_freed_memory`` (on by default)
+makes glibc serve every allocation from its heap and never trim it, so freed activations are
+reused as they are. The cost: the process keeps its peak memory resident until it exits.
+
+Other C libraries (macOS, musl) are left alone, and so is a process that already tuned malloc
+through its environment (``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``GLIBC_TUNABLES``).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+logger = logging.getLogger("rlhf_plugins")
+
+#: mallopt parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+#: the largest trim threshold mallopt takes (an int): never trim in practice
+NEVER_TRIM = 2**31 - 1
+#: environment through which a user tuned glibc's malloc themselves
+USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+
+_applied: bool | None = None
+
+
+def glibc() -> ctypes.CDLL | None:
+    """This process's C library when it is glibc (the one with ``mallopt``), else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        return libc if hasattr(libc, "mallopt") else None
+    except (OSError, AttributeError):
+        return None
+
+
+def reuse_freed_memory() -> bool:
+    """Serve allocations from the heap and never trim it (once per process). Returns whether
+    this process now does; False on a C library other than glibc or under the user's own tuning."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    libc = glibc()
+    if libc is None:
+        logger.debug("reuse_freed_memory: not glibc; malloc left as it is")
+        _applied = False
+    elif any(k in os.environ for k in USER_TUNING):
+        logger.debug("reuse_freed_memory: malloc tuned through the environment; left as it is")
+        _applied = False
+    else:
+        _applied = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+    return _applied
+
+
+def apply(config: object) -> None:
+    """The process-wide memory setting of a role's process (``train.reuse_freed_memory``)."""
+    train = getattr(config, "train", None)
+    if getattr(train, "reuse_freed_memory", False):
+        reuse_freed_memory()
