@@ -83,34 +83,53 @@ def test_reserved_kv_cache_samples_exactly_what_the_growing_cache_samples(tiny_m
     assert max(map(len, reserved[1].completion_ids)) > 4  # decoding went on past the short budget
 
 
-def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_model):
+def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_model, monkeypatch):
     """Cascade attention in decode (each prompt's keys read once for its samples) against the
     reserved per-sample cache under SDPA: same tokens, log-probs equal to float32 rounding, on
-    ragged left-padded prompts, early-stopping and budget-length samples; n = 1 keeps SDPA."""
+    ragged left-padded prompts, early-stopping and budget-length samples; n = 1 keeps SDPA. The
+    cascade runs (its decode steps are counted) only for prompts of SHARED_PREFIX_MIN_PROMPT or more."""
     from rlhf_plugins import SamplingParams
     from rlhf_plugins.api import prepare
     from rlhf_plugins.engines.transformers_engine import TransformersEngine
-    from rlhf_plugins.models.kv_cache import SHARED_PREFIX_ATTENTION
+    from rlhf_plugins.models import kv_cache
     from rlhf_plugins.testing import backend_context
 
+    calls = []
+    cascade = kv_cache.cascade_attention
+    monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: calls.append(a[0].shape[0]) or cascade(*a))
     config, pm, _ = prepare({}, autoload=False)
     engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
-    assert engine.shared_prefix and engine.model.config._attn_implementation == SHARED_PREFIX_ATTENTION
+    assert engine.shared_prefix and engine.model.config._attn_implementation == kv_cache.SHARED_PREFIX_ATTENTION
+    layers = engine.model.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 17, 9, 30)]
-    runs = {}
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 40, 17, 33)]
+    runs, counted = {}, []
     for shared in (True, False):
         engine.shared_prefix = shared
-        runs[shared] = [engine.generate(prompts, SamplingParams(n=n, max_new_tokens=b, temperature=1.3, seed=11))
-                        for n, b in ((4, 40), (4, 4), (1, 12))]
+        runs[shared] = []
+        for n, budget in ((4, 40), (4, 2), (1, 12)):
+            calls.clear()
+            runs[shared].append(engine.generate(prompts, SamplingParams(n=n, max_new_tokens=budget, temperature=1.3,
+                                                                        seed=11)))
+            counted.append(list(calls))
+    # every decode step of every layer (one fewer than the longest completion) ran the cascade on 16
+    # samples when sharing and n > 1; never under SDPA or for n = 1
+    longest = [max(map(len, r.completion_ids)) for r in runs[True][:2]]
+    assert counted[:2] == [[16] * (layers * (m - 1)) for m in longest]
+    assert counted[2:] == [[]] * 4
+    short = [p[:20] for p in prompts]  # narrower than SHARED_PREFIX_MIN_PROMPT: SDPA is faster there
+    engine.shared_prefix = True
+    calls.clear()
+    engine.generate(short, SamplingParams(n=4, max_new_tokens=8, seed=11))
+    assert calls == []
     for cascade, plain in zip(runs[True], runs[False]):
         assert cascade.completion_ids == plain.completion_ids
         assert cascade.finish_reasons == plain.finish_reasons
         for a, b in zip(cascade.logprobs, plain.logprobs):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     assert "stop" in runs[True][0].finish_reasons and "length" in runs[True][1].finish_reasons
-    assert max(map(len, runs[True][0].completion_ids)) > 4
+    assert max(map(len, runs[True][0].completion_ids)) > 2  # decoding went on past the short budget
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])

@@ -12,7 +12,12 @@ from typing import Any, Iterable
 import torch
 
 from ..models.forward import position_ids
-from ..models.kv_cache import enable_shared_prefix_attention, reserved_cache, shared_prefix_cache
+from ..models.kv_cache import (
+    SHARED_PREFIX_MIN_PROMPT,
+    enable_shared_prefix_attention,
+    reserved_cache,
+    shared_prefix_cache,
+)
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 
@@ -70,7 +75,7 @@ class TransformersEngine:
         # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept
         # once per prompt and read once per decode step for all its samples (cascade attention), or
         # repeated per sample; either cache reserves room for the whole budget (no per-step copy of it)
-        shared = n > 1 and self.shared_prefix
+        shared = n > 1 and self.shared_prefix and P >= SHARED_PREFIX_MIN_PROMPT
         cache = (shared_prefix_cache(self.model, attention, params.max_new_tokens) if shared
                  else reserved_cache(self.model, P + params.max_new_tokens))
         decode_kwargs = {"shared_prefix": cache} if shared else {}

@@ -84,6 +84,9 @@ SHARED_PREFIX_ATTENTION = "rlhf_shared_prefix"
 #: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
 #: values (no soft-capping, sinks or sliding windows), so the cascade computes the same thing
 PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+#: prompts narrower than this decode faster with SDPA over the repeated prefix (measured per layer and
+#: step, 16 prompts x 8 samples: 12-token prompts 313 us SDPA vs 422 us cascade, 40 tokens 450 vs 409)
+SHARED_PREFIX_MIN_PROMPT = 32
 
 
 def enable_shared_prefix_attention(model: Any) -> bool:
