@@ -252,3 +252,5 @@ def test_reuse_freed_memory_leaves_a_users_own_malloc_tuning_alone():
     tuned = _faults("on", MALLOC_MMAP_THRESHOLD_="1048576")
     assert tuned["applied"] is False
     assert min(tuned["again"]) > 10_000  # the user's threshold (1 MB) still maps a 64 MB tensor afresh
+    assert _faults("on", GLIBC_TUNABLES="glibc.malloc.mmap_max=65536")["applied"] is False
+    assert _faults("on", GLIBC_TUNABLES="glibc.cpu.x86_shstk=off")["applied"] is True  # not malloc's

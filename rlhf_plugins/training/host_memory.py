@@ -10,12 +10,12 @@ makes glibc serve every allocation from its heap and never trim it, so freed act
 reused as they are. The cost: the process keeps its peak memory resident until it exits.
 
 Other C libraries (macOS, musl) are left alone, and so is a process that already tuned malloc
-through its environment (``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``GLIBC_TUNABLES``).
+through its environment (``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ... or ``glibc.malloc.*`` in
+``GLIBC_TUNABLES``).
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -25,8 +25,8 @@ logger = logging.getLogger("rlhf_plugins")
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 #: the largest trim threshold mallopt takes (an int): never trim in practice
 NEVER_TRIM = 2**31 - 1
-#: environment through which a user tuned glibc's malloc themselves
-USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+#: environment through which a user tuned glibc's malloc themselves (and GLIBC_TUNABLES' malloc part)
+USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 _applied: bool | None = None
 
@@ -52,7 +52,7 @@ def reuse_freed_memory() -> bool:
     if libc is None:
         logger.debug("reuse_freed_memory: not glibc; malloc left as it is")
         _applied = False
-    elif any(k in os.environ for k in USER_TUNING):
+    elif any(k in os.environ for k in USER_TUNING) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         logger.debug("reuse_freed_memory: malloc tuned through the environment; left as it is")
         _applied = False
     else:
