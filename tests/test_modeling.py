@@ -254,3 +254,49 @@ def test_reuse_freed_memory_leaves_a_users_own_malloc_tuning_alone():
     assert min(tuned["again"]) > 10_000  # the user's threshold (1 MB) still maps a 64 MB tensor afresh
     assert _faults("on", GLIBC_TUNABLES="glibc.malloc.mmap_max=65536")["applied"] is False
     assert _faults("on", GLIBC_TUNABLES="glibc.cpu.x86_shstk=off")["applied"] is True  # not malloc's
+
+
+_RETURNED = """
+import json, resource, psutil, torch
+from rlhf_plugins.training import host_memory
+
+assert host_memory.reuse_freed_memory()
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+x = torch.ones(128 * 2**20)  # 512 MB, then freed: kept for reuse
+del x
+kept = rss()
+with host_memory.returned_to_the_system():
+    inside = rss()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = torch.ones(16 * 2**20)
+    del y
+    z = torch.ones(16 * 2**20)  # mapped afresh: glibc's defaults inside
+    del z
+    inside_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults = []
+for _ in range(4):  # reuse again after the block
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    w = torch.ones(16 * 2**20)
+    del w
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"kept": kept, "inside": inside, "inside_faults": inside_faults, "after": faults}))
+"""
+
+
+def test_memory_kept_for_reuse_goes_back_before_vllm_sizes_its_cache():
+    """vLLM on the CPU gives its KV cache a share of the node minus this process's RSS: inside
+    returned_to_the_system() the memory kept for reuse is handed back and glibc's defaults hold;
+    after it, freed memory is kept for reuse again."""
+    import json
+    import subprocess
+    import sys
+
+    from rlhf_plugins.training.host_memory import glibc
+
+    if glibc() is None:
+        pytest.skip("the setting applies to glibc's malloc only")
+    out = json.loads(subprocess.run([sys.executable, "-c", _RETURNED], capture_output=True, text=True,
+                                    check=True).stdout.strip().splitlines()[-1])
+    assert out["kept"] - out["inside"] > 400  # MB handed back of the 512 freed
+    assert out["inside_faults"] > 2 * 15_000  # both 64 MB tensors faulted in: mapped afresh
+    assert min(out["after"]) < 500  # reused again

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import UsageError
 from ..protocols import BackendContext, Samples, SamplingParams
+from ..training.host_memory import returned_to_the_system
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -82,7 +83,10 @@ class VLLMEngine:
         if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
             kwargs["distributed_executor_backend"] = "ray"
         try:
-            self.llm = LLM(**kwargs)
+            # vLLM on the CPU sizes its KV cache from this process's resident memory: memory kept for
+            # reuse (--train.reuse_freed_memory) goes back first, and loading does not keep any
+            with returned_to_the_system():
+                self.llm = LLM(**kwargs)
             # some shapes start but fail at the first step (CPU attention head sizes): find out now
             self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -25,6 +27,8 @@ logger = logging.getLogger("rlhf_plugins")
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 #: the largest trim threshold mallopt takes (an int): never trim in practice
 NEVER_TRIM = 2**31 - 1
+#: glibc's own defaults, restored while memory must go back to the system
+DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024
 #: environment through which a user tuned glibc's malloc themselves (and GLIBC_TUNABLES' malloc part)
 USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
@@ -58,6 +62,26 @@ def reuse_freed_memory() -> bool:
     else:
         _applied = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
     return _applied
+
+
+@contextmanager
+def returned_to_the_system() -> Iterator[None]:
+    """Within: glibc's defaults (large blocks mapped and unmapped, the heap trimmed), after handing
+    back what the process had freed. For code that sizes itself from this process's resident memory
+    -- vLLM on the CPU gives its KV cache the configured share of the node minus this process's RSS,
+    so memory kept for reuse (and temporaries of loading its model) would come out of the cache."""
+    libc = glibc() if _applied else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+    libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+    libc.malloc_trim(0)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
 
 
 def apply(config: object) -> None:
