@@ -1,6 +1,7 @@
 """Time to first step and per-step time of the default config: local placement + torch learner,
 the default Ray run (``--placement.strategy ray``: one actor per role on a local Ray, torch
-learner) and Ray + DeepSpeed ZeRO-3 (2 actor ranks over gloo, fake GPUs). Prints where the
+learner), the hybrid layout (``--ray.colocate hybrid``: actor, reference and engine in one actor,
+in-process weight sync) and Ray + DeepSpeed ZeRO-3 (2 actor ranks over gloo, fake GPUs). Prints where the
 start-up goes (cluster, placement groups, each role -- the roles start concurrently) and a per-phase
 table of a step (the loop's own ``time/*`` metrics, mean over the timed steps).
 
@@ -19,6 +20,9 @@ import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 SETUPS = {
     "local + torch": {},
     "ray + torch (default Ray run)": {"placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4}},
+    "ray hybrid (actor+reference+engine in one actor)": {
+        "placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4, "colocate": "hybrid"},
+    },
     "ray + deepspeed zero-3 (2 ranks)": {
         "placement": {"strategy": "ray"},
         "learner": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3},
@@ -67,15 +71,15 @@ def main() -> None:
     for name, raw in SETUPS.items():
         results[name] = r = run(raw, args.steps)
         parts = ", ".join(f"{k} {v:.1f} s" for k, v in r["startup_s"].items())
-        print(f"{name:>34}: first step after {r['time_to_first_step_s']:5.1f} s, "
+        print(f"{name:>48}: first step after {r['time_to_first_step_s']:5.1f} s, "
               f"{r['seconds_per_step']:.3f} s/step" + (f"  (start-up: {parts})" if parts else ""), flush=True)
     local = results["local + torch"]["phase_s"]
-    print("\nper phase, s/step (mean):  " + "  ".join(f"{k:>9}" for k in PHASES))
+    print(f"\n{'per phase, s/step (mean):':>48}  " + "  ".join(f"{k:>9}" for k in PHASES))
     for name, r in results.items():
-        print(f"{name:>34}  " + "  ".join(f"{r['phase_s'][k]:9.4f}" for k in PHASES))
+        print(f"{name:>48}  " + "  ".join(f"{r['phase_s'][k]:9.4f}" for k in PHASES))
     for name, r in results.items():
         if name != "local + torch":
-            print(f"{name:>34}: {r['phase_s']['step'] / local['step']:.2f}x local per step")
+            print(f"{name:>48}: {r['phase_s']['step'] / local['step']:.2f}x local per step")
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "results": results}, indent=2))
 

@@ -77,7 +77,9 @@ class PlacementStrategy(Component):
     Capabilities, checked once by ``validate``: ``same_process`` (roles share the driver's
     process), ``multi_rank`` (a role may have several ranks), ``colocated(config)`` (the actor
     and the generation engine share a node and device with this config; ``colocate_hint`` says
-    how to get that). ``default_sync`` names the weight-sync method used when none is configured.
+    how to get that), ``shared_process(config)`` (the actor and the engine share one process with
+    this config, though the placement's roles otherwise do not: in-process weight sync then applies
+    and is the default). ``default_sync`` names the weight-sync method used when none is configured.
     """
 
     area: ClassVar[str] = "placement strategy"
@@ -87,6 +89,7 @@ class PlacementStrategy(Component):
     colocated: Callable[[Any], bool] | None = field(default=None, kw_only=True)
     colocate_hint: str = field(default="", kw_only=True)
     default_sync: str = field(default="inprocess", kw_only=True)
+    shared_process: Callable[[Any], bool] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +99,14 @@ class PlacementStrategy(Component):
         if self.colocated is not None:
             return bool(self.colocated(config))
         return self.same_process
+
+    def in_one_process(self, config: Any) -> bool:
+        """Whether the actor and the generation engine run in one process with ``config``."""
+        return self.same_process or (self.shared_process is not None and bool(self.shared_process(config)))
+
+    def sync_for(self, config: Any) -> str:
+        """The weight-sync method used when none is configured."""
+        return "inprocess" if not self.same_process and self.in_one_process(config) else self.default_sync
 
 
 @dataclass(frozen=True)

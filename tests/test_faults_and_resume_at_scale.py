@@ -70,17 +70,18 @@ KILLER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("target, extra", [
-    ("generation-0", []),
-    ("actor-1", ["--learner.backend", "deepspeed", "--ray.actor_workers", "2"]),
-], ids=["engine", "learner-rank"])
-def test_a_killed_role_is_restarted_and_the_run_ends_with_every_step(tmp_path, tiny_model, target, extra):
+@pytest.mark.parametrize("target, extra, restarted", [
+    ("generation-0", [], "generation"),
+    ("actor-1", ["--learner.backend", "deepspeed", "--ray.actor_workers", "2"], "actor"),
+    # the process hosting the policy's roles: all three come back, in one new actor
+    ("actor+reference+generation-0", ["--ray.colocate", "hybrid"], "generation, actor, reference"),
+], ids=["engine", "learner-rank", "hybrid-host"])
+def test_a_killed_role_is_restarted_and_the_run_ends_with_every_step(tmp_path, tiny_model, target, extra, restarted):
     (tmp_path / "killer.py").write_text(KILLER)
     proc = train(tmp_path, "--plugin", "killer.py", *RAY, *SHORT, *extra, "--ray.max_restarts", "2",
                  "--train.steps", "6", "--train.run_name", "f", env={"KILL_ROLE": target})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    role = target.rsplit("-", 1)[0]
-    assert f"restarted {role} and went back to step" in proc.stdout
+    assert f"restarted {restarted} and went back to step" in proc.stdout
     rows = metrics_of(tmp_path / "runs" / "f")
     assert [r["step"] for r in rows] == list(range(6))
     assert rows[-1]["fault/restarts"] == 1.0 and "fault/restarts" not in rows[0]

@@ -2,6 +2,7 @@
 full-weight gathering, and whole training runs on the Ray path."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,68 @@ def test_ppo_with_a_critic_on_ray(local_ray, rlhf):
     assert len(rows) == 3 and all("critic/loss" in r for r in rows)
 
 
+def _pid_and_roles(actor, engine):
+    import os
+
+    return os.getpid(), type(actor).__name__, type(engine).__name__
+
+
+def _trainer(raw: dict):
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.training.loop import Trainer
+
+    config, pm, plan = prepare(raw, autoload=False)
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, path)
+
+
+def test_hybrid_hosts_actor_reference_and_engine_in_one_actor_and_syncs_there(local_ray, tiny_model, monkeypatch):
+    """--ray.colocate hybrid: one Ray actor holds the actor, reference and engine objects (the reward
+    role has its own); the weight sync runs in that actor (the driver never pulls the weights), the
+    engine matches the learner after every sync, and the rollouts are the local run's."""
+    from rlhf_plugins.placement.ray_roles import RoleGroup
+
+    runs = {"train": {"steps": 3}, "sync": {"verify": True}}
+    local = _trainer(runs)
+    local.setup()
+    for step in range(3):
+        local.step(step)
+    local.shutdown()
+
+    calls = []
+    for name in ("run_with", "_dispatch"):
+        original = getattr(RoleGroup, name)
+        monkeypatch.setattr(RoleGroup, name, lambda self, *a, _o=original, _n=name, **k: (
+            calls.append((_n, self.role, getattr(a[1], "__name__", a[0]) if _n == "run_with" else a[0])),
+            _o(self, *a, **k))[1])
+    hybrid = _trainer({**runs, "placement": {"strategy": "ray"}, "ray": {"colocate": "hybrid"}})
+    assert hybrid.config.sync.method == "inprocess"  # the default where the engine shares the learner's process
+    hybrid.setup()
+    try:
+        placement = hybrid.placement
+        assert placement.describe() == {"actor+reference+generation": "1 bundle(s) of {'CPU': 1.0, 'GPU': 1.0}",
+                                        "reward": "1 bundle(s) of {'CPU': 1.0}"}
+        named = sorted(n for n in ray.util.list_named_actors() if n.startswith(f"rlhf-{placement.run_id}-"))
+        assert named == [f"rlhf-{placement.run_id}-actor+reference+generation-0", f"rlhf-{placement.run_id}-reward-0"]
+        actor, engine, reference = hybrid.actor, hybrid.engine, hybrid.reference
+        assert actor.workers == engine.workers == reference.workers != placement.groups["reward"].workers
+        pid, actor_cls, engine_cls = actor.run_with(engine, _pid_and_roles)
+        assert (actor_cls, engine_cls) == ("PolicyRole", "GenerationRole") and pid != os.getpid()
+        assert reference.run_with(engine, _pid_and_roles)[0] == pid
+        for step in range(3):
+            hybrid.step(step)  # --sync.verify: a sync that left the engine behind raises
+    finally:
+        hybrid.shutdown()
+    syncs = [c for c in calls if c[0] == "run_with" and c[2] == "copy_weights"]
+    assert len(syncs) == 3 and all(c[1] == "actor" for c in syncs)  # one per step
+    assert not [c for c in calls if c[0] == "_dispatch" and c[2] in ("named_weights", "load_weights")]
+    assert [r["reward/mean"] for r in hybrid.history] == [r["reward/mean"] for r in local.history]
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -112,6 +175,14 @@ def test_ppo_with_a_critic_on_ray(local_ray, rlhf):
          "the roles ask for 11 GPU in all (generation 1, actor 9, reference 1) but the cluster has 4"),
         (["--algo.advantage.estimator", "gae", "--learner.backend", "deepspeed", "--ray.critic_workers", "2",
           "--ray.actor_workers", "2"], "the roles ask for 6 GPU in all (generation 1, actor 2, reference 1, critic 2)"),
+        (["--ray.colocate", "hybrid", "--learner.backend", "deepspeed", "--ray.actor_workers", "2"],
+         "--ray.colocate hybrid hosts the actor, reference and engine in one process and takes one rank of each "
+         "(got ray.actor_workers 2, ray.reference_workers 1, generation engines 1); use --ray.colocate all"),
+        (["--ray.colocate", "hybrid", "--train.max_staleness", "1", "--algo.policy_loss.mismatch", "tis"],
+         "asynchronous training (train.max_staleness >= 1) needs another --ray.colocate"),
+        (["--ray.colocate", "hybrid", "--sync.method", "broadcast"],
+         "weight sync 'broadcast' needs the engine in its own process, which placement 'ray' does not do; "
+         "use --sync.method inprocess"),
     ],
 )
 def test_ray_bad_input(local_ray, rlhf, args, expected):

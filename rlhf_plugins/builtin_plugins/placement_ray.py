@@ -21,8 +21,9 @@ class RayOptions:
     address: str | None = None
     #: placement-group strategy: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
-    #: roles sharing bundles: none | actor_ref | critic_reward | all (with the generation engine)
-    colocate: Literal["none", "actor_ref", "critic_reward", "all"] = "none"
+    #: roles sharing bundles: none | actor_ref | critic_reward | all (with the generation engine);
+    #: hybrid: actor, reference and engine in one process (one rank each, synchronous training)
+    colocate: Literal["none", "actor_ref", "critic_reward", "all", "hybrid"] = "none"
     #: data-parallel ranks of the actor (the DeepSpeed learner shards across them)
     actor_workers: int = setting(1, ge=1)
     #: data-parallel ranks of the critic
@@ -58,7 +59,11 @@ def rlhf_add_options(options: Any) -> None:
 
 
 def _colocated(config: Any) -> bool:
-    return config.section("ray").colocate == "all"
+    return config.section("ray").colocate in ("all", "hybrid")
+
+
+def _hybrid(config: Any) -> bool:
+    return config.section("ray").colocate == "hybrid"
 
 
 @hookimpl
@@ -70,6 +75,16 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         raise ConfigError(f"learner backend '{plan.learner.name}' runs one rank; choose a multi-rank learner "
                           f"(--learner.backend deepspeed) for ray.actor_workers {o.actor_workers} / "
                           f"ray.critic_workers {o.critic_workers}")
+    if o.colocate == "hybrid":
+        ranks = {"ray.actor_workers": o.actor_workers, "ray.reference_workers": o.reference_workers,
+                 "generation engines": plan.engine_workers}
+        if any(n != 1 for n in ranks.values()):
+            given = ", ".join(f"{k} {n}" for k, n in ranks.items())
+            raise ConfigError(f"--ray.colocate hybrid hosts the actor, reference and engine in one process and "
+                              f"takes one rank of each (got {given}); use --ray.colocate all for several ranks")
+        if config.train.max_staleness:
+            raise ConfigError("--ray.colocate hybrid runs generation and training in turn in one process; "
+                              "asynchronous training (train.max_staleness >= 1) needs another --ray.colocate")
     batch = config.train.prompts_per_step * config.generation.n_samples_per_prompt
     for name, n in (("actor_workers", o.actor_workers), ("critic_workers", o.critic_workers)):
         if config.train.prompts_per_step % n:
@@ -95,4 +110,5 @@ def rlhf_placement_strategies() -> Iterable[PlacementStrategy]:
         colocated=_colocated,
         colocate_hint="--ray.colocate all",
         default_sync="broadcast",
+        shared_process=_hybrid,
     )

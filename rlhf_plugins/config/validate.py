@@ -199,7 +199,7 @@ def _resolve(c: Config, pm: RLHFPluginManager) -> Plan:
         return comp
 
     placement = get(PlacementStrategy, c.placement.strategy, "placement.strategy")
-    sync_name = c.sync.method or placement.default_sync
+    sync_name = c.sync.method or placement.sync_for(c)
     plan = Plan(
         placement=placement,
         engine=get(GenerationBackend, c.generation.backend, "generation.backend"),
@@ -221,17 +221,17 @@ def _resolve(c: Config, pm: RLHFPluginManager) -> Plan:
 def check_combinations(c: Config, plan: Plan) -> None:
     """Every combination of components decided once, from their declared capabilities."""
     placement, sync, engine, est = plan.placement, plan.sync, plan.engine, plan.estimator
-    if sync.same_process is not None and sync.same_process != placement.same_process:
+    if sync.same_process is not None and sync.same_process != placement.in_one_process(c):
         where = "in the learner's process" if sync.same_process else "in its own process"
         raise ConfigError(
             f"weight sync '{sync.name}' needs the engine {where}, which placement '{placement.name}' does not do; "
-            f"use --sync.method {placement.default_sync}"
+            f"use --sync.method {placement.sync_for(c)}"
         )
     if sync.needs_colocation and not placement.colocates(c):
         hint = f" ({placement.colocate_hint})" if placement.colocate_hint else ""
         raise ConfigError(
             f"weight sync '{sync.name}' needs the engine on the learner's node and device, which placement "
-            f"'{placement.name}' does not give with this config{hint}; or use --sync.method {placement.default_sync}"
+            f"'{placement.name}' does not give with this config{hint}; or use --sync.method {placement.sync_for(c)}"
         )
     if sync.needs_adapter and not engine.supports_adapter:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -24,6 +25,8 @@ COLOCATE = {
     "actor_ref": (("actor", "reference"),),
     "critic_reward": (("critic", "reward"),),
     "all": (("actor", "reference", "critic", "reward", "generation"),),
+    # verl's hybrid engine: the policy's three roles in one process per rank, taking turns
+    "hybrid": (("actor", "reference", "generation"),),
 }
 #: environment a worker inherits from the driver (local clusters would, remote ones do not)
 FORWARDED_ENV = ("RLHF_CACHE_DIR", "RLHF_DISABLE_PLUGIN_AUTOLOAD", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -68,6 +71,9 @@ class RayPlacement:
         #: roles start concurrently (their actors import torch and load models side by side);
         #: ``ready()`` waits for all of them
         self._starting = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlhf-role-start")
+        #: --ray.colocate hybrid: the actors hosting several roles, by placement-group key
+        self._hosted: dict[str, list[Any]] = {}
+        self._hosting = threading.Lock()
         check_capacity({key: bundles for key, (_, bundles) in self.layout.items()})
         begin = time.perf_counter()
         for key, (members, bundles) in self.layout.items():
@@ -117,31 +123,51 @@ class RayPlacement:
         self.startup[f"role {role}"] = time.perf_counter() - begin
         return workers
 
-    def _start(self, role: str, cls: type, args: tuple, kwargs: dict) -> list[Any]:
-        """The role's actors on its bundles, each with its rank's distributed environment."""
+    def _host(self, role: str) -> str | None:
+        """The placement-group key of the roles ``role`` shares its process with (``--ray.colocate hybrid``)."""
+        if self.opts.colocate == "hybrid":
+            for key, (members, _) in self.layout.items():
+                if role in members and len(members) > 1:
+                    return key
+        return None
+
+    def _spawn(self, name: str, pg: Any, resources: dict[str, float], n: int) -> list[Any]:
+        """``n`` worker actors named after ``name``, one on each bundle of ``pg``."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ray = self._ray
-        pg, share, members = self._slot(role)
-        bundle_cpus = share.get("CPU", 1.0) * members
-        n = self.workers_of[role]
         # a cluster this process started inherited our environment; only a joined one needs it passed
         # (a runtime env also keeps actors off the workers Ray pre-started, costing a process start)
         env_vars = {} if self.started else {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        remote_cls = ray.remote(RoleWorker)
+        remote_cls = self._ray.remote(RoleWorker)
         workers = [
             remote_cls.options(
-                num_cpus=share.get("CPU", 0.0),
-                num_gpus=share.get("GPU", 0.0),
+                num_cpus=resources.get("CPU", 0.0),
+                num_gpus=resources.get("GPU", 0.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=True
                 ),
                 runtime_env={"env_vars": env_vars} if env_vars else None,
-                name=f"rlhf-{self.run_id}-{role}-{rank}",
-            ).remote(role, rank, n)
+                name=f"rlhf-{self.run_id}-{name}-{rank}",
+            ).remote(name, rank, n)
             for rank in range(n)
         ]
         self.actors += workers
+        return workers
+
+    def _start(self, role: str, cls: type, args: tuple, kwargs: dict) -> list[Any]:
+        """The role's actors on its bundles, each with its rank's distributed environment. Roles
+        hosted together construct their objects in the same actors (the first to start makes them)."""
+        pg, share, members = self._slot(role)
+        bundle_cpus = share.get("CPU", 1.0) * members
+        n = self.workers_of[role]
+        host = self._host(role)
+        if host is None:
+            workers = self._spawn(role, pg, share, n)
+        else:
+            with self._hosting:
+                if host not in self._hosted:
+                    self._hosted[host] = self._spawn(host, pg, {k: v * members for k, v in share.items()}, n)
+                workers = self._hosted[host]
         timeout = self.opts.call_timeout or None
         address, port = get(workers[0].free_address.remote(), f"role '{role}' start", timeout)
         ips = get([w.node_ip.remote() for w in workers], f"role '{role}' start", timeout)
@@ -151,7 +177,7 @@ class RayPlacement:
             env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(n), "LOCAL_RANK": str(seen[ip])}
             seen[ip] += 1
-            setups.append(worker.setup.remote(cls, args, kwargs, env, int(bundle_cpus)))
+            setups.append(worker.setup.remote(cls, args, kwargs, env, int(bundle_cpus), role))
         get(setups, f"role '{role}' start", timeout)
         return workers
 
@@ -167,17 +193,20 @@ class RayPlacement:
             raise RoleFailed(f"a role died and the restart budget is used up ({self.restarts} of "
                              f"--ray.max_restarts {self.opts.max_restarts})")
         self.restarts += 1
-        restarted = []
-        for role, group in self.groups.items():
-            if group.alive():
-                continue
+        dead = [role for role, group in self.groups.items() if not group.alive()]
+        # roles hosted in one process went down together and come back together
+        hosts = {self._host(role) for role in dead} - {None}
+        restarted = [role for role in self.groups if role in dead or self._host(role) in hosts]
+        for host in hosts:
+            self._hosted.pop(host, None)
+        for role in restarted:
+            group = self.groups[role]
             logger.warning("role '%s' lost a worker; restarting its %d rank(s) (restart %d of %d)", role,
                            len(group.workers), self.restarts, self.opts.max_restarts)
             for worker in group.workers:
                 self._ray.kill(worker, no_restart=True)
             cls, args, kwargs = self.specs[role]
             group.workers = self._start(role, cls, args, kwargs)
-            restarted.append(role)
         return restarted
 
     def describe(self) -> dict[str, str]:

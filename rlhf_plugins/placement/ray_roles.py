@@ -21,11 +21,17 @@ NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 class RoleWorker:
     """The Ray actor behind one rank of a role: sets the distributed environment,
-    constructs the role object, and runs its methods."""
+    constructs the role object, and runs its methods. Under ``--ray.colocate hybrid`` one worker
+    hosts the objects of several roles (keyed by role; a call names the role it is for)."""
 
     def __init__(self, role: str, rank: int, world_size: int) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
-        self.obj: Any = None
+        self.objs: dict[str, Any] = {}
+
+    @property
+    def obj(self) -> Any:
+        """The object of the role this worker was made for (the first one set up on it)."""
+        return next(iter(self.objs.values()), None)
 
     def node_ip(self) -> str:
         import ray
@@ -38,7 +44,8 @@ class RoleWorker:
 
         return free_address()
 
-    def setup(self, cls: type, args: tuple, kwargs: dict, env: dict[str, str], threads: int = 1) -> bool:
+    def setup(self, cls: type, args: tuple, kwargs: dict, env: dict[str, str], threads: int = 1,
+              role: str | None = None) -> bool:
         import ray
 
         # colocated roles take turns on their bundle, so each may use all of its CPUs
@@ -50,7 +57,7 @@ class RoleWorker:
         os.environ.update(env)
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        self.obj = cls(*args, **kwargs)
+        self.objs[role or self.role] = cls(*args, **kwargs)
         return True
 
     def env_info(self) -> dict[str, Any]:
@@ -67,19 +74,24 @@ class RoleWorker:
             "dist_initialized": torch.distributed.is_available() and torch.distributed.is_initialized(),
         }
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        out = getattr(self.obj, method)(*args, **kwargs)
+    def call(self, method: str, args: tuple, kwargs: dict, role: str | None = None) -> Any:
+        out = getattr(self.objs[role] if role else self.obj, method)(*args, **kwargs)
         if inspect.isgenerator(out):
             out = list(out)
         return out
 
-    def call_function(self, fn: Any, args: tuple) -> Any:
-        return self.obj.call_function(fn, args)
+    def call_function(self, fn: Any, args: tuple, role: str | None = None) -> Any:
+        return (self.objs[role] if role else self.obj).call_function(fn, args)
+
+    def call_with(self, fn: Any, roles: tuple[str, ...]) -> Any:
+        """``fn(*objects of roles)`` here, where those roles' objects live side by side."""
+        return fn(*(self.objs[r] for r in roles))
 
     def shutdown(self) -> None:
-        stop = getattr(self.obj, "shutdown", None)
-        if callable(stop):
-            stop()
+        for obj in self.objs.values():
+            stop = getattr(obj, "shutdown", None)
+            if callable(stop):
+                stop()
 
 
 def _died(exc: BaseException) -> bool:
@@ -122,11 +134,11 @@ def get(refs: Any, what: str = "", timeout: float | None = None) -> Any:
 class RayEndpoint:
     """One rank, addressable from any process (it pickles as its actor handle)."""
 
-    def __init__(self, handle: Any, what: str = "", timeout: float | None = None) -> None:
-        self.handle, self.what, self.timeout = handle, what, timeout
+    def __init__(self, handle: Any, what: str = "", timeout: float | None = None, role: str | None = None) -> None:
+        self.handle, self.what, self.timeout, self.role = handle, what, timeout, role
 
     def submit(self, fn: Any, *args: Any) -> Any:
-        return self.handle.call_function.remote(fn, args)
+        return self.handle.call_function.remote(fn, args, self.role)
 
     def call(self, fn: Any, *args: Any) -> Any:
         return get(self.submit(fn, *args), f"{self.what} running {getattr(fn, '__name__', fn)}", self.timeout)
@@ -163,8 +175,20 @@ class RoleGroup:
     def run(self, fn: Any, *args: Any, rank: int | None = None) -> Any:
         name = getattr(fn, "__name__", str(fn))
         if rank is not None:
-            return self._get(self.workers[rank].call_function.remote(fn, args), name, rank)
-        return self._get([w.call_function.remote(fn, args) for w in self.workers], name)
+            return self._get(self.workers[rank].call_function.remote(fn, args, self.role), name, rank)
+        return self._get([w.call_function.remote(fn, args, self.role) for w in self.workers], name)
+
+    def run_with(self, other: "RoleGroup", fn: Any) -> Any:
+        """``fn(this role's object, other's)`` in the process that hosts both (``--ray.colocate
+        hybrid``: one rank each, one actor); a plain pair of groups has no such process."""
+        if len(self.workers) != 1 or self.workers != other.workers:
+            raise UsageError(f"roles '{self.role}' and '{other.role}' are not hosted in one process")
+        return self._get(self.workers[0].call_with.remote(fn, (self.role, other.role)),
+                         getattr(fn, "__name__", str(fn)), 0)
+
+    def hosted_with(self, other: Any) -> bool:
+        """Whether ``other`` is a group whose one rank is this group's one actor."""
+        return isinstance(other, RoleGroup) and len(self.workers) == 1 and self.workers == other.workers
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or not hasattr(self.cls, name):
@@ -178,14 +202,14 @@ class RoleGroup:
 
     def _dispatch(self, name: str, mode: str, args: tuple, kwargs: dict) -> Any:
         if mode == "one" or len(self.workers) == 1 and mode != "split":
-            return self._get(self.workers[0].call.remote(name, args, kwargs), name, 0)
+            return self._get(self.workers[0].call.remote(name, args, kwargs, self.role), name, 0)
         if mode == "all":
-            return self._get([w.call.remote(name, args, kwargs) for w in self.workers], name)[0]
+            return self._get([w.call.remote(name, args, kwargs, self.role) for w in self.workers], name)[0]
         if mode == "prompts":
             return self._generate_balanced(name, args, kwargs)
         batch, rest = args[0], args[1:]
         shards = shard_batch(batch, len(self.workers), objective=rest[0] if rest else None)
-        refs = [w.call.remote(name, (shard, *rest), kwargs) for w, shard in zip(self.workers, shards)]
+        refs = [w.call.remote(name, (shard, *rest), kwargs, self.role) for w, shard in zip(self.workers, shards)]
         return merge_results(self._get(refs, name))
 
     def _generate_balanced(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -193,11 +217,13 @@ class RoleGroup:
         prompts, rest = args[0], args[1:]
         shares = balance([len(p) for p in prompts], len(self.workers))
         busy = [(w, idx) for w, idx in zip(self.workers, shares) if idx]
-        parts = self._get([w.call.remote(name, ([prompts[i] for i in idx], *rest), kwargs) for w, idx in busy], name)
+        parts = self._get([w.call.remote(name, ([prompts[i] for i in idx], *rest), kwargs, self.role)
+                           for w, idx in busy], name)
         return merge_samples([idx for _, idx in busy], parts)
 
     def endpoints(self) -> list[RayEndpoint]:
-        return [RayEndpoint(w, f"role '{self.role}' rank {r}", self.timeout) for r, w in enumerate(self.workers)]
+        return [RayEndpoint(w, f"role '{self.role}' rank {r}", self.timeout, self.role)
+                for r, w in enumerate(self.workers)]
 
     def env_info(self) -> list[dict[str, Any]]:
         return self._get([w.env_info.remote() for w in self.workers], "env_info")
