@@ -91,7 +91,7 @@ def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_m
     from rlhf_plugins import SamplingParams
     from rlhf_plugins.api import prepare
     from rlhf_plugins.engines.transformers_engine import TransformersEngine
-    from rlhf_plugins.models import kv_cache
+    from rlhf_plugins.models import attention, kv_cache
     from rlhf_plugins.testing import backend_context
 
     calls = []
@@ -99,7 +99,7 @@ def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_m
     monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: calls.append(a[0].shape[0]) or cascade(*a))
     config, pm, _ = prepare({}, autoload=False)
     engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
-    assert engine.shared_prefix and engine.model.config._attn_implementation == kv_cache.SHARED_PREFIX_ATTENTION
+    assert engine.shared_prefix and engine.model.config._attn_implementation == attention.ATTENTION
     layers = engine.model.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
@@ -158,13 +158,14 @@ def test_cascade_attention_equals_sdpa_over_the_whole_sequence(kv_heads):
 def test_shared_prefix_attention_only_for_plain_sdpa_full_attention_models():
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from rlhf_plugins.models.kv_cache import enable_shared_prefix_attention, shared_prefix_cache
+    from rlhf_plugins.models.attention import enable
+    from rlhf_plugins.models.kv_cache import shared_prefix_cache
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2)
-    assert enable_shared_prefix_attention(LlamaForCausalLM(LlamaConfig(**small)))
-    assert not enable_shared_prefix_attention(LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **small)))
-    assert not enable_shared_prefix_attention(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
+    assert enable(LlamaForCausalLM(LlamaConfig(**small)))
+    assert not enable(LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **small)))
+    assert not enable(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
     layer = shared_prefix_cache(LlamaForCausalLM(LlamaConfig(**small)), torch.ones(1, 6), 3).layers[0]
     layer.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16))
     with pytest.raises(ValueError, match="batch_repeat_interleave first"):

@@ -14,12 +14,13 @@ from rlhf_plugins.training.rollout import Rollout, make_batch
 from tests.helpers import all_rows_of, short_run, the_run
 
 
-def tiny_llama64():
+def tiny_llama64(attn_implementation="sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                      attn_implementation=attn_implementation)
     return LlamaForCausalLM(cfg).double().eval()
 
 
@@ -53,13 +54,43 @@ def test_token_budget_split_packs_samples_longest_first_within_the_budget():
         assert p["packed"] is True and torch.equal(p["sequences"], batch["sequences"][p["rows"]])
 
 
-def test_packed_logprobs_equal_the_padded_forward():
-    model, batch = tiny_llama64(), spread_batch()
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_packed_logprobs_equal_the_padded_forward(implementation, monkeypatch):
+    """Under SDPA the packed rows' attention runs per sample (its calls counted); under any other
+    attention transformers' packed-sequence mask keeps it inside each sample."""
+    from rlhf_plugins.models import attention
+
+    calls = []
+    per_sample = attention.per_sample_attention
+    monkeypatch.setattr(attention, "per_sample_attention", lambda *a: calls.append(len(a[3])) or per_sample(*a))
+    model, batch = tiny_llama64(implementation), spread_batch()
     with torch.no_grad():
-        padded = policy_forward(model, batch)["logprobs"]
+        # the padded reference under SDPA (eager attention turns fully masked pad rows into NaN in float64)
+        padded = policy_forward(tiny_llama64(), batch)["logprobs"]
         packed = in_token_budget(lambda part: policy_forward(model, part)["logprobs"], batch, 40)
     mask = batch["action_mask"].bool()
     assert torch.allclose(packed[mask], padded[mask], rtol=0, atol=1e-6)
+    parts = len(token_budget_split(batch, 40))
+    assert len(calls) == (parts * model.config.num_hidden_layers if implementation == "sdpa" else 0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_per_sample_attention_equals_softmax_under_a_block_diagonal_causal_mask(kv_heads):
+    from rlhf_plugins.models.attention import per_sample_attention
+
+    g = torch.Generator().manual_seed(kv_heads)
+    rows = [[(0, 5), (5, 7), (12, 1), (13, 3)], [(0, 16)], [(0, 9), (9, 7)]]
+    q = torch.randn(3, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, kv_heads, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got = per_sample_attention(q, k, v, rows, 0.3)
+    # independent: explicit scores, -inf outside a token's own sample and its future, softmax
+    sample = torch.tensor([[i for i, (_, n) in enumerate(row) for _ in range(n)] for row in rows])
+    t = torch.arange(16)
+    allowed = (sample[:, :, None] == sample[:, None, :]) & (t[None, :, None] >= t[None, None, :])
+    kk, vv = k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1)
+    scores = (q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed[:, None], float("-inf"))
+    want = (torch.softmax(scores, -1) @ vv).transpose(1, 2)
+    assert got.shape == (3, 16, 4, 8) and torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

@@ -11,13 +11,9 @@ from typing import Any, Iterable
 
 import torch
 
+from ..models import attention
 from ..models.forward import position_ids
-from ..models.kv_cache import (
-    SHARED_PREFIX_MIN_PROMPT,
-    enable_shared_prefix_attention,
-    reserved_cache,
-    shared_prefix_cache,
-)
+from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 
@@ -59,7 +55,7 @@ class TransformersEngine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
         #: decode steps read each prompt's keys and values once for all its samples (cascade attention)
-        self.shared_prefix = enable_shared_prefix_attention(self.model)
+        self.shared_prefix = attention.enable(self.model)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:

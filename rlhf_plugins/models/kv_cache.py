@@ -78,40 +78,15 @@ class ReservedLayer(DynamicLayer):
 
 
 # --- shared-prefix (cascade) attention for the decode steps ---------------------------------------
-#: the attention implementation the engine's model runs under: SDPA, except in decode steps given a
-#: shared-prefix cache
-SHARED_PREFIX_ATTENTION = "rlhf_shared_prefix"
-#: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
-#: values (no soft-capping, sinks or sliding windows), so the cascade computes the same thing
-PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 #: prompts narrower than this decode faster with SDPA over the repeated prefix (measured per layer and
 #: step, 16 prompts x 8 samples: 12-token prompts 313 us SDPA vs 422 us cascade, 40 tokens 450 vs 409)
 SHARED_PREFIX_MIN_PROMPT = 32
 
 
-def enable_shared_prefix_attention(model: Any) -> bool:
-    """Run ``model`` under the shared-prefix attention when it can (its attention is plain SDPA over
-    full-attention layers); the model computes exactly what SDPA does unless a decode step is given
-    a :func:`shared_prefix_cache`. Returns whether it was enabled."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    config = model.config
-    if config._attn_implementation not in ("sdpa", SHARED_PREFIX_ATTENTION):
-        return False
-    kinds = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")}
-    if not kinds or not kinds <= set(PLAIN_ATTENTION) or reserved_cache(model, 1) is None:
-        return False
-    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
-    config._attn_implementation = SHARED_PREFIX_ATTENTION
-    return True
-
-
 def shared_prefix_cache(model: Any, prompt_mask: torch.Tensor, budget: int) -> DynamicCache:
     """A cache that keeps each prompt's keys and values once (``[prompts, heads, P, d]``) and the
     samples' own tokens in storage reserved for ``budget`` per sample. Decode steps pass it as
-    ``shared_prefix=`` to the model (see :func:`shared_prefix_attention`)."""
+    ``shared_prefix=`` to a model enabled by :func:`rlhf_plugins.models.attention.enable`."""
     cache = DynamicCache(config=model.config)
     cache.layers = [SharedPrefixLayer(budget) for _ in cache.layers]
     cache.prompt_mask = prompt_mask.bool()
@@ -160,23 +135,6 @@ class SharedPrefixLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the shared-prefix KV cache is not cropped (the sampling loop never asks)")
-
-
-def shared_prefix_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            shared_prefix: DynamicCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA, except in a decode step given ``shared_prefix`` (the cache): then one new token per
-    sample attends to its prompt's shared keys (read once per prompt, as one matrix product for the
-    prompt's samples) and to its own decoded keys, with one softmax over both -- the attention of
-    the full sequence, without reading a prompt's keys and values once per sample."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if shared_prefix is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    layer = shared_prefix.layers[module.layer_idx]
-    return cascade_attention(query, layer.prefix_keys, layer.prefix_values, key, value, shared_prefix.prompt_mask,
-                             layer.group, scaling if scaling is not None else query.shape[-1] ** -0.5), None
 
 
 def cascade_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, own_k: torch.Tensor,

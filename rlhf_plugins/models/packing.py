@@ -3,7 +3,10 @@
 ``--learner.max_tokens_per_micro_batch N`` cuts a mini batch into micro batches of at most ``N``
 real tokens (prompt + completion; a longer sample goes alone) and runs each as packed rows: the
 samples' tokens back to back, position ids restarting at every sample, no attention mask --
-transformers then keeps attention inside each sample (its packed-sequence mask). The logits come
+transformers then keeps attention inside each sample (its packed-sequence mask). Models whose
+attention is plain SDPA run it per sample instead (:mod:`rlhf_plugins.models.attention`): the same
+result without computing the scores the mask throws away, so a micro batch is one row without a
+single pad slot. The logits come
 back in the padded ``[B, T]`` layout, so losses, masks and metrics are unchanged, and the gradients
 equal those of the padded computation (tested in float64 for every loss aggregation).
 
@@ -14,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from . import attention
 
 #: a micro batch marked for the packed forward
 PACKED = "packed"
@@ -48,15 +53,19 @@ def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str,
 def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """Next-token logits ``[B, T, V]`` of the completion tokens, computed on packed rows.
 
-    The samples are packed first-fit (longest first) into rows as long as the longest sample, so
-    each row's attention costs no more than a padded row's while the rows carry few pad slots; pad
-    slots at a row's end form a sequence of their own (positions restart), and nothing reads them."""
+    A model whose attention runs per sample (:func:`rlhf_plugins.models.attention.enable`) takes the
+    whole micro batch as one row, without a pad slot. Otherwise attention goes through a
+    block-diagonal mask and costs a row's length squared, so the samples are packed first-fit
+    (longest first) into rows as long as the longest sample: no row costs more than a padded one,
+    and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
+    (positions restart), and nothing reads them."""
     seq, mask = batch["sequences"], batch["attention_mask"].bool()
     B, W = seq.shape
     T = batch["action_mask"].shape[1]
     P = W - T
     lengths = mask.sum(-1).tolist()
-    R = max(max(lengths), 1)
+    per_sample = attention.enable(model)
+    R = max(sum(lengths) if per_sample else max(lengths), 1)
     rows: list[list[int]] = []
     used: list[int] = []
     for b in sorted(range(B), key=lambda i: -lengths[i]):
@@ -71,16 +80,20 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
     pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
+    samples: list[list[tuple[int, int]]] = []  # (start, length) of each sample of a row, pad slots last
     for r, members in enumerate(rows):
-        offset = 0
+        offset, samples_r = 0, []
         for b in members:
             n = lengths[b]
             ids[r, offset:offset + n] = seq[b][mask[b]]
             pos[r, offset:offset + n] = torch.arange(n)
             where[b] = torch.tensor([r, offset])
+            samples_r.append((offset, n))
             offset += n
         pos[r, offset:] = torch.arange(R - offset)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+        samples.append(samples_r + ([(offset, R - offset)] if offset < R else []))
+    extra = {"packed_samples": samples} if per_sample else {}
+    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra)
     # completion token k of sample b sits at offset + prompt_len + k of its row and is predicted by
     # the logits one position before it
     prompt_len = mask[:, :P].sum(-1)
