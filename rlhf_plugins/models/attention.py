@@ -83,9 +83,10 @@ def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     rows = []
     for r, row in enumerate(samples):
-        parts = [F.scaled_dot_product_attention(query[r:r + 1, :, s:s + n], key[r:r + 1, :, s:s + n],
-                                                value[r:r + 1, :, s:s + n], dropout_p=dropout, is_causal=True,
-                                                scale=scaling)
-                 for s, n in row]
+        # split, not slices: the backward of a split is one concatenation, a slice's a zeroed copy of
+        # the whole row per sample
+        sizes = [n for _, n in row]
+        parts = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
+                 for q, k, v in zip(*(t[r:r + 1].split(sizes, dim=2) for t in (query, key, value)))]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous()

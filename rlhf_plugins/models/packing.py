@@ -26,21 +26,22 @@ PACKED = "packed"
 
 def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
     """Micro batches of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample longer
-    than the budget is one of its own), each marked for the packed forward. Samples are taken longest
-    first, so a micro batch holds samples of similar length and its packed rows waste few slots; each
-    micro batch keeps its samples' places in ``batch`` under ``"rows"`` (the gradient of a sum over
-    micro batches does not depend on how samples are grouped)."""
+    than the budget is one of its own), each marked for the packed forward. Samples are placed longest
+    first, each in the first micro batch with room for it (first-fit decreasing), so few micro batches
+    carry the whole budget; each keeps its samples' places in ``batch`` under ``"rows"`` (the gradient
+    of a sum over micro batches does not depend on how samples are grouped)."""
     lengths = batch["attention_mask"].sum(-1)
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    groups, current, used = [], [], 0
+    groups: list[list[int]] = []
+    used: list[int] = []
     for i in order:
         n = int(lengths[i])
-        if current and used + n > max_tokens:
-            groups.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    groups.append(current)
+        g = next((g for g, u in enumerate(used) if u + n <= max_tokens), len(groups))
+        if g == len(groups):
+            groups.append([])
+            used.append(0)
+        groups[g].append(i)
+        used[g] += n
     out = []
     for idx in groups:
         part = {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx] if isinstance(v, list) else v)
@@ -100,8 +101,10 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     k = torch.arange(T, device=seq.device)
     col = (where[:, 1].to(seq.device) + prompt_len)[:, None] + k[None, :] - 1
     col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
-    row = where[:, 0].to(seq.device)[:, None].expand(B, T)
-    return out.logits[row, col]
+    flat = where[:, 0].to(seq.device)[:, None] * R + col
+    # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
+    logits = out.logits
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(B, T, -1)
 
 
 def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[str, Any],
