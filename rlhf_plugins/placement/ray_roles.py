@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 from concurrent.futures import Future
 from typing import Any
-
-import torch
 
 from ..dispatch import balance, dispatch_mode, merge_results, merge_samples, shard_batch
 from ..errors import RoleCallTimeout, RoleFailed, UsageError
 
 #: environment a worker inherits from the driver (local clusters would, remote ones do not)
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 class RoleWorker:
@@ -48,15 +53,25 @@ class RoleWorker:
               role: str | None = None) -> bool:
         import ray
 
-        # colocated roles take turns on their bundle, so each may use all of its CPUs
-        torch.set_num_threads(max(1, threads))
         gpu_ids = ray.get_gpu_ids()
         if gpu_ids:
             # one visible GPU per actor, unless Ray was told not to touch *_VISIBLE_DEVICES
             env["LOCAL_RANK"] = str(int(gpu_ids[0])) if os.environ.get(NOSET_ENV) else "0"
         os.environ.update(env)
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # colocated roles take turns on their bundle, so each may use all of its CPUs. A role without a
+        # GPU (rule rewards) need not import torch at all: torch takes the thread count from the
+        # environment if something in the role imports it later
+        threads = max(1, threads)
+        if gpu_ids or "torch" in sys.modules:
+            import torch
+
+            torch.set_num_threads(threads)
+            if not torch.cuda.is_available():
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        else:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            if not os.environ.get(NOSET_ENV):  # Ray hid every GPU from an actor that holds none
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.objs[role or self.role] = cls(*args, **kwargs)
         return True
 
@@ -71,7 +86,8 @@ class RoleWorker:
             "node_id": ctx.get_node_id(),
             "placement_group_id": ctx.get_placement_group_id(),
             "resources": ctx.get_assigned_resources(),
-            "dist_initialized": torch.distributed.is_available() and torch.distributed.is_initialized(),
+            "dist_initialized": "torch" in sys.modules and _dist_initialized(),
+            "torch_imported": "torch" in sys.modules,
         }
 
     def call(self, method: str, args: tuple, kwargs: dict, role: str | None = None) -> Any:

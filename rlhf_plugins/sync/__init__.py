@@ -1,11 +1,12 @@
 """Weight sync: moving the actor's new weights into the generation engine."""
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SyncParityError(UsageError):

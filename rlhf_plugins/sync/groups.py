@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a group is made: free_address also serves role actors (a rule-reward role
+# never imports torch)
 
 
 def free_address() -> tuple[str, int]:
@@ -27,11 +31,16 @@ def free_address() -> tuple[str, int]:
 
 
 def default_backend() -> str:
+    import torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class SyncGroup:
     def __init__(self, address: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float = 300) -> None:
+        import torch
+        import torch.distributed as dist
+
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout)
         self.rank, self.world_size, self.backend = rank, world_size, backend
@@ -43,6 +52,8 @@ class SyncGroup:
             self.device = torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        import torch.distributed as dist
+
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.pg.broadcast([tensor], opts).wait()

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-import torch
 
 from ..core.spec import PluginSpec, get_manager
 from ..dispatch import dispatch
@@ -236,10 +235,13 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: f
 
 
 def _as_list(out: Any, where: str) -> list[Any]:
-    if torch.is_tensor(out):
+    # a process whose rewards never imported torch has no tensors (the reward role does not import it)
+    torch = sys.modules.get("torch")
+    is_tensor = torch.is_tensor if torch is not None else (lambda _: False)
+    if is_tensor(out):
         return out.detach().float().reshape(-1).tolist()
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
         return list(out.tolist())
     if isinstance(out, (list, tuple)):
-        return [v.item() if torch.is_tensor(v) else v for v in out]
+        return [v.item() if is_tensor(v) else v for v in out]
     raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")

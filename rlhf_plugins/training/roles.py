@@ -13,9 +13,7 @@ through them, so no role has a method named after a sync method.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .._lazy import resolve
 from ..core.spec import PluginSpec, get_manager
@@ -24,6 +22,9 @@ from ..errors import PluginError, UsageError
 from ..protocols import OPTIONAL, BackendContext, GenerationEngine, Learner, RankContext, missing_methods
 from ..types import Component, GenerationBackend, LearnerBackend
 from . import host_memory
+
+if TYPE_CHECKING:
+    import torch
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -116,6 +117,8 @@ class PolicyRole(Role):
 
     @dispatch("split")
     def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
+        import torch
+
         out = self.learner.train(batch, objective)
         if torch.cuda.is_available():  # pragma: no cover - GPU branch: the peak of this update, per rank
             out = {**out, f"memory/{self.role}_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
@@ -175,12 +178,14 @@ class ReferenceRole(Role):
         self._forward = policy_forward
 
     @dispatch("split")
-    @torch.inference_mode()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         from ..models.packing import in_token_budget
 
-        return in_token_budget(lambda part: self._forward(self.model, part, self.temperature)["logprobs"], batch,
-                               self.budget)
+        with torch.inference_mode():
+            return in_token_budget(lambda part: self._forward(self.model, part, self.temperature)["logprobs"], batch,
+                                   self.budget)
 
 
 class GenerationRole(Role):
