@@ -303,3 +303,37 @@ def test_memory_kept_for_reuse_goes_back_before_vllm_sizes_its_cache():
     assert out["inside_freed"] - out["inside"] < 100  # glibc's defaults inside: the 768 MB went back
     assert out["after_freed"] - out["inside"] > 700  # kept for reuse again after the block
     assert min(out["after"]) < 500  # ... and reused
+
+
+_SAVES = """
+import json, sys
+import accelerate.utils.other as unwrapping
+from transformers import AutoModelForCausalLM
+from rlhf_plugins.models.folder import save_pretrained
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+save_pretrained(model, sys.argv[2] + "/ours")
+ours = "deepspeed" in sys.modules
+model.save_pretrained(sys.argv[2] + "/plain")
+print(json.dumps({"ours": ours, "plain": "deepspeed" in sys.modules, "probe": unwrapping.is_deepspeed_available()}))
+"""
+
+
+def test_saving_a_model_imports_deepspeed_only_in_a_process_that_has(tiny_model, tmp_path):
+    """transformers' save_pretrained has accelerate import DeepSpeed (1.5-2 s) to check whether the
+    model is a DeepSpeed engine; ours skips that check where DeepSpeed was never imported, writes
+    the same folder, and leaves accelerate's check as it was."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import clean_env
+
+    out = json.loads(subprocess.run([sys.executable, "-c", _SAVES, tiny_model, str(tmp_path)], capture_output=True,
+                                    text=True, check=True, env=clean_env()).stdout.strip().splitlines()[-1])
+    assert out == {"ours": False, "plain": True, "probe": True}
+    ours, plain = tmp_path / "ours", tmp_path / "plain"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in plain.iterdir())
+    a, b = load_file(ours / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from .._markers import hookimpl
 from ..errors import ConfigError
+from ..models.folder import save_pretrained
 from ..settings import setting
 
 
@@ -133,5 +134,5 @@ def rlhf_after_train(run_dir: Path, metrics: Any) -> None:
     from transformers import AutoTokenizer
 
     merged = AutoPeftModelForCausalLM.from_pretrained(str(final)).merge_and_unload()
-    merged.save_pretrained(run_dir / "final-merged")
+    save_pretrained(merged, run_dir / "final-merged")
     AutoTokenizer.from_pretrained(str(final)).save_pretrained(run_dir / "final-merged")

@@ -44,7 +44,9 @@ class TorchLearner(Learner):
             yield name, tensor.detach()
 
     def save(self, path: str) -> None:
-        self.model.save_pretrained(path)
+        from ..models.folder import save_pretrained
+
+        save_pretrained(self.model, path)
 
     def save_checkpoint(self, path: str) -> None:
         """Weights as safetensors (every tensor of the model, LoRA included), the optimizer's state

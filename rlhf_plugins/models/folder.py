@@ -1,10 +1,13 @@
 """One place that checks a model folder before anything loads it, and turns what can be wrong
 with it into one line naming the folder, the file and the fix: a missing or unreadable
-``config.json``, no tokenizer, damaged or pickled weights, code the folder wants to run."""
+``config.json``, no tokenizer, damaged or pickled weights, code the folder wants to run. And
+:func:`save_pretrained`, how our processes write one."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -58,3 +61,23 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
         except Exception as exc:  # noqa: BLE001 - any header damage is one line
             raise ConfigError(f"{where}: '{file.name}' is not a readable safetensors file ({exc}); the folder is "
                               "damaged (save the model again)") from exc
+
+
+def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
+    """``model.save_pretrained(path, **kwargs)``, without importing DeepSpeed in a process that has
+    not: transformers has accelerate unwrap the model first, and accelerate imports DeepSpeed
+    whenever it is installed to check for a ``DeepSpeedEngine`` (1.5-2 s of every run that saves).
+    A model cannot be a DeepSpeed engine before DeepSpeed is imported, so the check is skipped then."""
+    try:
+        import accelerate.utils.other as unwrapping
+    except ImportError:
+        unwrapping = None
+    if "deepspeed" in sys.modules or not hasattr(unwrapping, "is_deepspeed_available"):
+        model.save_pretrained(path, **kwargs)
+        return
+    probe = unwrapping.is_deepspeed_available
+    unwrapping.is_deepspeed_available = lambda: False
+    try:
+        model.save_pretrained(path, **kwargs)
+    finally:
+        unwrapping.is_deepspeed_available = probe

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .folder import save_pretrained
+
 RECIPE_VERSION = 1
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -186,5 +188,5 @@ def pretrain(out: Path, tokenizer: Any, batch_texts: Callable[[], list[str]], st
         optim.zero_grad()
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
+    save_pretrained(model, out)
     tokenizer.save_pretrained(out)

@@ -15,6 +15,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from ..models.folder import save_pretrained
 from ..training.runlog import make_run_dir, quiet_libraries
 from . import data as stage_data
 from .config import StageConfig, check, trl_config
@@ -91,9 +92,9 @@ def _save_final(trainer: Any, tokenizer: Any, run_dir: Path) -> Path:
     final = run_dir / "final"
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
-        model.save_pretrained(run_dir / "final-adapter")
+        save_pretrained(model, run_dir / "final-adapter")
         model = model.merge_and_unload()
-    model.save_pretrained(final)
+    save_pretrained(model, final)
     tokenizer.save_pretrained(final)
     return final
 
