@@ -16,6 +16,7 @@ through transformers' block-diagonal mask.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ ATTENTION = "rlhf_sdpa"
 #: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
 #: values, so the cascade and the per-sample attention compute the same thing as SDPA with a mask
 PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+#: models found not to qualify (packing asks on every micro batch; the answer does not change)
+_NOT_PLAIN: weakref.WeakSet = weakref.WeakSet()
 
 
 def enable(model: Any) -> bool:
@@ -39,10 +42,11 @@ def enable(model: Any) -> bool:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == ATTENTION:
         return True
-    if implementation != "sdpa":
+    if implementation != "sdpa" or model in _NOT_PLAIN:
         return False
     kinds = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")}
     if not kinds or not kinds <= set(PLAIN_ATTENTION) or reserved_cache(model, 1) is None:
+        _NOT_PLAIN.add(model)
         return False
     AttentionInterface.register(ATTENTION, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)

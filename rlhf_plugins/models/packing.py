@@ -24,24 +24,28 @@ from . import attention
 PACKED = "packed"
 
 
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` in bins of at most ``capacity``: longest first (ties in order), each
+    into the first bin with room for it (first-fit decreasing); a longer one gets a bin of its own."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, u in enumerate(used) if u + lengths[i] <= capacity), len(bins))
+        if b == len(bins):
+            bins.append([])
+            used.append(0)
+        bins[b].append(i)
+        used[b] += lengths[i]
+    return bins
+
+
 def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
     """Micro batches of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample longer
     than the budget is one of its own), each marked for the packed forward. Samples are placed longest
     first, each in the first micro batch with room for it (first-fit decreasing), so few micro batches
     carry the whole budget; each keeps its samples' places in ``batch`` under ``"rows"`` (the gradient
     of a sum over micro batches does not depend on how samples are grouped)."""
-    lengths = batch["attention_mask"].sum(-1)
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    groups: list[list[int]] = []
-    used: list[int] = []
-    for i in order:
-        n = int(lengths[i])
-        g = next((g for g, u in enumerate(used) if u + n <= max_tokens), len(groups))
-        if g == len(groups):
-            groups.append([])
-            used.append(0)
-        groups[g].append(i)
-        used[g] += n
+    groups = first_fit(batch["attention_mask"].sum(-1).tolist(), max_tokens)
     out = []
     for idx in groups:
         part = {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx] if isinstance(v, list) else v)
@@ -67,17 +71,7 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     lengths = mask.sum(-1).tolist()
     per_sample = attention.enable(model)
     R = max(sum(lengths) if per_sample else max(lengths), 1)
-    rows: list[list[int]] = []
-    used: list[int] = []
-    for b in sorted(range(B), key=lambda i: -lengths[i]):
-        for r, u in enumerate(used):
-            if u + lengths[b] <= R:
-                rows[r].append(b)
-                used[r] += lengths[b]
-                break
-        else:
-            rows.append([b])
-            used.append(lengths[b])
+    rows = first_fit(lengths, R)
     ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
     pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
