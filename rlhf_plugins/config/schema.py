@@ -202,6 +202,9 @@ class LearnerConfig:
     micro_batch_size: int = setting(0, ge=0)
     #: pack micro batches of at most N real tokens, no padding (learner and reference); 0: micro_batch_size
     max_tokens_per_micro_batch: int = setting(0, ge=0)
+    #: memory budget (MiB) of one chunk of output-head logits: log-probs, entropy and their gradients are
+    #: computed a chunk of tokens at a time, so logits memory does not grow with batch x length (0: at once)
+    logits_memory_mb: float = setting(256.0, ge=0)
     #: recompute activations in the backward pass (less memory, about a third more compute)
     gradient_checkpointing: bool = False
     #: adamw | adam | sgd

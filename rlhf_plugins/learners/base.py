@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -60,7 +61,8 @@ class Learner:
         self.cfg = config.learner
         self.temperature = config.generation.temperature
         critic = role == "critic"
-        self.forward: Callable[..., dict[str, torch.Tensor]] = value_forward if critic else policy_forward
+        self.forward: Callable[..., dict[str, torch.Tensor]] = (
+            value_forward if critic else partial(policy_forward, logits_memory_mb=self.cfg.logits_memory_mb))
         self.output = "values" if critic else "logprobs"
         self.lr = config.critic.lr if critic else self.cfg.lr
         self.updates = 0

@@ -10,24 +10,15 @@ from typing import Any
 
 import torch
 
+from .logits import chunking, head_deferred, head_token_stats, token_stats
+
+#: default budget of one chunk of logits (``--learner.logits_memory_mb``); see :mod:`.logits`
+LOGITS_MEMORY_MB = 256.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] without materialising the full log-softmax."""
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
 def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -72,17 +63,23 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 
 
 def policy_forward(
-    model: Any, batch: dict[str, Any], temperature: float = 1.0, with_entropy: bool = False
+    model: Any, batch: dict[str, Any], temperature: float = 1.0, with_entropy: bool = False,
+    logits_memory_mb: float = LOGITS_MEMORY_MB,
 ) -> dict[str, torch.Tensor]:
-    """Log-probs (and entropy) of the completion tokens under ``model`` at the sampling temperature."""
-    T = batch["action_mask"].shape[1]
-    logits = completion_logits(model, batch)
-    if temperature != 1.0:
-        logits = logits / temperature
-    result = {"logprobs": logprobs_from_logits(logits, batch["sequences"][:, -T:])}
-    if with_entropy:
-        result["entropy"] = entropy_from_logits(logits)
-    return result
+    """Log-probs (and entropy) of the completion tokens under ``model`` at the sampling temperature.
+
+    When the batch's logits would exceed ``logits_memory_mb``, the model's head is applied in chunks
+    of tokens (:mod:`rlhf_plugins.models.logits`): the same values and gradients, bounded memory."""
+    tokens = batch["sequences"][:, -batch["action_mask"].shape[1]:]
+    chunked = chunking(model, tokens.numel(), logits_memory_mb)
+    if chunked is None:
+        stats = token_stats(completion_logits(model, batch), tokens, temperature, with_entropy)
+    else:
+        head, chunk = chunked
+        with head_deferred(head):
+            hidden = completion_logits(model, batch)
+        stats = head_token_stats(head, hidden, tokens, temperature, with_entropy, chunk)
+    return dict(zip(("logprobs", "entropy"), stats))
 
 
 def value_forward(

@@ -13,6 +13,7 @@ through them, so no role has a method named after a sync method.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .._lazy import resolve
@@ -175,7 +176,7 @@ class ReferenceRole(Role):
         self.model.eval().requires_grad_(False)
         self.temperature = config.generation.temperature
         self.budget = config.learner.max_tokens_per_micro_batch
-        self._forward = policy_forward
+        self._forward = partial(policy_forward, logits_memory_mb=config.learner.logits_memory_mb)
 
     @dispatch("split")
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

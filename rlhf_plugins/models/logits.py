@@ -1,0 +1,135 @@
+"""Log-probs and entropy over a real vocabulary without ``[batch, length, vocab]`` logits.
+
+A 151,936-token vocabulary turns 16 samples x 512 tokens into 5 GB of float32 logits, and their
+log-softmax and gradient as much again: more than the 0.5B model itself. Instead, the model's own
+forward runs with its output head *deferred* (forward hooks make the head hand back its input, the
+final hidden states, and compute nothing), and the head is then applied to a few hundred tokens at a
+time. Each chunk's logits live only inside that chunk: in training the chunk is recomputed in the
+backward pass (``torch.utils.checkpoint``), so the gradients are those of the unchunked computation
+while at most one chunk of logits exists at any moment.
+
+``--learner.logits_memory_mb`` is the budget of one chunk (float32 logits, their softmax and their
+gradient); 0 computes the whole batch's logits at once, as the model's own forward does. Models
+whose forward does more to the head's output than return it (logit soft-capping or scaling) always
+take that path.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+#: bytes one token's logits cost inside a chunk: float32 logits, their softmax, and their gradient
+BYTES_PER_LOGIT = 12
+#: config attributes of architectures whose forward transforms the head's output
+HEAD_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] without materialising the full log-softmax."""
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """(log-probs,) or (log-probs, entropy) of ``tokens`` under ``logits`` at ``temperature``."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = logprobs_from_logits(logits, tokens)
+    return (lp, entropy_from_logits(logits)) if with_entropy else (lp,)
+
+
+def chunk_tokens(vocab: int, budget_mb: float) -> int:
+    """Tokens per chunk under a budget of ``budget_mb`` MiB (0: no chunking)."""
+    if budget_mb <= 0:
+        return 0
+    return max(1, int(budget_mb * 2**20) // (vocab * BYTES_PER_LOGIT))
+
+
+def output_head(model: Any) -> torch.nn.Module | None:
+    """The model's language-model head when its forward returns the head's output as it is; ``None``
+    otherwise (no head found, or soft-capped / scaled logits). Sees through a DeepSpeed engine and a
+    PEFT wrapper."""
+    inner = model if hasattr(model, "get_output_embeddings") else getattr(model, "module", None)
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    config = getattr(inner, "config", None)
+    if not isinstance(head, torch.nn.Module) or _vocab(head) is None:
+        return None
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in HEAD_POSTPROCESSING):
+        return None
+    return head
+
+
+def _vocab(head: torch.nn.Module) -> int | None:
+    # out_features stays right under ZeRO-3, where the weight itself is a partition
+    size = getattr(head, "out_features", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def chunking(model: Any, n_tokens: int, budget_mb: float) -> tuple[torch.nn.Module, int] | None:
+    """(head, tokens per chunk) when ``n_tokens`` of logits exceed the budget and the head can be
+    deferred; ``None`` when the model's own forward should compute the logits."""
+    if budget_mb <= 0:
+        return None
+    head = output_head(model)
+    if head is None:
+        return None
+    chunk = chunk_tokens(_vocab(head) or 1, budget_mb)
+    return (head, chunk) if n_tokens > chunk else None
+
+
+@contextmanager
+def head_deferred(head: torch.nn.Module) -> Iterator[None]:
+    """Inside, every call of ``head`` returns its input (the final hidden states) and computes no
+    logits: the model's forward then returns hidden states where it would return logits, with every
+    slice it takes of them (``logits_to_keep``) already applied."""
+    inputs: list[torch.Tensor] = []
+
+    def before(module: Any, args: tuple) -> tuple:
+        inputs.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    def after(module: Any, args: tuple, output: Any) -> torch.Tensor:
+        return inputs.pop()
+
+    handles = [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                     with_entropy: bool, chunk: int) -> tuple[torch.Tensor, ...]:
+    """:func:`token_stats` of ``head(hidden)`` computed ``chunk`` tokens at a time. With gradients,
+    each chunk is recomputed in the backward pass, so no more than one chunk of logits is alive."""
+    shape = tokens.shape
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    fn = partial(_chunk_stats, head, temperature, with_entropy)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for h, t in zip(torch.split(flat_h, chunk), torch.split(flat_t, chunk)):
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(fn, h, t, use_reentrant=False))
+        else:
+            parts.append(fn(h, t))
+    return tuple(torch.cat(column).view(shape) for column in zip(*parts))
+
+
+def _chunk_stats(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: torch.Tensor,
+                 tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return token_stats(head(hidden), tokens, temperature, with_entropy)

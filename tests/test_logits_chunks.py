@@ -1,0 +1,123 @@
+"""Log-probs, entropy and their gradients over a real-size vocabulary, a chunk of tokens at a time:
+equal to the unchunked computation (float64), and no tensor of logits larger than one chunk."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlhf_plugins.models.forward import policy_forward
+from rlhf_plugins.models.logits import BYTES_PER_LOGIT, chunk_tokens, output_head
+from tests.helpers import random_batch
+
+VOCAB = 151936
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A two-layer Qwen2 with Qwen2.5's vocabulary, tied embeddings and grouped-query attention, in float64."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.shapes import shape_config
+
+    torch.manual_seed(0)
+    config = shape_config("qwen2.5-0.5b", layers=2, hidden=64)
+    assert config.vocab_size == VOCAB and config.tie_word_embeddings and config.num_key_value_heads == 1
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """Records the largest number of rows of any tensor an op produces whose last dimension is the
+    vocabulary (the head's weight, transposed for its matmul, aside)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.rows = 0
+        self.weight = (hidden, VOCAB)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and t.shape[-1:] == (VOCAB,) and tuple(t.shape) != self.weight:
+                self.rows = max(self.rows, t.numel() // VOCAB)
+        return out
+
+
+def _grads(model, batch, budget, temperature, weights):
+    model.zero_grad()
+    out = policy_forward(model, batch, temperature, with_entropy=True, logits_memory_mb=budget)
+    mask = batch["action_mask"]
+    ((out["logprobs"] * weights[0] + out["entropy"] * weights[1]) * mask).sum().backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("temperature,shared", [(1.0, True), (0.7, False)])
+def test_chunked_logprobs_entropy_and_gradients_equal_the_unchunked_ones(model, temperature, shared):
+    batch = random_batch(group=4, prompts=3, seed=1)
+    if not shared:
+        batch = dict(batch, group_size=1)
+    n_tokens = batch["action_mask"].numel()
+    budget = 2 * VOCAB * BYTES_PER_LOGIT / 2**20  # two tokens per chunk: many chunks, a ragged last one
+    assert chunk_tokens(VOCAB, budget) == 2 < n_tokens
+    g = torch.Generator().manual_seed(2)
+    weights = torch.randn(2, *batch["action_mask"].shape, generator=g, dtype=torch.float64)
+    whole, whole_grads = _grads(model, batch, 0, temperature, weights)
+    chunked, chunked_grads = _grads(model, batch, budget, temperature, weights)
+    mask = batch["action_mask"].bool()
+    for key in ("logprobs", "entropy"):
+        assert (whole[key] - chunked[key]).abs()[mask].max() < 1e-12
+    assert whole_grads.keys() == chunked_grads.keys()
+    for name, grad in whole_grads.items():
+        assert (grad - chunked_grads[name]).abs().max() <= 1e-10 * grad.abs().max() + 1e-14, name
+
+
+def test_no_logits_tensor_grows_with_batch_times_length(model):
+    """With a budget of 8 tokens per chunk, no tensor over the vocabulary has more than 8 rows,
+    forward and backward, whatever the batch; without chunking the largest is the whole batch."""
+    budget = 8 * VOCAB * BYTES_PER_LOGIT / 2**20
+    for prompts in (2, 6):
+        batch = dict(random_batch(group=4, prompts=prompts, seed=3), group_size=1)
+        with LargestVocabTensor(model.config.hidden_size) as seen:
+            out = policy_forward(model, batch, with_entropy=True, logits_memory_mb=budget)
+            (out["logprobs"].sum() + out["entropy"].sum()).backward()
+        assert seen.rows == 8
+        with LargestVocabTensor(model.config.hidden_size) as whole:
+            policy_forward(model, batch, logits_memory_mb=0)
+        assert whole.rows >= batch["action_mask"].numel()
+
+
+def test_models_that_transform_their_logits_are_not_chunked(model):
+    """Soft-capped or scaled logits (Gemma 2, Cohere, Granite) come from the model's own forward."""
+    assert output_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    try:
+        assert output_head(model) is None
+    finally:
+        del model.config.final_logit_softcapping
+
+
+def test_packed_micro_batches_and_lora_are_chunked_too(model):
+    """A packed micro batch (one row, per-sample attention) and a PEFT-wrapped model go through the
+    chunked head and give the padded, unchunked log-probs."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_plugins.models.packing import token_budget_split
+
+    budget = 3 * VOCAB * BYTES_PER_LOGIT / 2**20
+    batch = random_batch(group=2, prompts=3, seed=4)
+    padded = policy_forward(model, batch, logits_memory_mb=0)["logprobs"]
+    for part in token_budget_split(batch, 24):
+        with LargestVocabTensor(model.config.hidden_size) as seen:
+            packed = policy_forward(model, part, logits_memory_mb=budget)["logprobs"]
+        assert seen.rows == 3
+        mask = part["action_mask"].bool()
+        assert (packed - padded[part["rows"]]).abs()[mask].max() < 1e-12
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    try:
+        assert output_head(lora) is model.lm_head
+        with LargestVocabTensor(model.config.hidden_size) as seen:
+            wrapped = policy_forward(lora, batch, logits_memory_mb=budget)["logprobs"]
+        assert seen.rows == 3
+        assert (wrapped - padded).abs()[batch["action_mask"].bool()].max() < 1e-12  # LoRA B starts at zero
+    finally:
+        lora.unload()
