@@ -34,6 +34,11 @@ def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, a
     raw["plugins"] = all_plugins
     config = build_config(raw, options)
     plan = validate(config, pm)
+    from .config.scale import apply_scale_defaults
+
+    note = apply_scale_defaults(config, raw)
+    if note:
+        plan.notes.append(note)
     return config, pm, plan
 
 

@@ -284,7 +284,12 @@ def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> in
     console.print(Syntax(config.to_yaml(), "yaml", background_color="default"))
     for warning in pm.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
+    for note in plan.notes:
+        console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if args.dry_run:
+        from .training.run import plan_memory
+
+        plan_memory(config, plan, console)
         console.print("[green]config is valid[/] (dry run: nothing started)")
         return 0
     from .training.run import run_training

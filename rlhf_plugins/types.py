@@ -80,6 +80,9 @@ class PlacementStrategy(Component):
     how to get that), ``shared_process(config)`` (the actor and the engine share one process with
     this config, though the placement's roles otherwise do not: in-process weight sync then applies
     and is the default). ``default_sync`` names the weight-sync method used when none is configured.
+    ``processes(config, roles)`` says how roles share processes and how many ranks each has, and
+    ``node_memory(config)`` the memory of the node they go to when it is known before launch: the
+    memory plan (:mod:`rlhf_plugins.training.memory_plan`) adds up needs per process and per node.
     """
 
     area: ClassVar[str] = "placement strategy"
@@ -90,6 +93,9 @@ class PlacementStrategy(Component):
     colocate_hint: str = field(default="", kw_only=True)
     default_sync: str = field(default="inprocess", kw_only=True)
     shared_process: Callable[[Any], bool] | None = field(default=None, kw_only=True)
+    processes: Callable[[Any, tuple[str, ...]], list[tuple[tuple[str, ...], int]]] | None = field(
+        default=None, kw_only=True)
+    node_memory: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +110,17 @@ class PlacementStrategy(Component):
         """Whether the actor and the generation engine run in one process with ``config``."""
         return self.same_process or (self.shared_process is not None and bool(self.shared_process(config)))
 
+    def process_groups(self, config: Any, roles: tuple[str, ...]) -> list[tuple[tuple[str, ...], int]]:
+        """How ``roles`` share processes: (roles in one process, how many such processes -- one per
+        rank). Default: all in one process when ``same_process``, else one process per role."""
+        if self.processes is not None:
+            return list(self.processes(config, roles))
+        return [(tuple(roles), 1)] if self.same_process else [((r,), 1) for r in roles]
+
+    def memory_of_node(self, config: Any) -> int | None:
+        """Bytes of memory of the node the roles are placed on, when known before launch."""
+        return self.node_memory(config) if self.node_memory is not None else None
+
     def sync_for(self, config: Any) -> str:
         """The weight-sync method used when none is configured."""
         return "inprocess" if not self.same_process and self.in_one_process(config) else self.default_sync
@@ -115,17 +132,22 @@ class GenerationBackend(Component):
     :class:`~rlhf_plugins.GenerationEngine`.
 
     Capabilities: ``supports_adapter`` (the engine has ``load_adapter``: LoRA adapters can be
-    synced alone); ``workers(config)`` how many engines the run wants (default 1);
+    synced alone); ``supports_shared_weights`` (the engine has ``share_weights``: its parameters can
+    be the learner's own tensors); ``workers(config)`` how many engines the run wants (default 1);
     ``max_length(config)`` the longest prompt + completion the engine will take (``None``: no
     limit), named by the config key ``max_length_key`` -- checked against the data before start.
+    ``memory(inputs: MemoryInputs) -> {item: bytes}`` the engine's analytic need per engine (an item
+    named ``imports`` is the fixed cost of its libraries, shown apart).
     """
 
     area: ClassVar[str] = "generation backend"
     factory: Callable[..., Any]
     supports_adapter: bool = field(default=False, kw_only=True)
+    supports_shared_weights: bool = field(default=False, kw_only=True)
     workers: Callable[[Any], int] | None = field(default=None, kw_only=True)
     max_length: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
     max_length_key: str = field(default="", kw_only=True)
+    memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -212,11 +234,16 @@ class LearnerBackend(Component):
     """Owns a trainable model and its optimizer. ``factory(ctx: BackendContext)`` returns a
     :class:`~rlhf_plugins.Learner`; ``ctx.load_model()`` loads the role's model through the
     ``rlhf_load_model`` hook when the learner is ready for it (ZeRO-3 sets up partitioning
-    first). ``multi_rank``: the learner can run several data-parallel ranks."""
+    first). ``multi_rank``: the learner can run several data-parallel ranks. ``memory(inputs:
+    MemoryInputs) -> {item: bytes}``: its analytic need per rank (weights, gradients, optimizer
+    states in their dtypes and shards, activations, logits), for the memory plan. ``live_weights``:
+    the learner offers ``live_weights()``, its parameters themselves, updated in place."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
     multi_rank: bool = field(default=False, kw_only=True)
+    memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
+    live_weights: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -232,6 +259,8 @@ class WeightSyncMethod(Component):
     ``same_process`` (True: the engine must live in the learner's process; False: it must not;
     None: either), ``needs_colocation`` (the engine shares the learner's node and device),
     ``needs_adapter`` (only a LoRA adapter moves: the engine must support adapters).
+    ``shares_weights(config)``: with this config the engine reads the learner's own parameters
+    (when the engine and learner allow it), so the process holds one copy of the weights.
     """
 
     area: ClassVar[str] = "weight sync method"
@@ -239,6 +268,7 @@ class WeightSyncMethod(Component):
     same_process: bool | None = field(default=None, kw_only=True)
     needs_colocation: bool = field(default=False, kw_only=True)
     needs_adapter: bool = field(default=False, kw_only=True)
+    shares_weights: Callable[[Any], bool] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

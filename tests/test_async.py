@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import eval_rows_of, metrics_of, short_run, the_run
+from rlhf_plugins.training.runlog import MEASURED
 
 CORRECTED = ("--algo.policy_loss.mismatch", "tis")
 
@@ -30,7 +31,7 @@ def in_process_trainer(tiny_model, raw):
 
 
 def comparable(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/", "async/"))}
+    return {k: v for k, v in metrics.items() if not k.startswith((*MEASURED, "async/"))}
 
 
 def test_the_worker_held_to_zero_staleness_reproduces_the_synchronous_loop(tiny_model, tmp_path, monkeypatch):

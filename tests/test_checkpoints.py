@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import clean_env, metrics_of, run_subprocess
+from rlhf_plugins.training.runlog import MEASURED
 
 RUN = ["--train.steps", "8", "--train.save_every", "2", "--train.prompts_per_step", "4",
        "--generation.n_samples_per_prompt", "4", "--train.progress", "false", "--learner.epochs", "2",
@@ -47,7 +48,7 @@ KILLER = textwrap.dedent("""
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
 
 
 def train(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -158,8 +158,11 @@ def test_hybrid_hosts_actor_reference_and_engine_in_one_actor_and_syncs_there(lo
             hybrid.step(step)  # --sync.verify: a sync that left the engine behind raises
     finally:
         hybrid.shutdown()
-    syncs = [c for c in calls if c[0] == "run_with" and c[2] == "copy_weights"]
-    assert len(syncs) == 3 and all(c[1] == "actor" for c in syncs)  # one per step
+    # the engine shares the learner's parameters from set-up on (one call, in the hosting actor); no
+    # step copies anything, and --sync.verify found the engine on the learner's weights after each
+    shares = [c for c in calls if c[0] == "run_with" and c[2] == "share_weights"]
+    assert shares == [("run_with", "actor", "share_weights")] and hybrid.sync.shared
+    assert not [c for c in calls if c[0] == "run_with" and c[2] == "copy_weights"]
     assert not [c for c in calls if c[0] == "_dispatch" and c[2] in ("named_weights", "load_weights")]
     assert [r["reward/mean"] for r in hybrid.history] == [r["reward/mean"] for r in local.history]
 

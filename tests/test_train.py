@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
+from rlhf_plugins.training.runlog import MEASURED
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def test_lifecycle_hooks_fire_in_order(rlhf, tmp_path):
             _w("after_rollout", step, len(rollout), sorted(rollout.columns), rollout.group_size)
         @hookimpl
         def rlhf_after_weight_sync(step, info):
-            _w("after_weight_sync", step, info["method"], info["tensors"] > 0)
+            _w("after_weight_sync", step, info["method"], info["shared"])
         @hookimpl
         def rlhf_after_step(step, metrics):
             _w("after_step", step, "reward/mean" in metrics)
@@ -224,7 +225,7 @@ def test_checkpoint_in_process_resumes_exactly_with_a_critic(tiny_model, tmp_pat
     assert c.load_checkpoint(folder) == 2
     resumed = [c.step(s) for s in range(2, 4)]
     for x, y in zip(full[2:], resumed):
-        same = {k for k in x if not k.startswith(("time/", "throughput/"))}
+        same = {k for k in x if not k.startswith(MEASURED)}
         assert {k: y[k] for k in same} == {k: x[k] for k in same}
 
 
@@ -310,14 +311,20 @@ def test_every_area_can_be_replaced_by_a_third_party_plugin(rlhf, tmp_path):
     assert used.count("loss") == 2 and used.count("kl") == 2
 
 
-def test_step_metrics_time_every_phase_and_measure_the_train_inference_gap(rlhf):
+def test_step_metrics_time_every_phase_measure_memory_and_the_train_inference_gap(rlhf):
+    import resource
+
     code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", *short_run())
     assert code == 0, err
-    for row in metrics_of(the_run()):
-        parts = row["time/generate"] + row["time/prepare"] + row["time/train"] + row["time/sync"]
-        assert row["time/step"] == pytest.approx(parts, abs=1e-3)
+    own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GB: every role ran in this process
+    rows = metrics_of(the_run())
+    for row in rows:
         assert 0 < row["time/reference"] + row["time/critic_values"] <= row["time/prepare"]
         assert row["throughput/train_tokens_per_s"] > 0 and row["throughput/reference_tokens_per_s"] > 0
         # the transformers engine samples with the learner's own weights: no train/inference gap
         assert 0 <= row["mismatch/abs_log_ratio"] < 1e-4
-        assert not any(k.startswith("memory/") for k in row)  # GPU memory is reported only where there is a GPU
+        roles = ("generation", "actor", "reference", "critic", "reward")
+        assert {row[f"memory/{r}_rss_gb"] for r in roles} == {row["memory/peak_gb"]}  # one process: one peak
+        assert 0.2 < row["memory/peak_gb"] <= own_peak
+        assert not any(k.endswith("_gpu_gb") for k in row)  # GPU memory is reported only where there is a GPU
+    assert [r["memory/peak_gb"] for r in rows] == sorted(r["memory/peak_gb"] for r in rows)  # a peak never falls

@@ -16,4 +16,6 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         description="sampling with the transformers model itself; no extra install",
         requires=("transformers",),
         supports_adapter=True,
+        supports_shared_weights=True,
+        memory=Lazy("rlhf_plugins.models.memory:transformers_engine_memory"),
     )

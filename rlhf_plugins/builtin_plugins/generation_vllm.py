@@ -20,11 +20,15 @@ class VLLMOptions:
     num_engines: int = setting(1, ge=1)
     #: GPUs per engine (vLLM's Ray executor spreads the model over them)
     tensor_parallel_size: int = setting(1, ge=1)
-    #: context length of the engine (prompt + completion); empty: the model's
+    #: context length of the engine (prompt + completion); empty: what the run needs (the longest
+    #: prompt kept, data.max_prompt_tokens, plus the largest completion budget), within the model's
     max_model_len: int | None = setting(None, ge=1)
     #: GPU memory fraction for weights + KV cache; on CPU the fraction of NUMA node 0's memory.
-    #: Empty: 0.85 on GPU, 0.2 on CPU.
+    #: Empty: the KV cache is sized from the run (kv_cache_mb); set it to let vLLM take that fraction
     gpu_memory_utilization: float | None = setting(None, gt=0, le=1)
+    #: KV-cache size in MiB; empty: what the run needs -- every sequence of a step (prompts_per_step x
+    #: n_samples_per_prompt) at its full length, in whole blocks, and at least one max_model_len sequence
+    kv_cache_mb: float | None = setting(None, gt=0)
     #: the engine's weights and activations: ``model`` (the learner's --model.dtype), ``auto`` (vLLM's
     #: choice: a float32 checkpoint runs in bfloat16 or float16, as vLLM users and TRL's vLLM path get),
     #: or a dtype; weight sync casts the learner's tensors to it
@@ -71,6 +75,49 @@ def rlhf_configure(config: Any, plan: Any) -> None:
 
 
 ENGINE = Lazy("rlhf_plugins.engines.vllm_engine:VLLMEngine")
+#: resident memory of vLLM's own libraries and engine core beyond torch + transformers (bench/scale.py)
+VLLM_IMPORTS = 600 * 2**20
+#: vLLM's KV-cache block on the CPU backend (its default there; 16 on GPUs)
+CPU_BLOCK = 128
+
+
+def context_length(config: Any, model_limit: int | None = None) -> int:
+    """``vllm.max_model_len``, or the context the run needs: the longest prompt it keeps plus its
+    largest completion budget (training, evaluation, a multi-turn trajectory), within the model's limit."""
+    o = config.section("vllm")
+    if o.max_model_len:
+        return o.max_model_len
+    budget = max(config.generation.max_new_tokens, config.eval.max_new_tokens or 0, config.env.max_total_tokens)
+    need = config.data.max_prompt_tokens + budget
+    return min(need, model_limit) if model_limit else need
+
+
+def engine_dtype_bytes(config: Any) -> int:
+    dtype = config.section("vllm").dtype
+    dtype = config.model.dtype if dtype == "model" else dtype
+    return 4 if dtype == "float32" else 2  # "auto" runs a float32 checkpoint in 16 bits
+
+
+def kv_cache_bytes(config: Any, shape: Any, sequences: int) -> int:
+    """``vllm.kv_cache_mb``, or what one step's generation call needs: every sequence at its longest
+    (data.max_prompt_tokens + the completion budget) in whole blocks, and room for one sequence of the
+    engine's context (vLLM refuses a cache smaller than that)."""
+    o = config.section("vllm")
+    if o.kv_cache_mb:
+        return int(o.kv_cache_mb * 2**20)
+    block = o.block_size or CPU_BLOCK
+    budget = config.env.max_total_tokens if config.env.name else config.generation.max_new_tokens
+    per_sequence = -(-(config.data.max_prompt_tokens + budget) // block) * block
+    longest = -(-context_length(config, shape.max_positions) // block) * block
+    tokens = max(max(sequences, 1) * per_sequence, longest)
+    return tokens * shape.kv_elements_per_token * engine_dtype_bytes(config)
+
+
+def vllm_memory(m: Any) -> dict[str, int]:
+    """Weights in the engine's dtype, the KV cache it is given, the sampler's float32 logits."""
+    return {"weights": m.shape.parameters * engine_dtype_bytes(m.config),
+            "KV cache (reserved)": kv_cache_bytes(m.config, m.shape, m.sequences),
+            "sampler logits": m.sequences * m.shape.vocab * 4 * 2, "imports": VLLM_IMPORTS}
 
 
 @hookimpl
@@ -85,4 +132,5 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         workers=_num_engines,
         max_length=_max_model_len,
         max_length_key="vllm.max_model_len",
+        memory=vllm_memory,
     )

@@ -48,4 +48,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         requires=("deepspeed",),
         extra="deepspeed",
         multi_rank=True,
+        memory=Lazy("rlhf_plugins.models.memory:deepspeed_learner_memory"),
     )

@@ -14,4 +14,6 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         "torch",
         factory=Lazy("rlhf_plugins.learners.torch_learner:TorchLearner"),
         description="plain torch AdamW, one process, gradient accumulation",
+        memory=Lazy("rlhf_plugins.models.memory:torch_learner_memory"),
+        live_weights=True,
     )

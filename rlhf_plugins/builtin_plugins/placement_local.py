@@ -14,4 +14,5 @@ def rlhf_placement_strategies() -> Iterable[PlacementStrategy]:
         "local",
         factory=Lazy("rlhf_plugins.placement.local:LocalPlacement"),
         description="every role in this process (laptop, single GPU, tests)",
+        node_memory=Lazy("rlhf_plugins.models.memory:this_machine"),
     )

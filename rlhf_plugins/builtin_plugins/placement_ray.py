@@ -111,4 +111,28 @@ def rlhf_placement_strategies() -> Iterable[PlacementStrategy]:
         colocate_hint="--ray.colocate all",
         default_sync="broadcast",
         shared_process=_hybrid,
+        processes=_processes,
+        node_memory=_local_cluster_memory,
     )
+
+
+def _processes(config: Any, roles: tuple[str, ...]) -> list[tuple[tuple[str, ...], int]]:
+    """One process per rank of each role; under --ray.colocate hybrid the actor, reference and engine
+    share one."""
+    o = config.section("ray")
+    ranks = {"actor": o.actor_workers, "critic": o.critic_workers, "reference": o.reference_workers,
+             "reward": o.reward_workers, "generation": 1}
+    shared = tuple(r for r in ("actor", "reference", "generation") if r in roles) if _hybrid(config) else ()
+    out = [(shared, 1)] if shared else []
+    return out + [((r,), ranks.get(r, 1)) for r in roles if r not in shared]
+
+
+def _local_cluster_memory(config: Any) -> int | None:
+    """A cluster this run starts lives on this machine; a cluster joined by address is sized after joining."""
+    import os
+
+    if config.section("ray").address or os.environ.get("RAY_ADDRESS"):
+        return None
+    from ..models.memory import this_machine
+
+    return this_machine()

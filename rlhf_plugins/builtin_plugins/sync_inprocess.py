@@ -1,11 +1,17 @@
 """Builtin weight sync ``inprocess``: engine and learner share a process."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl
 from ..types import WeightSyncMethod
+from .lora import enabled as lora_enabled
+
+
+def _shares(config: Any) -> bool:
+    """Synchronous runs without LoRA: the engine samples with exactly the learner's parameters."""
+    return not config.train.max_staleness and not lora_enabled(config)
 
 
 @hookimpl
@@ -13,6 +19,7 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
     yield WeightSyncMethod(
         "inprocess",
         factory=Lazy("rlhf_plugins.sync.inprocess:InProcessSync"),
-        description="copy tensors by name into the engine in the same process",
+        description="the engine shares the learner's parameters (synchronous runs), else copies them by name",
         same_process=True,
+        shares_weights=_shares,
     )

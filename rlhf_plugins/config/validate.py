@@ -50,6 +50,8 @@ class Plan:
     resume: tuple[Path, Path] | None = None
     #: the environment of --env.name (rows may name others in --env.column)
     environment: Environment | None = None
+    #: what the run chose for the user and why (printed with the config)
+    notes: list[str] = field(default_factory=list)
 
     def provider(self, component: Any) -> str:
         return self.providers.get(f"{component.area}:{component.name}", "?")

@@ -55,13 +55,17 @@ class VLLMEngine:
         if o.sleep and self.cpu:
             logger.warning("vLLM sleep mode is not available on CPU; the engine stays awake (no memory is freed)")
         self.asleep = False
+        from ..builtin_plugins.generation_vllm import context_length, kv_cache_bytes
+        from ..models.memory import ModelShape
+
+        shape = ModelShape.of_folder(model_path, config.model.trust_remote_code)
         kwargs: dict[str, Any] = dict(
             model=model_path,
             trust_remote_code=config.model.trust_remote_code,
             dtype=config.model.dtype if o.dtype == "model" else o.dtype,
             seed=config.train.seed,
             gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if self.cpu else 0.85),
-            max_model_len=o.max_model_len,
+            max_model_len=context_length(config, shape.max_positions),
             enforce_eager=o.enforce_eager,
             enable_prefix_caching=o.enable_prefix_caching,
             tensor_parallel_size=o.tensor_parallel_size,
@@ -71,6 +75,9 @@ class VLLMEngine:
         )
         if o.block_size:
             kwargs["block_size"] = o.block_size
+        if o.kv_cache_mb or not o.gpu_memory_utilization:  # sized from the run, not from free memory
+            sequences = config.train.prompts_per_step * config.generation.n_samples_per_prompt
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, shape, -(-sequences // o.num_engines))
         if self.cpu:
             # every request carries a seed, and vLLM rewinds a seeded request's generator after a
             # partial (chunked) prefill with CUDA-only generator calls ("CPU Generator does not use

@@ -28,10 +28,15 @@ logger = logging.getLogger("rlhf_plugins")
 TAG = "zero"
 
 
-def deepspeed_config(config: Any, role: str, world_size: int) -> dict[str, Any]:
+def deepspeed_config(config: Any, role: str, world_size: int, shape: Any = None) -> dict[str, Any]:
+    """DeepSpeed's config for this run, its buckets sized from the model's ``shape``
+    (:class:`~rlhf_plugins.models.memory.ModelShape`) rather than DeepSpeed's defaults, which
+    allocate 2 GB per bucket whatever the model."""
     l, o = config.learner, config.section("deepspeed")
     stage = o.zero_stage
     zero: dict[str, Any] = {"stage": stage}
+    if shape is not None:
+        zero.update(zero_buckets(shape))
     if o.offload_optimizer and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if o.offload_params and stage == 3:
@@ -56,6 +61,22 @@ def deepspeed_config(config: Any, role: str, world_size: int) -> dict[str, Any]:
     elif config.model.dtype == "float16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return cfg
+
+
+def zero_buckets(shape: Any) -> dict[str, Any]:
+    """Bucket, prefetch and persistence sizes from the model (the largest layer; transformers'
+    "auto" rules for the rest): a rank holds one layer's worth of gathered or reduced tensors."""
+    from ..models.memory import zero_bucket_elements
+
+    bucket = zero_bucket_elements(shape)
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(0.9 * bucket),
+        "stage3_param_persistence_threshold": 10 * shape.hidden,
+        "stage3_max_live_parameters": max(shape.largest_tensor, 2 * bucket),
+        "stage3_max_reuse_distance": max(shape.largest_tensor, 2 * bucket),
+    }
 
 
 def init_distributed() -> None:
@@ -85,7 +106,10 @@ class DeepSpeedLearner(Learner):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._init_learner(config, role, seed_offset=self.rank)
         self.stage = config.section("deepspeed").zero_stage
-        ds_config = deepspeed_config(config, role, self.world_size)
+        from ..models.memory import ModelShape
+
+        shape = ModelShape.of_folder(ctx.model_path, config.model.trust_remote_code)
+        ds_config = deepspeed_config(config, role, self.world_size, shape)
         hf_ds_config = None
         if self.stage == 3:
             from transformers.integrations import HfDeepSpeedConfig

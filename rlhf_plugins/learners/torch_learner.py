@@ -43,6 +43,15 @@ class TorchLearner(Learner):
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
+    def live_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The parameters the optimizer updates in place (None under LoRA: the engine needs the
+        adapters merged into the base weights, which are not these tensors)."""
+        from ..models.lora import peft_info
+
+        if peft_info(self.model) is not None:
+            return None
+        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+
     def save(self, path: str) -> None:
         from ..models.folder import save_pretrained
 

@@ -21,6 +21,7 @@ from ..algorithms.kl_control import make_controller
 from ..algorithms.objective import Objective
 from ..algorithms.shaping import RewardShaper, keep_groups
 from ..algorithms.value import ValueObjective
+from ..config.scale import warn_first_update
 from ..config.schema import Config
 from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
@@ -28,9 +29,10 @@ from ..data.prompts import PromptSampler, PromptSet
 from ..environments import make_env_runner
 from ..protocols import PlacementContext, SamplingParams
 from ..sync import verify_parity
+from .memory_watch import role_memory
 from .reward_role import RewardBatch, RewardRole
 from .roles import CriticRole, GenerationRole, PolicyRole, ReferenceRole
-from .rollout import Rollout, make_batch, rollout_metrics, step_rollout
+from .rollout import Rollout, make_batch, rollout_metrics, step_rollout, step_timings
 
 
 def seed_everything(seed: int) -> None:
@@ -133,6 +135,9 @@ class Trainer:
     def reset_sync(self) -> None:
         """A fresh weight-sync object (at set-up, and after roles were restarted: it sets up anew)."""
         self.sync = resolve(self.plan.sync.factory)(self.config)
+        attach = getattr(self.sync, "attach", None)
+        if callable(attach):
+            self.sync_setup = dict(attach(self.actor, self.engine) or {})
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -220,30 +225,9 @@ class Trainer:
         t_gen = time.perf_counter()
         self.pm.notify("rlhf_after_rollout", step=step, rollout=rollout)
         batch = make_batch(rollout, self.pad_id) if batch is None else batch
-        timings: dict[str, float] = {}
-        for key, role, method in (("old_logprobs", self.actor if self.needs_old_logprobs else None, "logprobs"),
-                                  ("ref_logprobs", self.reference, "logprobs"), ("values", self.critic, "values")):
-            if role is not None and key not in batch:
-                start = time.perf_counter()
-                batch[key] = getattr(role, method)(batch)
-                timings[key] = time.perf_counter() - start
+        timings = self.forward_passes(batch)
         kl_coef = self.kl_control.value
-        kl_penalty = None
-        if c.algo.kl.in_reward and self.reference is not None:
-            kl_penalty = kl_coef * self.kl_estimator(batch["old_logprobs"], batch["ref_logprobs"])
-        advantages, returns = self.estimator(
-            AdvantageInputs(
-                scores=batch["scores"],
-                action_mask=batch["action_mask"],
-                group_size=rollout.group_size,
-                gamma=c.algo.advantage.gamma,
-                lam=c.algo.advantage.lam,
-                values=batch.get("values"),
-                kl_penalty=kl_penalty,
-                kl_in_baseline=c.algo.kl.penalty_in_baseline,
-            )
-        )
-        batch["advantages"], batch["returns"] = advantages, returns
+        kl_penalty = self.advantages(batch, rollout, kl_coef)
         t_prep = time.perf_counter()
         objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef)
         self.phase = "update"
@@ -262,26 +246,40 @@ class Trainer:
             measured = metrics.get("kl", metrics.get("kl/rollout", 0.0))
             self.kl_control.update(measured, len(rollout))
             metrics["kl/coef"] = kl_coef
-        tokens = float(batch["action_mask"].sum())
-        seq_tokens = float(batch["attention_mask"].sum())  # prompt + completion: what forwards process
-        names = {"old_logprobs": "actor_logprobs", "ref_logprobs": "reference", "values": "critic_values"}
-        metrics.update({
-            "time/generate": t_gen - t0,
-            "time/prepare": t_prep - t_gen,
-            "time/train": t_train - t_prep,
-            "time/sync": t_end - t_train,
-            "time/step": t_end - t0,
-            "throughput/generated_tokens_per_s": tokens / max(t_gen - t0, 1e-9),
-            "throughput/train_tokens_per_s": seq_tokens / max(t_train - t_prep, 1e-9),
-            **{f"time/{names[k]}": v for k, v in timings.items()},
-            **{f"throughput/{names[k]}_tokens_per_s": seq_tokens / max(v, 1e-9) for k, v in timings.items()},
-        })
+            if step == 1:  # this step's policy has had exactly one update
+                warn_first_update(measured, c.learner.lr)
+        metrics.update(step_timings(batch, timings, t0, t_gen, t_prep, t_train, t_end))
+        metrics.update(role_memory({"generation": self.engine, "actor": self.actor, "reference": self.reference,
+                                    "critic": self.critic, "reward": self.reward}))
         if c.reward.max_retries:
             metrics.setdefault("reward/retries", float(self.reward_retries))
         self.step_count = step + 1
         self.phase = "idle"
         self.history.append(metrics)
         return metrics
+
+    def forward_passes(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The rollout-time log-probs, reference log-probs and values the batch still lacks; their seconds."""
+        timings: dict[str, float] = {}
+        for key, role, method in (("old_logprobs", self.actor if self.needs_old_logprobs else None, "logprobs"),
+                                  ("ref_logprobs", self.reference, "logprobs"), ("values", self.critic, "values")):
+            if role is not None and key not in batch:
+                start = time.perf_counter()
+                batch[key] = getattr(role, method)(batch)
+                timings[key] = time.perf_counter() - start
+        return timings
+
+    def advantages(self, batch: dict[str, torch.Tensor], rollout: Rollout, kl_coef: float) -> torch.Tensor | None:
+        """Advantages and returns into ``batch``; returns the per-token KL penalty (KL in the reward)."""
+        c = self.config
+        kl_penalty = None
+        if c.algo.kl.in_reward and self.reference is not None:
+            kl_penalty = kl_coef * self.kl_estimator(batch["old_logprobs"], batch["ref_logprobs"])
+        batch["advantages"], batch["returns"] = self.estimator(AdvantageInputs(
+            scores=batch["scores"], action_mask=batch["action_mask"], group_size=rollout.group_size,
+            gamma=c.algo.advantage.gamma, lam=c.algo.advantage.lam, values=batch.get("values"),
+            kl_penalty=kl_penalty, kl_in_baseline=c.algo.kl.penalty_in_baseline))
+        return kl_penalty
 
     def sync_engine(self, step: int) -> None:
         """Bring the engine to the learner's weights (``step + 1`` updates)."""
@@ -322,24 +320,10 @@ class Trainer:
         save_final(self, out, with_critic)
 
     def summary(self) -> dict[str, Any]:
-        """First-10% vs last-10% mean reward and seconds per step, over every step of the run
-        (a resumed run includes the steps before the resume)."""
-        rewards = [m["reward/mean"] for m in self.history]
-        k = max(1, len(rewards) // 10)
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        times = [m["time/step"] for m in self.history]
-        out: dict[str, Any] = {
-            "steps": len(rewards),
-            "reward_first_10pct": first,
-            "reward_last_10pct": last,
-            "reward_gain": last - first,
-            "seconds_per_step": sum(times) / max(len(times), 1),
-        }
-        if self.eval_history:  # the first and the last evaluation, {"step": ..., "eval/...": ...}
-            out["eval_first"], out["eval_last"] = self.eval_history[0], self.eval_history[-1]
-        if self.best:
-            out["best"] = self.best
-        return out
+        """First-10% vs last-10% mean reward, seconds per step, evaluations and memory of the run."""
+        from .state import summary
+
+        return summary(self)
 
     def stop_worker(self, timeout: float | None = None) -> None:
         """Stop generating ahead (before a checkpoint is loaded, and at the end); the queue is dropped."""

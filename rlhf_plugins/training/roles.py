@@ -118,13 +118,7 @@ class PolicyRole(Role):
 
     @dispatch("split")
     def train(self, batch: dict[str, torch.Tensor], objective: Any) -> dict[str, float]:
-        import torch
-
-        out = self.learner.train(batch, objective)
-        if torch.cuda.is_available():  # pragma: no cover - GPU branch: the peak of this update, per rank
-            out = {**out, f"memory/{self.role}_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
-            torch.cuda.reset_peak_memory_stats()
-        return out
+        return self.learner.train(batch, objective)
 
     @dispatch("all")
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,6 +127,12 @@ class PolicyRole(Role):
     @dispatch("all")
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {name: (tuple(t.shape), str(t.dtype)) for name, t in self.learner.named_weights()}
+
+    def live_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The learner's parameters themselves, updated in place by every step, under the names the
+        engine loads -- or None when the learner has no such tensors (sharded, LoRA-merged)."""
+        fn = getattr(self.learner, "live_weights", None)
+        return fn() if callable(fn) else None
 
     @dispatch("all")
     def save(self, path: str) -> None:
@@ -221,6 +221,11 @@ class GenerationRole(Role):
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self.engine.weight_shapes()
+
+    def share_weights(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """Make the engine's parameters these tensors (no copy); False when it cannot."""
+        fn = getattr(self.engine, "share_weights", None)
+        return bool(fn(named)) if callable(fn) else False
 
     @dispatch("all")
     def shutdown(self) -> None:

@@ -228,3 +228,25 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     if kl_penalty is not None:
         out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(kl_coef, 1e-12)
     return out
+
+
+#: the seconds of each forward pass, by batch key, as metric names
+PASS_NAMES = {"old_logprobs": "actor_logprobs", "ref_logprobs": "reference", "values": "critic_values"}
+
+
+def step_timings(batch: dict[str, torch.Tensor], timings: dict[str, float], t0: float, t_gen: float, t_prep: float,
+                 t_train: float, t_end: float) -> dict[str, float]:
+    """Seconds of each phase of a step and the tokens per second they processed."""
+    tokens = float(batch["action_mask"].sum())
+    seq_tokens = float(batch["attention_mask"].sum())  # prompt + completion: what forwards process
+    return {
+        "time/generate": t_gen - t0,
+        "time/prepare": t_prep - t_gen,
+        "time/train": t_train - t_prep,
+        "time/sync": t_end - t_train,
+        "time/step": t_end - t0,
+        "throughput/generated_tokens_per_s": tokens / max(t_gen - t0, 1e-9),
+        "throughput/train_tokens_per_s": seq_tokens / max(t_train - t_prep, 1e-9),
+        **{f"time/{PASS_NAMES[k]}": v for k, v in timings.items()},
+        **{f"throughput/{PASS_NAMES[k]}_tokens_per_s": seq_tokens / max(v, 1e-9) for k, v in timings.items()},
+    }

@@ -70,6 +70,17 @@ def load_data(config: Config, plan: Plan, tokenizer: Any, rows: list[dict[str, A
     return prompts, held
 
 
+def plan_memory(config: Config, plan: Plan, console: Console, prompt_tokens: int | None = None) -> Any:
+    """Print the memory plan (each role's analytic need, the node's memory) and refuse a layout whose
+    minimum cannot fit, before any role starts."""
+    from .memory_plan import memory_plan, show
+
+    mplan = memory_plan(config, plan, prompt_tokens)
+    show(mplan, console)
+    mplan.check()
+    return mplan
+
+
 def eval_due(config: Config, done: int) -> bool:
     """Evaluate after ``done`` steps: at the end, and every ``eval.every`` steps."""
     every = config.eval.every
@@ -122,6 +133,7 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     model_path = config.model.path or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     prompts, held = load_data(config, plan, tokenizer, rows)
+    mplan = plan_memory(config, plan, console, max(len(p) for p in prompts.prompt_ids))
     t = config.train
     if resume is None:
         run_dir = make_run_dir(t.output_dir, t.run_name, config.algo.advantage.estimator)
@@ -135,6 +147,7 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
         soft_wrap=True,
     )
     trainer = Trainer(config, pm, plan, prompts, tokenizer, model_path)
+    trainer.memory_plan = mplan
     log: MetricsLog | None = None
     start = 0
     try:

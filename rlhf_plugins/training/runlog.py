@@ -33,6 +33,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+#: metrics that measure the machine (seconds, rates, memory), not the training: they differ between two
+#: runs that are otherwise identical (a resumed run and an uninterrupted one)
+MEASURED = ("time/", "throughput/", "memory/")
+
+
 def is_eval_row(row: Mapping[str, Any]) -> bool:
     """A ``metrics.jsonl`` row of a held-out evaluation (its ``step``: updates the policy had)."""
     return any(k.startswith("eval/") for k in row)
@@ -94,7 +99,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 class StepProgress:
-    """``step 12/120 ━━━━  reward 0.41  kl 0.002  loss -0.01  3.1 steps/s`` on a terminal; in a job log
+    """``step 12/120 ━━━━  reward 0.41  kl 0.002  loss -0.01  3.1 steps/s  mem 1.2G actor`` on a terminal
+    (``mem``: the largest peak resident set of a role's process so far); in a job log
     or a pipe (not a terminal), a plain line about every 5% of the run or 30 s instead of a bar."""
 
     def __init__(self, total: int, console: Console, enabled: bool = True, start: int = 0,
@@ -115,6 +121,7 @@ class StepProgress:
             TextColumn("kl [magenta]{task.fields[kl]}"),
             TextColumn("loss [yellow]{task.fields[loss]}"),
             TextColumn("[green]{task.fields[speed]} steps/s"),
+            TextColumn("mem {task.fields[memory]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[phase]}"),
@@ -123,7 +130,7 @@ class StepProgress:
             transient=False,
         )
         self.task = self.progress.add_task("train", total=total, completed=start, reward="-", kl="-", loss="-",
-                                           speed="-", phase="")
+                                           speed="-", memory="-", phase="")
 
     def __enter__(self) -> StepProgress:
         self.progress.__enter__()
@@ -135,15 +142,18 @@ class StepProgress:
     def update(self, done: int, metrics: Mapping[str, float]) -> None:
         now = time.perf_counter()
         rate = (done - self.first) / (now - self.start) if now > self.start else 0.0
+        from .memory_watch import largest
+
         fields = dict(reward=_fmt(metrics.get("reward/mean")), kl=_fmt(metrics.get("kl"), 4),
-                      loss=_fmt(metrics.get("loss/total"), 4), speed=f"{rate:.2f}" if rate else "-")
+                      loss=_fmt(metrics.get("loss/total"), 4), speed=f"{rate:.2f}" if rate else "-",
+                      memory=largest(metrics))
         self.progress.update(self.task, completed=done, **fields)
         due = done - self.last_line >= self.every_steps or now - self.last_time >= self.every_seconds
         if self.plain and (due or done == self.total):
             eta = (self.total - done) / rate if rate else 0.0
             self.console.print(f"step {done}/{self.total} reward {fields['reward']} kl {fields['kl']} loss "
-                               f"{fields['loss']} {fields['speed']} steps/s eta {_clock(eta)}", highlight=False,
-                               soft_wrap=True)
+                               f"{fields['loss']} {fields['speed']} steps/s mem {fields['memory']} eta {_clock(eta)}",
+                               highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
 
     def phase(self, text: str) -> None:

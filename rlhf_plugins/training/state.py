@@ -121,3 +121,28 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def summary(trainer: Any) -> dict[str, Any]:
+    """First-10% vs last-10% mean reward and seconds per step, over every step of the run (a resumed
+    run includes the steps before the resume); the first and last evaluation; each process's peak
+    memory beside its analytic minimum."""
+    from .memory_watch import summary as memory_summary
+
+    rewards = [m["reward/mean"] for m in trainer.history]
+    k = max(1, len(rewards) // 10)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    times = [m["time/step"] for m in trainer.history]
+    out: dict[str, Any] = {
+        "steps": len(rewards),
+        "reward_first_10pct": first,
+        "reward_last_10pct": last,
+        "reward_gain": last - first,
+        "seconds_per_step": sum(times) / max(len(times), 1),
+    }
+    if trainer.eval_history:  # the first and the last evaluation, {"step": ..., "eval/...": ...}
+        out["eval_first"], out["eval_last"] = trainer.eval_history[0], trainer.eval_history[-1]
+    if trainer.best:
+        out["best"] = trainer.best
+    out["memory"] = memory_summary(trainer.history, getattr(trainer, "memory_plan", None))
+    return out

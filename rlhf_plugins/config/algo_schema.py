@@ -1,0 +1,85 @@
+"""The algorithm's sections of the run configuration (``algo.advantage``, ``algo.policy_loss``,
+``algo.kl``, ``critic``); :mod:`rlhf_plugins.config.schema` assembles them into :class:`Config`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..settings import setting
+
+
+@dataclass
+class AdvantageConfig:
+    #: group_norm (GRPO) | dr_grpo | rloo | reinforce | reinforce_baseline | gae (PPO, with a critic)
+    estimator: str = "group_norm"
+    #: discount per token (gae, reinforce)
+    gamma: float = setting(1.0, ge=0, le=1)
+    #: GAE lambda: 1 is Monte-Carlo returns, 0 one-step TD
+    lam: float = setting(0.95, ge=0, le=1)
+
+
+@dataclass
+class PolicyLossConfig:
+    #: ppo (token-level ratio) | gspo (sequence-level ratio) or a plugin's
+    name: str = "ppo"
+    #: ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_low: float = setting(0.2, ge=0, lt=1)
+    #: upper clip range; above clip_low it is DAPO's clip-higher
+    clip_high: float = setting(0.2, ge=0)
+    #: dual-clip bound c > 1 for negative advantages; empty disables it
+    dual_clip: float | None = setting(None, gt=1)
+    #: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm;
+    #: empty: the loss's own default (token-mean; seq-mean-token-mean for gspo)
+    aggregation: str | None = None
+    #: the constant divisor of seq-mean-token-sum-norm (Dr. GRPO); empty: generation.max_new_tokens
+    norm_length: int | None = setting(None, ge=1)
+    #: entropy bonus coefficient (0: none)
+    entropy_coef: float = setting(0.0)
+    #: correct the generation engine / learner mismatch with the engine's log-probs:
+    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
+    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
+    #: TIS truncation and upper band of icepop / seq_mask_tis
+    mismatch_high: float = setting(2.0, ge=1)
+    #: lower band of icepop / seq_mask_tis
+    mismatch_low: float = setting(0.5, gt=0, le=1)
+    #: TIS also clamps token weights from below at this value (0: truncate from above only)
+    tis_floor: float = setting(0.0, ge=0, le=1)
+
+
+@dataclass
+class KLConfig:
+    #: k1 (log-ratio) | k2 (squared log-ratio / 2) | k3 (Schulman's unbiased, non-negative)
+    estimator: str = "k3"
+    #: 0 disables the reference model entirely
+    coef: float = setting(0.001, ge=0)
+    #: apply KL as a token-level penalty in the reward instead of a loss term
+    in_reward: bool = False
+    #: with in_reward and a group estimator: subtract the summed KL from each score *before* the
+    #: group baseline (amplifies KL noise in groups of equal scores); default: baseline the raw
+    #: scores, then subtract the KL per token as reward-to-go
+    penalty_in_baseline: bool = False
+    #: fixed coefficient, or adaptive (Ziegler et al.): steer the measured KL towards ``target``
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    #: the KL the adaptive controller steers towards
+    target: float = setting(0.1, gt=0)
+    #: samples over which the adaptive controller moves the coefficient
+    horizon: int = setting(10000, ge=1)
+
+
+@dataclass
+class CriticConfig:
+    #: empty: a critic runs exactly when the advantage estimator needs one
+    enabled: bool | None = None
+    #: a local folder with a critic (or any causal LM); empty: initialised from the policy
+    path: str | None = None
+    #: learning rate of the critic
+    lr: float = setting(5e-3, gt=0)
+    #: value-loss clipping around the rollout-time values; empty disables it
+    value_clip: float | None = setting(0.2, gt=0)
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
