@@ -15,6 +15,9 @@ Helpers:
 * :func:`backend_context` -- the context a backend factory receives, to build an engine or a
   learner directly.
 * :func:`tiny_model_path` -- the cached embedded tiny Llama (built on first use).
+* :func:`reduced_model_path` -- a cached random-weight model with a real vocabulary (Qwen2.5's
+  151,936 tokens, tied embeddings, grouped-query attention) and two narrow layers: the shapes of
+  real models, in seconds per step (:mod:`rlhf_plugins.models.shapes`).
 
 Example::
 
@@ -101,6 +104,16 @@ def tiny_model_path() -> str:
     from .models.tiny_model import default_model_path
 
     return default_model_path(quiet=True)
+
+
+def reduced_model_path(shape: str = "qwen2.5-0.5b", layers: int = 2, hidden: int = 128) -> str:
+    """A cached random-weight model of ``shape`` reduced to ``layers`` x ``hidden`` (real vocabulary,
+    head size and tying kept), with the embedded tokenizer beside it."""
+    from .models.shapes import build
+    from .models.tiny_model import cached_build
+
+    return cached_build(f"{shape}-{layers}x{hidden}-v1",
+                        lambda out: build(shape, out, layers=layers, hidden=hidden, dtype="float32"), quiet=True)
 
 
 if pytest is not None:

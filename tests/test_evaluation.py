@@ -225,5 +225,7 @@ def test_non_terminal_progress_is_plain_periodic_lines(rlhf):
     assert code == 0, err
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == [f"{n}/40" for n in range(2, 41, 2)]  # every 5% of the run
-    assert all(" reward " in line and " steps/s eta " in line for line in lines)
+    assert all(" reward " in line and " steps/s eta " in line and line.endswith("G") for line in lines)
+    peaks = [float(line.split(" mem ")[1].rstrip("G")) for line in lines]  # one process: "0.7G"
+    assert peaks == sorted(peaks) and peaks[0] > 0.1
     assert "━" not in out  # no bar drawn into a pipe

@@ -61,9 +61,15 @@ def apply_scale_defaults(config: Any, raw: dict[str, Any]) -> str | None:
             f"model's): {chosen}; set any of them to override")
 
 
-def warn_first_update(kl: float, lr: float) -> str | None:
-    """One warning line when the first update moved the policy too far from the reference."""
-    if kl <= FIRST_UPDATE_KL:
+def warn_first_update(kl: float, config: Any) -> str | None:
+    """One warning line when the first update moved a real-size model too far from the reference
+    (the tiny default model moves further by design: its rate is tuned for a minute-long run)."""
+    lr = config.learner.lr
+    if kl <= FIRST_UPDATE_KL or not config.model.path:
+        return None
+    from ..models.memory import ModelShape
+
+    if ModelShape.of_folder(config.model.path, config.model.trust_remote_code).parameters < REAL_MODEL_PARAMETERS:
         return None
     message = (f"KL to the reference is {kl:.3f} after the first update (above {FIRST_UPDATE_KL}): learner.lr {lr:g} "
                f"is likely too high for this model; OpenRLHF and TRL train real models at about 1e-6")

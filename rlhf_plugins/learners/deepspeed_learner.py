@@ -171,23 +171,47 @@ class DeepSpeedLearner(Learner):
     def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights, one tensor at a time. Every rank must iterate (ZeRO-3 gathers are
         collective); each rank receives the full tensors."""
+        return self._gathered()
+
+    def _gathered(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         import deepspeed
 
         for name, param in self.model.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
             if self.stage == 3:
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                     yield name, param.data.detach().clone()
             else:
                 yield name, param.data.detach()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t.cpu() for name, t in self.raw_named_weights()}
-
     def save(self, path: str) -> None:
-        state = self.full_state_dict()
-        if self.rank == 0:
-            unwrapped = self.model
-            unwrapped.save_pretrained(path, state_dict=state)
+        """A ``save_pretrained`` folder written by rank 0. Under ZeRO-3 the weights are gathered one
+        tensor at a time and written shard by shard, so no rank ever holds the whole model."""
+        from ..models.folder import save_pretrained
+        from ..models.lora import peft_info
+
+        if self.stage != 3:
+            if self.rank == 0:
+                save_pretrained(self.model, path)
+            return
+        if peft_info(self.model) is not None:  # the adapter alone: gather the trained tensors only
+            state = {name: t.cpu() for name, t in self._gathered(trainable_only=True)}
+            if self.rank == 0:
+                save_pretrained(self.model, path, state_dict=state)
+            return
+        from ..models.folder import ShardWriter
+
+        sizes = {n: int(getattr(p, "ds_numel", p.numel())) * p.element_size() for n, p in self.model.named_parameters()}
+        writer = ShardWriter(path, sizes) if self.rank == 0 else None
+        for name, tensor in self.raw_named_weights():  # collective: every rank gathers
+            if writer is not None:
+                writer.add(name, tensor.cpu())
+        if writer is not None:
+            writer.close()
+            self.model.config.save_pretrained(path)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(path)
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed's own checkpoint (every rank writes its ZeRO partitions of the fp32 master

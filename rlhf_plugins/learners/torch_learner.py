@@ -58,22 +58,24 @@ class TorchLearner(Learner):
         save_pretrained(self.model, path)
 
     def save_checkpoint(self, path: str) -> None:
-        """Weights as safetensors (every tensor of the model, LoRA included), the optimizer's state
-        and the learner's counters and random state."""
-        from safetensors.torch import save_model
+        """Weights as safetensors shards (every tensor of the model, LoRA included; tied tensors once),
+        the optimizer's state and the learner's counters and random state."""
+        from huggingface_hub import save_torch_state_dict
+
+        from ..models.folder import SHARD_BYTES
 
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        save_model(self.model, str(folder / "model.safetensors"))
+        save_torch_state_dict(self.model.state_dict(), folder, max_shard_size=SHARD_BYTES)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                    folder / "optimizer.pt")
         self._save_progress(folder / "learner.pt")
 
     def load_checkpoint(self, path: str) -> None:
-        from safetensors.torch import load_model
+        from ..models.folder import load_shards
 
         folder = Path(path)
-        load_model(self.model, str(folder / "model.safetensors"))
+        load_shards(self.model, folder)
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -63,11 +63,85 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
                               "damaged (save the model again)") from exc
 
 
+#: the largest safetensors file a model folder or checkpoint is written in (transformers' own default is
+#: 50 GB: one file per model); larger weights are split with an index, as the hub's models are
+SHARD_BYTES = 2 * 2**30
+
+
+class ShardWriter:
+    """Writes tensors arriving one at a time as safetensors shards of at most ``SHARD_BYTES`` plus
+    ``model.safetensors.index.json`` (one ``model.safetensors`` when everything fits in one): what
+    ``from_pretrained`` and vLLM read, while the writer holds at most one shard. ``sizes`` (name ->
+    bytes, in arrival order) plans the shards up front, so each file has its final name."""
+
+    def __init__(self, folder: str | Path, sizes: dict[str, int], shard_bytes: int = SHARD_BYTES) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        shards: list[list[str]] = [[]]
+        used = 0
+        for name, size in sizes.items():
+            if shards[-1] and used + size > shard_bytes:
+                shards.append([])
+                used = 0
+            shards[-1].append(name)
+            used += size
+        n = len(shards)
+        self.file_of = {name: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+                        for i, names in enumerate(shards) for name in names}
+        self.last_of_file = {names[-1]: self.file_of[names[-1]] for names in shards if names}
+        self.total = sum(sizes.values())
+        self.pending: dict[str, Any] = {}
+
+    def add(self, name: str, tensor: Any) -> None:
+        from safetensors.torch import save_file
+
+        self.pending[name] = tensor.detach().contiguous()
+        if name in self.last_of_file:
+            save_file(self.pending, str(self.folder / self.last_of_file[name]), metadata={"format": "pt"})
+            self.pending = {}
+
+    def close(self) -> None:
+        import json
+
+        if self.pending:
+            raise ValueError(f"tensors {sorted(self.pending)[:3]} arrived but their shard was never completed")
+        if len(set(self.file_of.values())) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.file_of}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def load_shards(model: Any, folder: str | Path) -> None:
+    """Load a checkpoint's safetensors shards (or its one file) into ``model`` one shard at a time.
+    Every tensor of the model must be loaded, a tied tensor through the name it was saved under."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    loaded: set[str] = set()
+    for name in files:
+        shard = load_file(str(folder / name))
+        model.load_state_dict(shard, strict=False)
+        loaded |= shard.keys()
+        del shard
+    state = model.state_dict()
+    pointers = {state[k].data_ptr() for k in loaded if k in state}
+    missing = [k for k, t in state.items() if k not in loaded and t.data_ptr() not in pointers]
+    unexpected = sorted(loaded - state.keys())
+    if missing or unexpected:
+        raise ValueError(f"checkpoint '{folder}' does not match the model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+
+
 def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
     """``model.save_pretrained(path, **kwargs)``, without importing DeepSpeed in a process that has
     not: transformers has accelerate unwrap the model first, and accelerate imports DeepSpeed
     whenever it is installed to check for a ``DeepSpeedEngine`` (1.5-2 s of every run that saves).
-    A model cannot be a DeepSpeed engine before DeepSpeed is imported, so the check is skipped then."""
+    A model cannot be a DeepSpeed engine before DeepSpeed is imported, so the check is skipped then.
+    Weights are written in shards of at most :data:`SHARD_BYTES`."""
+    kwargs.setdefault("max_shard_size", SHARD_BYTES)
     try:
         import accelerate.utils.other as unwrapping
     except ImportError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import time
 from concurrent.futures import Future
@@ -136,15 +137,27 @@ def get(refs: Any, what: str = "", timeout: float | None = None) -> Any:
                                       "(--ray.call_timeout); the run stops instead of hanging")
             ray.get(ready[0])
         return ray.get(refs)
-    except ray.exceptions.RayTaskError as exc:
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
+        _out_of_memory(exc, what)
+        if not isinstance(exc, ray.exceptions.RayTaskError):
+            raise RoleFailed(f"{what}: its process died ({type(exc).__name__})") from exc
         if _died(exc):
             raise RoleFailed(f"{what}: a process it called has died ({type(exc.cause).__name__})") from exc
         cause = getattr(exc, "cause", None)
         if isinstance(cause, UsageError):
             raise cause from None
         raise
-    except ray.exceptions.RayActorError as exc:
-        raise RoleFailed(f"{what}: its process died ({type(exc).__name__})") from exc
+
+
+def _out_of_memory(exc: BaseException, what: str) -> None:
+    """A role killed by Ray's memory monitor (or whose call ran out of memory) is not a fault a restart
+    cures: raise :class:`OutOfMemory` naming the role instead of Ray's report."""
+    from ..training.out_of_memory import OutOfMemory, is_out_of_memory
+
+    if not is_out_of_memory(exc):
+        return
+    found = re.search(r"role '([^']+)'", what)
+    raise OutOfMemory(f"{what}: out of memory", found.group(1) if found else None) from exc
 
 
 class RayEndpoint:

@@ -132,6 +132,14 @@ class Trainer:
             top_k=c.generation.top_k,
         )
 
+    @property
+    def parity_tol(self) -> float:
+        """The --sync.verify tolerance for this model's vocabulary."""
+        from ..models.memory import ModelShape
+        from ..sync import parity_tolerance
+
+        return parity_tolerance(ModelShape.of_folder(self.model_path, self.config.model.trust_remote_code).vocab)
+
     def reset_sync(self) -> None:
         """A fresh weight-sync object (at set-up, and after roles were restarted: it sets up anew)."""
         self.sync = resolve(self.plan.sync.factory)(self.config)
@@ -247,7 +255,7 @@ class Trainer:
             self.kl_control.update(measured, len(rollout))
             metrics["kl/coef"] = kl_coef
             if step == 1:  # this step's policy has had exactly one update
-                warn_first_update(measured, c.learner.lr)
+                warn_first_update(measured, c)
         metrics.update(step_timings(batch, timings, t0, t_gen, t_prep, t_train, t_end))
         metrics.update(role_memory({"generation": self.engine, "actor": self.actor, "reference": self.reference,
                                     "critic": self.critic, "reward": self.reward}))
@@ -290,7 +298,7 @@ class Trainer:
         sync_info["seconds"] = time.perf_counter() - start
         self.engine_version = step + 1
         if c.sync.verify:
-            sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe)
+            sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe, self.parity_tol)
         self.pm.notify("rlhf_after_weight_sync", step=step, info=sync_info)
 
     # --- state ----------------------------------------------------------------

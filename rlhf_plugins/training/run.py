@@ -25,6 +25,7 @@ from ..core.manager import RLHFPluginManager
 from ..errors import ConfigError, Interrupted, RoleFailed, UsageError
 from . import checkpoint
 from .heldout import make_evaluator, run_eval
+from .out_of_memory import OutOfMemory, explain, is_out_of_memory
 from .runlog import is_eval_row, make_run_dir, quiet_libraries
 
 logger = logging.getLogger("rlhf_plugins")
@@ -232,6 +233,12 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
         if isinstance(exc, Interrupted):
             _write_status(run_dir, "interrupted", steps_done, str(exc))
             raise
+        if not isinstance(exc, KeyboardInterrupt) and is_out_of_memory(exc):
+            oom = explain(exc, mplan, trainer.history, plan.placement.same_process)
+            _write_status(run_dir, "failed", steps_done, str(oom))  # the run directory is kept to say so
+            if steps_done:
+                _save_what_can_be_saved(trainer, run_dir, t.keep_checkpoints)
+            raise OutOfMemory(f"{oom}; status in {run_dir / STATUS}", oom.role, oom.peak_gb) from exc
         if steps_done == 0 and resume is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing of value was made
             raise

@@ -152,7 +152,7 @@ class StepProgress:
         if self.plain and (due or done == self.total):
             eta = (self.total - done) / rate if rate else 0.0
             self.console.print(f"step {done}/{self.total} reward {fields['reward']} kl {fields['kl']} loss "
-                               f"{fields['loss']} {fields['speed']} steps/s mem {fields['memory']} eta {_clock(eta)}",
+                               f"{fields['loss']} {fields['speed']} steps/s eta {_clock(eta)} mem {fields['memory']}",
                                highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
 

@@ -1,0 +1,196 @@
+"""Real model sizes: exact shapes, the analytic memory model, the plan before launch, weights kept
+once, DeepSpeed sized from the model, defaults by size, and out of memory as one actionable line."""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_plugins.models.memory import GIB, ModelShape
+from rlhf_plugins.models.shapes import SHAPES, shape_config
+from rlhf_plugins.testing import reduced_model_path
+from tests.helpers import clean_env, random_batch, short_run
+
+
+@pytest.fixture(scope="module")
+def reduced() -> str:
+    return reduced_model_path()
+
+
+@pytest.mark.parametrize("name, parameters", [("qwen2.5-0.5b", 494_032_768), ("qwen3-0.6b", 596_049_920),
+                                              ("llama-3.2-1b", 1_235_814_400)])
+def test_shapes_have_the_public_models_parameter_counts(name, parameters):
+    """The counts the model cards give (tied embeddings counted once)."""
+    assert name in SHAPES
+    shape = ModelShape.from_config(shape_config(name))
+    assert shape.parameters == parameters and shape.tied
+    assert shape.largest_tensor == shape.vocab * shape.hidden
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtype):
+    """The per-token, per-layer activation bytes of the memory model against the tensors autograd
+    actually saves (parameters aside) in a Qwen2 forward: within 15% at two widths."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.forward import policy_forward
+
+    for hidden, layers in ((896, 2), (256, 3)):
+        config = shape_config("qwen2.5-0.5b", layers=layers, hidden=hidden)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        batch = dict(random_batch(group=4, prompts=4, seed=0), group_size=1)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            policy_forward(model, batch, logits_memory_mb=0.001)  # logits aside: a chunk of one token
+        measured = sum(saved.values()) / batch["sequences"].numel() / layers
+        estimate = ModelShape.from_config(config).activation_elements_per_token() * dtype.itemsize
+        assert estimate == pytest.approx(measured, rel=0.15), (hidden, measured, estimate)
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_anything_starts(rlhf, reduced, monkeypatch):
+    """Its minimum against a node of 0.1 GB: exit 2, one line naming the largest role and the flags,
+    nothing on disk."""
+    import rlhf_plugins.models.memory as memory
+
+    monkeypatch.setattr(memory, "this_machine", lambda config=None: int(0.1 * GIB))
+    code, out, err = rlhf("train", "--model.path", reduced, *short_run())
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "this layout needs at least" in line and "the node has 102 MB" in line and "the largest is actor" in line
+    assert "--learner.backend deepspeed --deepspeed.zero_stage 3" in line or "--lora.rank" in line
+    assert not Path("runs").exists()
+
+
+def test_dry_run_prints_each_roles_need_and_the_node(rlhf, reduced):
+    code, out, err = rlhf("train", "--model.path", reduced, "--dry-run", *short_run())
+    assert code == 0, err
+    plan = out[out.index("memory plan:"):]
+    assert "of the node's" in plan and "20.1M parameters in float32" in plan
+    for role in ("generation", "actor", "reference"):
+        assert f"] {role} " in plan
+    assert "weights (the actor's, shared)" in plan  # the transformers engine reads the learner's tensors
+
+
+def test_deepspeed_buckets_are_sized_from_the_model_not_its_defaults(reduced):
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.deepspeed_learner import deepspeed_config
+
+    config, _, _ = prepare({"model": {"path": reduced}, "learner": {"backend": "deepspeed"},
+                            "deepspeed": {"zero_stage": 3}}, autoload=False)
+    shape = ModelShape.of_folder(reduced)
+    zero = deepspeed_config(config, "actor", 2, shape)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == max(shape.hidden ** 2, shape.layer_parameters)
+    assert zero["reduce_bucket_size"] < 5e8 / 100  # DeepSpeed's default: 2 GB of float32 per bucket
+    assert zero["stage3_max_live_parameters"] >= shape.largest_tensor  # the embedding can still be gathered
+
+
+def _trainer(raw):
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.training.loop import Trainer
+
+    path = default_model_path()
+    config, pm, plan = prepare(raw, autoload=False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, path)
+
+
+def test_the_engine_reads_the_learners_parameters_in_a_synchronous_run_and_copies_them_otherwise():
+    sync = _trainer({"train": {"steps": 2, "prompts_per_step": 4}})
+    sync.setup()
+    try:
+        live = dict(sync.actor.live_weights())
+        engine = dict(sync.engine.engine.model.named_parameters())
+        assert live.keys() == engine.keys()
+        assert all(live[n].data_ptr() == engine[n].data_ptr() for n in live)
+        before = {n: t.clone() for n, t in live.items()}
+        sync.step(0)
+        moved = [n for n in live if not torch.equal(before[n], engine[n])]
+        assert moved and sync.sync.shared  # the update reached the engine without a copy
+    finally:
+        sync.shutdown()
+    staleness = {"train": {"steps": 2, "prompts_per_step": 4, "max_staleness": 1},
+                 "algo": {"policy_loss": {"mismatch": "tis"}}}
+    ahead = _trainer(staleness)
+    ahead.setup()
+    try:
+        assert not ahead.sync.shared  # the engine samples with an older policy while the learner trains
+        live = dict(ahead.actor.live_weights())
+        engine = dict(ahead.engine.engine.model.named_parameters())
+        assert not any(live[n].data_ptr() == engine[n].data_ptr() for n in live)
+    finally:
+        ahead.shutdown()
+
+
+def test_a_large_model_gets_real_model_defaults_unless_the_run_sets_them(rlhf, reduced, monkeypatch):
+    import yaml
+
+    import rlhf_plugins.config.scale as scale
+
+    monkeypatch.setattr(scale, "REAL_MODEL_PARAMETERS", 10_000_000)  # the 20M reduced model counts as real
+    code, out, err = rlhf("train", "--model.path", reduced, "--critic.lr", "3e-5", "--dry-run", *short_run())
+    assert code == 0, err
+    config = yaml.safe_load(out[out.index("model:"):out.index("note:")])
+    assert config["learner"]["lr"] == 1e-6 and config["critic"]["lr"] == 3e-5  # what the user set stays
+    assert config["learner"]["warmup_ratio"] == 0.03 and config["learner"]["lr_scheduler"] == "cosine"
+    assert "note: defaults for a 20M-parameter model" in out and "critic.lr" not in out[out.index("note:"):]
+    code, out, _ = rlhf("train", "--dry-run", *short_run())  # the embedded tiny model keeps its tuned rate
+    assert code == 0 and yaml.safe_load(out[out.index("model:"):out.index("memory plan")])["learner"]["lr"] == 1e-3
+
+
+def test_a_first_update_that_moves_kl_too_far_says_so_naming_lr(rlhf, reduced, monkeypatch, tmp_path):
+    """AdamW at 0.05 moves every weight by about 0.05 on a first update whose gradient is small but
+    not zero (a reward that varies a little): the second step's KL says so, naming the rate."""
+    import rlhf_plugins.config.scale as scale
+
+    monkeypatch.setattr(scale, "REAL_MODEL_PARAMETERS", 10_000_000)
+    reward = tmp_path / "tiny_signal.py"
+    reward.write_text("def tiny_signal(prompts, completions, completion_ids, **kwargs):\n"
+                      "    return [1e-3 * sum(ids) % 1.0 for ids in completion_ids]\n")
+    code, _, err = rlhf("train", "--model.path", reduced, "--plugin", str(reward), "--learner.lr", "0.05",
+                        *short_run("--train.steps", "2", "--generation.max_new_tokens", "4"))
+    assert code == 0, err
+    assert "after the first update (above 0.05): learner.lr 0.05 is likely too high" in err
+
+
+def test_out_of_memory_is_one_line_naming_the_role_its_need_and_the_flags(tmp_path, reduced):
+    """A run whose full-vocabulary logits (2.5 GB a tensor; the plan's minimum 7.5 GB fits a 10 GB
+    machine) cannot be allocated under a 4 GB address-space limit: exit 1, one line naming the role,
+    its measured peak and analytic need and what to change, no traceback, and status.json saying so."""
+    limit = 4 * GIB
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    args = ["--model.path", reduced, "--learner.logits_memory_mb", "0", "--train.prompts_per_step", "16",
+            "--generation.n_samples_per_prompt", "16", "--generation.max_new_tokens", "16",
+            "--train.steps", "1", "--eval.enabled", "false", "--train.progress", "false"]
+    proc = subprocess.run([sys.executable, "-m", "rlhf_plugins.cli", "train", *args], cwd=tmp_path,
+                          env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}), capture_output=True, text=True,
+                          timeout=600, preexec_fn=cap)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = lines[0]
+    assert line.startswith("rlhf: error: role '") and "ran out of memory" in line
+    assert "its process peaked at" in line and "its analytic need is" in line and "reduce it -- " in line
+    (run,) = list((tmp_path / "runs").iterdir())
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and "ran out of memory" in status["message"]
