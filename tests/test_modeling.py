@@ -337,3 +337,15 @@ def test_saving_a_model_imports_deepspeed_only_in_a_process_that_has(tiny_model,
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in plain.iterdir())
     a, b = load_file(ours / "model.safetensors"), load_file(plain / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_shipped_models_are_the_recorded_ones():
+    """Every machine trains the same tiny models: they ship with the package, byte for byte."""
+    import hashlib
+
+    from rlhf_plugins.models.tiny_model import DIGESTS, SHIPPED, default_model_path
+    from rlhf_plugins.models.tool_model import tool_model_path
+
+    assert {default_model_path(), tool_model_path()} == {str(SHIPPED / name) for name in DIGESTS}
+    for name, digest in DIGESTS.items():
+        assert hashlib.sha256((SHIPPED / name / "model.safetensors").read_bytes()).hexdigest() == digest, name

@@ -2,6 +2,7 @@
 weight sync parity by every method, Ray engines, and a training run."""
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -154,7 +155,10 @@ def test_engine_dtype_auto_runs_a_float32_model_in_vllms_dtype_and_takes_float32
         ids = prompts(tiny_model)
         batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
         gap = verify_parity(Actor(model), engine, batch, tol=1.0)
-        assert 1e-4 < gap < 0.1  # bfloat16 rounding of the synced weights: close, not exact (garbage is > 1)
+        # what bfloat16 weights and arithmetic cost on this CPU (its kernels round differently with and
+        # without bfloat16 instructions), measured with transformers on the same batch
+        rounding = verify_parity(Actor(model), Actor(copy.deepcopy(model).to(torch.bfloat16)), batch, tol=1.0)
+        assert 1e-4 < gap < 3 * rounding + 0.01, (gap, rounding)  # close, not exact; garbage is > 1
     finally:
         engine.shutdown()
 

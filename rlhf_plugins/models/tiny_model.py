@@ -1,9 +1,12 @@
 """The embedded default model: a tiny Llama with a locally trained tokenizer.
 
 ``rlhf train`` with no model path uses it, and so do the tests: nothing is
-downloaded from a model hub. It is built once and cached (``$RLHF_CACHE_DIR``,
-default ``~/.cache/rlhf-plugins``). Its shape suits vLLM's CPU attention
-(head_dim 32).
+downloaded from a model hub. It ships with the package (``rlhf_plugins/assets/models``,
+1.7 MB of safetensors, checked against :data:`DIGESTS`), so every machine trains the very same
+model: built on each machine, its float32 pre-training took a different path on every CPU type
+(their matmul kernels round differently) and the tests tuned on one failed on another.
+:func:`build_tiny_llama` is the recipe that made it (``python -m rlhf_plugins.models.tiny_model
+OUT`` rebuilds it). Its shape suits vLLM's CPU attention (head_dim 32).
 
 It is a *base* model for the built-in addition task: a short pre-training on
 sums that are right only about a third of the time teaches it the format
@@ -40,9 +43,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf-plugins")
 
 
+#: sha256 of the shipped models' weights (tests check them: the models everyone trains are these)
+DIGESTS = {
+    "tiny-llama-v1": "9b92658690338398427ea7a952f7381d6f1d19d6c7fcc3f95ae61a623ccea4aa",
+    "tiny-llama-tools-v2": "569e9d46bcef9e92b4ef2242f2bafd9ba5028f05301fcaf3f962974900431ed8",
+}
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "models"
+
+
+def shipped_model(name: str, build: Callable[[Path], None], *, quiet: bool = False) -> str:
+    """The model shipped as ``assets/models/<name>``, or (a source tree without it) built once into
+    the cache by ``build``."""
+    folder = SHIPPED / name
+    if (folder / "config.json").is_file():
+        return str(folder)
+    return cached_build(name, build, quiet=quiet)
+
+
 def default_model_path(*, quiet: bool = False) -> str:
-    """Path of the cached tiny Llama, building it first if needed (safe across processes)."""
-    return cached_build(f"tiny-llama-v{RECIPE_VERSION}", build_tiny_llama, quiet=quiet)
+    """Path of the embedded tiny Llama."""
+    return shipped_model(f"tiny-llama-v{RECIPE_VERSION}", build_tiny_llama, quiet=quiet)
 
 
 def cached_build(name: str, build: Callable[[Path], None], *, quiet: bool = False) -> str:
@@ -190,3 +210,9 @@ def pretrain(out: Path, tokenizer: Any, batch_texts: Callable[[], list[str]], st
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     save_pretrained(model, out)
     tokenizer.save_pretrained(out)
+
+
+if __name__ == "__main__":  # pragma: no cover - regenerating the shipped model
+    import sys
+
+    build_tiny_llama(Path(sys.argv[1]))
