@@ -452,17 +452,24 @@ def test_an_observer_that_exits_after_a_step_keeps_the_run(rlhf, tmp_path):
 
 
 def test_cache_folder_problems(rlhf, tmp_path, monkeypatch):
+    """Models built on first use (the reduced real-shape models, a source tree's tiny models) go to
+    RLHF_CACHE_DIR; the default run needs no cache at all (its model ships with the package)."""
+    from rlhf_plugins.errors import ConfigError
+    from rlhf_plugins.models.tiny_model import cached_build
+
     monkeypatch.setenv("RLHF_CACHE_DIR", "/proc/rlhf-cache")
     code, _, err = rlhf("train", *short_run())
-    assert code == 2
-    assert error_line(err) == ("cannot create the cache folder '/proc/rlhf-cache' (No such file or directory); set "
-                               "RLHF_CACHE_DIR to a writable folder")
+    assert code == 0, err
+    with pytest.raises(ConfigError) as exc:
+        cached_build("anything", lambda out: None)
+    assert str(exc.value) == ("cannot create the cache folder '/proc/rlhf-cache' (No such file or directory); set "
+                              "RLHF_CACHE_DIR to a writable folder")
     cached = write(tmp_path / "cache" / "tiny-llama-v1" / "config.json", "{oops")
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
-    code, _, err = rlhf("train", *short_run())
-    assert code == 2
-    line = error_line(err)
-    assert line.startswith("the cached default model ") and "config.json is not valid JSON" in line
+    with pytest.raises(ConfigError) as exc:
+        cached_build("tiny-llama-v1", lambda out: None)
+    line = str(exc.value)
+    assert line.startswith("the cached model 'tiny-llama-v1' at ") and "config.json is not valid JSON" in line
     assert line.endswith(f"-- delete '{cached.parent}' and run again to rebuild it")
 
 

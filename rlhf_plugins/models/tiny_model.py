@@ -92,12 +92,12 @@ def cached_build(name: str, build: Callable[[Path], None], *, quiet: bool = Fals
 
 
 def check_cached(target: Path) -> None:
-    """A damaged cached default model says how to rebuild it."""
+    """A damaged cached model says how to rebuild it."""
     from ..errors import ConfigError
     from .folder import check_model_folder
 
     try:
-        check_model_folder(target, "the cached default model")
+        check_model_folder(target, f"the cached model '{target.name}' at")
     except ConfigError as exc:
         raise ConfigError(f"{exc} -- delete '{target}' and run again to rebuild it") from None
 
