@@ -49,6 +49,26 @@ def test_same_name_from_two_plugins_names_both(rlhf_pm):
     assert "rloo" in rlhf_pm.components.names(AdvantageEstimator)  # unregistered again
 
 
+class TwoEngines:
+    """One plugin implementing one registration hook twice (``specname``), as a plugin offering two
+    backends from two functions does."""
+
+    @hookimpl(specname="rlhf_generation_backends")
+    def counting(self):
+        yield GenerationBackend("acme_counting", factory=lambda ctx: None)
+
+    @hookimpl(specname="rlhf_generation_backends")
+    def echo(self):
+        yield GenerationBackend("acme_echo", factory=lambda ctx: None)
+
+
+def test_one_plugin_implementing_a_hook_twice_is_collected_once_not_a_clash_with_itself(rlhf_pm):
+    with registered(rlhf_pm, TwoEngines(), "acme"):
+        reg = rlhf_pm.components
+        assert {"acme_counting", "acme_echo"} <= set(reg.names(GenerationBackend))
+        assert reg.provider(GenerationBackend, "acme_echo") == reg.provider(GenerationBackend, "acme_counting") == "acme"
+
+
 def test_registered_unregisters_even_when_the_block_fails(rlhf_pm):
     plugin = Clash()
     with pytest.raises(RuntimeError):

@@ -193,12 +193,16 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
 
     def per_plugin(self, hookname: str, only: Iterable[str] | None = None, **kwargs: Any) -> Iterator[tuple[str, list]]:
         """Call a hook one implementing plugin at a time (through pluggy, in registration order):
-        ``(plugin name, its results)``; a plugin that raises is an error naming it."""
+        ``(plugin name, its results)``; a plugin that raises is an error naming it. A plugin with
+        several implementations of the hook (``@hookimpl(specname=...)``) is called once: pluggy
+        runs all of its implementations in that one call."""
         plugins = [p for _, p in self.list_name_plugin() if p is not None]
         wanted = None if only is None else set(only)
+        called: set[str] = set()
         for impl in getattr(self.hook, hookname).get_hookimpls():
-            if wanted is not None and impl.plugin_name not in wanted:
+            if (wanted is not None and impl.plugin_name not in wanted) or impl.plugin_name in called:
                 continue
+            called.add(impl.plugin_name)
             others = [p for p in plugins if p is not impl.plugin]
             try:
                 results = self.subset_hook_caller(hookname, others)(**kwargs)
