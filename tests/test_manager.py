@@ -182,7 +182,10 @@ def test_entry_points_autoload_and_broken_one_warns(tmp_path, monkeypatch):
     with pytest.raises(PluginError, match="plugin 'badep' .* failed to import: RuntimeError: kaput"):
         create_manager(["badep"], autoload=False)
 
-    # autoload off: only named entry points load
+    # autoload off: only named entry points load; "0", "false", "no", "off" or empty leave it on
+    for value in ("0", "false", "No", "off", ""):
+        monkeypatch.setenv("RLHF_DISABLE_PLUGIN_AUTOLOAD", value)
+        assert create_manager().has_plugin("goodep"), value
     monkeypatch.setenv("RLHF_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = create_manager()
     assert not pm.has_plugin("goodep")

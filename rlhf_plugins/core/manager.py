@@ -30,6 +30,11 @@ DISABLE_AUTOLOAD_ENV = "RLHF_DISABLE_PLUGIN_AUTOLOAD"
 LIFECYCLE_HOOKS = tuple(name for name in vars(lifecycle) if name.startswith("rlhf_"))
 
 
+def autoload_disabled() -> bool:
+    """``RLHF_DISABLE_PLUGIN_AUTOLOAD`` set to anything but empty, 0, false, no or off."""
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
     """pluggy manager with the ``rlhf`` hookspecs and typed calls for every hook."""
 
@@ -58,7 +63,7 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
         args = [a for a in plugin_args if a]
         inline = tuple(inline)
         if autoload is None:
-            autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
+            autoload = not autoload_disabled()
         self.spec = spec or PluginSpec(tuple(args), autoload, inline)
         for arg in args:
             if arg.startswith("no:"):
