@@ -284,6 +284,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str], console: Console) -> in
     console.print(Syntax(config.to_yaml(), "yaml", background_color="default"))
     for warning in pm.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
+    installed = [f"{i.name} {i.version} ({i.location})" for i in pm.infos.values()
+                 if i.source == "entry point" and i.name not in pm.requested]
+    if installed:
+        console.print(f"installed plugins loaded: {escape(', '.join(installed))}", highlight=False, soft_wrap=True)
     for note in plan.notes:
         console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if args.dry_run:

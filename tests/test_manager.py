@@ -305,3 +305,27 @@ def test_no_heavy_import_on_plugin_listing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_installed_reward_plugin_never_changes_what_a_plain_run_trains_on(rlhf, tmp_path, monkeypatch):
+    """Installed (auto-loaded) packages that provide rewards are listed, not used: the task's reward
+    stays the default; the same package's reward is used when the run asks for the plugin by name."""
+    import yaml
+
+    site = _fake_distribution(
+        tmp_path, "acme_rewards",
+        "from rlhf_plugins import RewardFunction, hookimpl\n"
+        "@hookimpl\ndef rlhf_reward_functions():\n"
+        "    yield RewardFunction('acme_length', lambda prompts, completions, **k: [len(c) for c in completions])\n",
+        "acme",
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("RLHF_DISABLE_PLUGIN_AUTOLOAD")
+    code, out, err = rlhf("train", "--dry-run")
+    assert code == 0, err
+    assert yaml.safe_load(out[out.index("model:"):out.index("installed plugins")])["reward"]["functions"] == ["exact_match"]
+    assert "installed plugins loaded: acme 1.2.3 (acme_rewards 1.2.3)" in out
+    from rlhf_plugins.api import prepare
+
+    assert prepare({})[2].rewards == ["exact_match"]
+    assert prepare({}, plugins=["acme"])[2].rewards == ["acme_length"]

@@ -151,13 +151,16 @@ def _has_gpu() -> bool:
 
 
 def choose_rewards(c: Config, pm: RLHFPluginManager, plugin_env: bool = False) -> tuple[list[str], list[float]]:
-    """Explicit names win; else none when reward models or servers score; else the only reward a
-    non-builtin plugin gives; else a plugin environment's own reward (``plugin_env``); else the
-    task default. Returns function names and one weight per source."""
+    """Explicit names win; else none when reward models or servers score; else the only reward the
+    plugins the run asked for give (``--plugin``, ``plugins:``, Python objects -- never a package
+    that is merely installed: installing one must not change what a plain run trains on); else a
+    plugin environment's own reward (``plugin_env``); else the task default. Returns function names
+    and one weight per source."""
     names = list(c.reward.functions)
     others = len(c.reward.models) + (1 if c.reward.remote_urls else 0)
     if not names and not others:
-        rows = [r for r in pm.components.of(RewardFunction) if not pm.is_builtin(r.provider)]
+        rows = [r for r in pm.components.of(RewardFunction)
+                if not pm.is_builtin(r.provider) and r.provider in pm.requested]
         if len(rows) == 1:
             names = [rows[0].name]
         elif len(rows) > 1:

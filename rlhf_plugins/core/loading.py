@@ -38,6 +38,8 @@ class PluginLoading:
 
     infos: dict[str, PluginInfo]
     warnings: list[str]
+    #: plugins the run asked for (``--plugin``, ``plugins:``, Python objects), not merely installed
+    requested: set[str]
 
     def load_builtins(self) -> None:
         from ..builtin_plugins import DEFAULT_PLUGINS
@@ -93,6 +95,7 @@ class PluginLoading:
             return
         if self.is_blocked(arg):
             return
+        self.requested.add(arg)
         if self.has_plugin(arg):
             local = Path(arg + ".py")  # a user's module named like a builtin plugin wins, as `python -m` would
             if local.is_file():
@@ -151,6 +154,7 @@ class PluginLoading:
             raise PluginError(f"plugin '{arg}' failed to import: {type(exc).__name__}: {exc}") from exc
         self._register_user_plugin(module, name)
         self.infos[name] = PluginInfo(name, "--plugin", "", location)
+        self.requested.add(name)
 
     def _register_user_plugin(self, plugin: object, name: str) -> None:
         has_hooks = any(self.parse_hookimpl_opts(plugin, attr) is not None for attr in dir(plugin))

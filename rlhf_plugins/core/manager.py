@@ -43,6 +43,7 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
         for module in SPEC_MODULES:
             self.add_hookspecs(module)
         self.infos: dict[str, PluginInfo] = {}
+        self.requested: set[str] = set()
         self.warnings: list[str] = []
         self._registry: ComponentRegistry | None = None
         self.spec = PluginSpec()
@@ -77,6 +78,7 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
         for name, obj in inline:
             self.register(obj, name)
             self.infos[name] = PluginInfo(name, "python", "", type(obj).__name__)
+            self.requested.add(name)
         self.check_pending()
         remember(self.spec, self)
         return self
