@@ -222,3 +222,23 @@ def test_unreachable_address_is_bounded():
             ray.shutdown()
         connect(opts)
     assert time.monotonic() - start < 5
+
+
+def test_a_local_cluster_the_run_starts_listens_on_loopback():
+    """The cluster ``rlhf train`` starts for itself binds 127.0.0.1, not the machine's network address
+    (in a fresh process: Ray reads the setting when it is imported)."""
+    import subprocess
+
+    from tests.helpers import clean_env
+
+    code = ("from rlhf_plugins.api import prepare\n"
+            "from rlhf_plugins.placement.ray_cluster import connect\n"
+            "config, _, _ = prepare({'placement': {'strategy': 'ray'}, 'ray': {'local_num_cpus': 2}}, autoload=False)\n"
+            "assert connect(config.section('ray'))\n"
+            "import ray\n"
+            "print(sorted({n['NodeManagerAddress'] for n in ray.nodes()}), ray.util.get_node_ip_address())\n"
+            "ray.shutdown()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=clean_env({"RAY_AUTH_MODE": "disabled"}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['127.0.0.1'] 127.0.0.1"

@@ -28,15 +28,35 @@ def _host_port(address: str) -> tuple[str, int] | None:
         return None
 
 
+#: Ray picks a network-reachable node address unless this is off (its default on macOS and Windows);
+#: a cluster this run starts for itself only ever talks to this machine, so it listens on loopback
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _loopback_only() -> None:
+    """Make the local cluster this process starts bind 127.0.0.1, not the machine's address."""
+    import sys
+
+    os.environ[LOOPBACK_ENV] = "0"  # read when ray is imported, here and in the processes it starts
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray was imported before: its constant is already read
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def connect(opts: Any) -> bool:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS`` (or the one this job runs
-    in), else start a local one. Returns whether this process started it."""
+    in), else start a local one, listening on 127.0.0.1. Returns whether this process started it."""
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    local = not address or address == "local"
+    import sys
+
+    if local and not (sys.modules.get("ray") is not None and sys.modules["ray"].is_initialized()):
+        _loopback_only()
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    address = opts.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
         target = _host_port(address)
         if target is None and address != "auto":
@@ -55,6 +75,7 @@ def connect(opts: Any) -> bool:
         return False
     num_cpus = opts.local_num_cpus or max(8, os.cpu_count() or 1)
     ray.init(
+        _node_ip_address="127.0.0.1",
         num_cpus=num_cpus,
         num_gpus=opts.local_num_gpus,
         include_dashboard=False,
