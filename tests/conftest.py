@@ -35,11 +35,12 @@ def rlhf(tmp_path, monkeypatch, capsys, tiny_model):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A local Ray cluster with 8 CPUs and 4 fake GPUs, shared by one test module."""
+    """A local Ray cluster with 8 CPUs and 4 fake GPUs on 127.0.0.1, shared by one test module."""
     ray = pytest.importorskip("ray")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from tests.helpers import start_local_ray
+
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray()
     yield ray
     ray.shutdown()

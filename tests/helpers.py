@@ -128,3 +128,14 @@ def make_reward_model(out: Path, kind: str = "trl", *, seed: int = 0, mean: floa
         config.update(normalize_reward=True, mean=mean, std=std)
     (out / "config.json").write_text(_json.dumps(config))
     return out
+
+
+def start_local_ray() -> None:
+    """A local Ray cluster with 8 CPUs and 4 fake GPUs, listening on 127.0.0.1 only."""
+    from rlhf_plugins.placement.ray_cluster import loopback_only
+
+    loopback_only()
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)

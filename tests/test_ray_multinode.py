@@ -12,6 +12,7 @@ pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.integration
 
 from rlhf_plugins import PlacementContext  # noqa: E402
+from rlhf_plugins.placement.ray_cluster import loopback_only  # noqa: E402
 from rlhf_plugins.algorithms import policy_losses  # noqa: E402
 from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
@@ -27,6 +28,7 @@ def two_nodes():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     if ray.is_initialized():
         ray.shutdown()
+    loopback_only()  # every node of the test cluster on 127.0.0.1
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 2})
     cluster.add_node(num_cpus=3, num_gpus=2)
     ray.init(address=cluster.address, log_to_driver=False)

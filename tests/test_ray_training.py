@@ -20,7 +20,7 @@ from rlhf_plugins.learners.torch_learner import TorchLearner  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
 from rlhf_plugins.testing import backend_context  # noqa: E402
 from rlhf_plugins.training.roles import PolicyRole  # noqa: E402
-from tests.helpers import metrics_of, random_batch, short_run, the_run  # noqa: E402
+from tests.helpers import metrics_of, random_batch, short_run, start_local_ray, the_run  # noqa: E402
 
 
 def ds_config(stage: int, lr: float, aggregation: str = "token-mean"):
@@ -195,7 +195,7 @@ def test_ray_bad_input(local_ray, rlhf, args, expected):
         code, _, err = rlhf("train", "--placement.strategy", "ray", *short_run(), *args)
     finally:
         if not ray.is_initialized():
-            ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+            start_local_ray()
     assert code == 2, err
     assert expected in err and len(err.strip().splitlines()) == 1, err
     assert not Path("runs").exists() or not any(Path("runs").iterdir())

@@ -33,7 +33,7 @@ def _host_port(address: str) -> tuple[str, int] | None:
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def _loopback_only() -> None:
+def loopback_only() -> None:
     """Make the local cluster this process starts bind 127.0.0.1, not the machine's address."""
     import sys
 
@@ -51,7 +51,7 @@ def connect(opts: Any) -> bool:
     import sys
 
     if local and not (sys.modules.get("ray") is not None and sys.modules["ray"].is_initialized()):
-        _loopback_only()
+        loopback_only()
     import ray
 
     if ray.is_initialized():
