@@ -33,7 +33,7 @@ def parse() -> argparse.Namespace:
 def answer_reward(prompts, completions, label, **kwargs):
     """1 when the last model turn is the label (TRL gives the trajectory as messages, we give text)."""
     last = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if str(a).strip() == str(l) else 0.0 for a, l in zip(last, label)]
+    return [1.0 if str(a).strip() == str(lab) else 0.0 for a, lab in zip(last, label)]
 
 
 def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:

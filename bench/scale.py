@@ -95,7 +95,7 @@ def resume_check(model: str, flags: list[str], cwd: Path, steps: int) -> dict:
     from rlhf_plugins.training.runlog import MEASURED
 
     whole = train(model, flags, cwd, "whole", steps)
-    cut = train(model, flags, cwd, "cut", steps - 1)
+    train(model, flags, cwd, "cut", steps - 1)
     cmd = [sys.executable, "-m", "rlhf_plugins.cli", "train", "--resume", str(cwd / "runs" / "cut"),
            "--train.steps", str(steps)]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
@@ -143,7 +143,7 @@ def main() -> None:
 def table(results: dict) -> str:
     """The README table: per shape and path, each process's peak / analytic (+ imports), phases, sync GB/s."""
     lines = ["| shape | path | process: peak RSS / analytic + imports (ratio) | s/step: generate, ref, train, sync | "
-             "sync GB/s (memcpy %.1f) |" % results.get("memcpy_gbps", 0.0), "|---|---|---|---|---|"]
+             f"sync GB/s (memcpy {results.get('memcpy_gbps', 0.0):.1f}) |", "|---|---|---|---|---|"]
     for shape, paths in results.items():
         if not isinstance(paths, dict):
             continue

@@ -9,7 +9,8 @@ function themselves.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Lazy:

@@ -13,7 +13,8 @@ import logging
 import sys
 import textwrap
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -37,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(train_epilog: str | None = None) -> argparse.ArgumentParser:
     """``train_epilog``: the config key reference ``rlhf train --help`` prints (built only then)."""
-    parser = _Parser(prog="rlhf", allow_abbrev=False, description="RLHF for LLMs where every part of the RL loop is a plugin.")
+    parser = _Parser(prog="rlhf", allow_abbrev=False, description="RLHF for LLMs where every part of the RL loop is a "
+                                                                  "plugin.")
     parser.add_argument("--version", action="version", version=f"rlhf-plugins {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
@@ -64,7 +66,8 @@ def build_parser(train_epilog: str | None = None) -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     train.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
-    config = sub.add_parser("config", allow_abbrev=False, help="print a commented YAML config of every key (or one section)",
+    config = sub.add_parser("config", allow_abbrev=False, help="print a commented YAML config of every key (or one "
+                                                               "section)",
                             description="Print every config key at its default, with its type, range and meaning, as "
                                         "YAML that --config accepts: rlhf config > run.yaml, edit, rlhf train --config "
                                         "run.yaml.")

@@ -16,7 +16,8 @@ the marks, one with several (Ray) reads them with :func:`dispatch_mode`:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .protocols import Samples
 

@@ -36,8 +36,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from .core.manager import RLHFPluginManager, create_manager
 from .protocols import BackendContext

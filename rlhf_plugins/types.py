@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -118,6 +119,17 @@ def test_the_checker_sees_a_comparison():
     assert not COMPARED.search("sync_name = c.sync.method or placement.default_sync")
 
 
+def test_ruff_finds_nothing():
+    """The lint rules of pyproject.toml ([tool.ruff]) hold for the package, tests, benchmarks and examples."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    proc = subprocess.run([ruff, "check", "rlhf_plugins", "tests", "bench", "examples", "scripts"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_no_module_is_asking_to_be_split():
     long = [(str(p.relative_to(ROOT)), n) for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 360]
     assert not long, long
@@ -140,7 +152,7 @@ def methods(contract: type) -> dict[str, str]:
 @pytest.mark.parametrize("contract", CONTRACTS, ids=[c.__name__ for c in CONTRACTS])
 def test_every_contract_method_is_documented_with_its_signature(contract):
     docs = (ROOT / "docs" / "backends.md").read_text()
-    for name, sig in methods(contract).items():
+    for sig in methods(contract).values():
         assert f"`{sig}`" in docs, f"docs/backends.md lacks `{sig}` ({contract.__name__})"
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import eval_rows_of, metrics_of, short_run, the_run
 from rlhf_plugins.training.runlog import MEASURED
+from tests.helpers import eval_rows_of, metrics_of, short_run, the_run
 
 CORRECTED = ("--algo.policy_loss.mismatch", "tis")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import clean_env, metrics_of, run_subprocess
 from rlhf_plugins.training.runlog import MEASURED
+from tests.helpers import clean_env, metrics_of, run_subprocess
 
 RUN = ["--train.steps", "8", "--train.save_every", "2", "--train.prompts_per_step", "4",
        "--generation.n_samples_per_prompt", "4", "--train.progress", "false", "--learner.epochs", "2",

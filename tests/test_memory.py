@@ -6,6 +6,7 @@ import json
 import resource
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,14 @@ def test_shapes_have_the_public_models_parameter_counts(name, parameters):
     assert shape.largest_tensor == shape.vocab * shape.hidden
 
 
+def _record_storage(params: set[int], saved: dict[int, int], t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensors hook: the bytes of each storage autograd keeps that is not a parameter's."""
+    storage = t.untyped_storage()
+    if storage.data_ptr() not in params:
+        saved[storage.data_ptr()] = storage.nbytes()
+    return t
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtype):
     """The per-token, per-layer activation bytes of the memory model against the tensors autograd
@@ -47,14 +56,7 @@ def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtyp
         batch = dict(random_batch(group=4, prompts=4, seed=0), group_size=1)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(partial(_record_storage, params, saved), lambda t: t):
             policy_forward(model, batch, logits_memory_mb=0.001)  # logits aside: a chunk of one token
         measured = sum(saved.values()) / batch["sequences"].numel() / layers
         estimate = ModelShape.from_config(config).activation_elements_per_token() * dtype.itemsize

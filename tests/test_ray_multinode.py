@@ -12,10 +12,10 @@ pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.integration
 
 from rlhf_plugins import PlacementContext  # noqa: E402
-from rlhf_plugins.placement.ray_cluster import loopback_only  # noqa: E402
 from rlhf_plugins.algorithms import policy_losses  # noqa: E402
 from rlhf_plugins.algorithms.objective import Objective  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
+from rlhf_plugins.placement.ray_cluster import loopback_only  # noqa: E402
 from rlhf_plugins.placement.ray_placement import RayPlacement  # noqa: E402
 from rlhf_plugins.training.roles import PolicyRole  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402

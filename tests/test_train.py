@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
 from rlhf_plugins.training.runlog import MEASURED
+from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ SEEN: dict[str, list] = {}
 def correct(prompts, completions, label, **kwargs):
     """TRL's signature: a multi-turn completion is its list of messages."""
     SEEN.setdefault("completions", []).extend(completions)
-    return [1.0 if c[-1]["content"].strip() == l else 0.0 for c, l in zip(completions, label)]
+    return [1.0 if c[-1]["content"].strip() == lab else 0.0 for c, lab in zip(completions, label)]
 
 
 class CalcEnv:

@@ -11,8 +11,8 @@ Group estimators ignore ``gamma`` (it is 1 for them, as in OpenRLHF).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -6,8 +6,9 @@ dataclass: Ray learner workers receive it as is.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

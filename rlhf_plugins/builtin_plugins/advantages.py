@@ -1,7 +1,7 @@
 """Builtin advantage estimators (``--algo.advantage.estimator``)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl

@@ -2,7 +2,8 @@
 reward function (an environment's own reward as a reward source)."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .._markers import hookimpl
 from ..types import Environment, RewardFunction

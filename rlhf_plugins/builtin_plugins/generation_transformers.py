@@ -1,7 +1,7 @@
 """Builtin generation backend ``transformers``: a KV-cached sampling loop in the engine's process."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl

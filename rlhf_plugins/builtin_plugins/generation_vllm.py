@@ -4,8 +4,9 @@ Adds the ``vllm`` config section (``--vllm.num_engines``, ``--vllm.tensor_parall
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from .._lazy import Lazy
 from .._markers import hookimpl

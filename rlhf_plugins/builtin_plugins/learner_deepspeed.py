@@ -3,8 +3,9 @@
 Adds the ``deepspeed`` config section (``--deepspeed.zero_stage 3``, offload, sleep)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .._lazy import Lazy
 from .._markers import hookimpl

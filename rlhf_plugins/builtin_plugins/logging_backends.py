@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .._markers import hookimpl
 from ..errors import ConfigError

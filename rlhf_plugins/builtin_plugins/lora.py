@@ -15,9 +15,10 @@ merged model next to it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .._markers import hookimpl
 from ..errors import ConfigError
@@ -115,7 +116,8 @@ def rlhf_configure(config: Any, plan: Any) -> None:
 @hookimpl(wrapper=True)
 def rlhf_load_model(role: str, path: str, config: Any) -> Iterator[Any]:
     model = yield
-    if model is not None and enabled(config) and (role == "actor" or (role == "critic" and config.section("lora").critic)):
+    adapted = role == "actor" or (role == "critic" and config.section("lora").critic)
+    if model is not None and enabled(config) and adapted:
         model = apply_lora(model, config, role)
     return model
 

@@ -5,8 +5,9 @@ Adds the ``ray`` config section (``--ray.address``, ``--ray.strategy``,
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from .._lazy import Lazy
 from .._markers import hookimpl
@@ -90,8 +91,10 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         if config.train.prompts_per_step % n:
             raise ConfigError(f"train.prompts_per_step ({config.train.prompts_per_step}) must be a multiple of "
                               f"ray.{name} ({n}) so every rank trains on whole prompt groups")
-        if config.learner.mini_batch_size and (config.learner.mini_batch_size % n or batch % config.learner.mini_batch_size):
-            raise ConfigError(f"learner.mini_batch_size must divide the rollout ({batch}) and be a multiple of ray.{name}")
+        mini = config.learner.mini_batch_size
+        if mini and (mini % n or batch % mini):
+            raise ConfigError(f"learner.mini_batch_size must divide the rollout ({batch}) and be a multiple of "
+                              f"ray.{name}")
 
 
 PLACEMENT = Lazy("rlhf_plugins.placement.ray_placement:RayPlacement")

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .._markers import hookimpl
 from ..types import RewardFunction
@@ -22,11 +23,12 @@ def _same(completion: str, label: Any) -> bool:
     return _answer(completion) == label_text
 
 
-def exact_match(prompts: list[Any], completions: list[str], label: list[Any] | None = None, **kwargs: Any) -> list[float]:
+def exact_match(prompts: list[Any], completions: list[str], label: list[Any] | None = None,
+                **kwargs: Any) -> list[float]:
     """1.0 when the completion's answer equals the label (numbers compared by value), else 0.0."""
     if label is None:
         raise ValueError("exact_match needs a label column in the dataset (see --data.label_key)")
-    return [1.0 if _same(c, l) else 0.0 for c, l in zip(completions, label)]
+    return [1.0 if _same(c, lab) else 0.0 for c, lab in zip(completions, label)]
 
 
 @hookimpl

@@ -2,7 +2,7 @@
 engine that loads adapters)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl

@@ -2,7 +2,7 @@
 worker) and ``ipc`` (shared buffers by CUDA IPC / shared-memory handle, colocated)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .._lazy import Lazy
 from .._markers import hookimpl

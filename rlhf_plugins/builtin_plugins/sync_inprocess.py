@@ -1,7 +1,8 @@
 """Builtin weight sync ``inprocess``: engine and learner share a process."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .._lazy import Lazy
 from .._markers import hookimpl

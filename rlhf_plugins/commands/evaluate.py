@@ -29,7 +29,8 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
                                                    "or final/ folder, or any save_pretrained folder")
     p.add_argument("--data", metavar="PATH", help="held-out prompts (file, folder or builtin:NAME); default: the run's "
                                                   "own held-out data")
-    p.add_argument("--output", metavar="FILE", default="eval.json", help="where the JSON report goes (default: eval.json)")
+    p.add_argument("--output", metavar="FILE", default="eval.json", help="where the JSON report goes (default: "
+                                                                         "eval.json)")
     p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
     plugin_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     config, pm, plan = prepare(raw, args.plugin)
     out = Path(args.output).expanduser()
     if not out.parent.is_dir() or out.is_dir():
-        raise UsageError(f"cannot write the report to '{out}': {'it is a folder' if out.is_dir() else 'no such folder'}; "
+        raise UsageError(f"cannot write the report to '{out}': "
+                         f"{'it is a folder' if out.is_dir() else 'no such folder'}; "
                          "choose another --output")
     report = evaluate(config, pm, plan, console)
     try:

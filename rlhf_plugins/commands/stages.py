@@ -17,7 +17,8 @@ STAGES = {
 def add_parser(sub: Any, plugin_args: Any) -> None:
     for stage, what in STAGES.items():
         p = sub.add_parser(stage, allow_abbrev=False, help=what,
-                           description=f"{what[0].upper()}{what[1:]}. Every config key is a flag (--section.key VALUE); "
+                           description=f"{what[0].upper()}{what[1:]}. Every config key is a flag (--section.key "
+                                       "VALUE); "
                                        "TRL's own fields go under --trl.FIELD (e.g. --trl.learning_rate 1e-4). With no "
                                        "arguments it trains the embedded tiny Llama on data made for the default task.")
         p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")

@@ -135,7 +135,8 @@ def check_best_metric(c: Config) -> None:
     from ..data.prompts import eval_source
 
     names = eval_metric_names(c)
-    _require(metric in names, f"train.best_metric '{metric}' is not an evaluation metric; choose one of: {', '.join(names)}")
+    _require(metric in names, f"train.best_metric '{metric}' is not an evaluation metric; choose one of: "
+                              f"{', '.join(names)}")
     _require(eval_source(c) is not None, f"train.best_metric '{metric}' needs held-out evaluation: give --eval.path "
                                          "or --eval.split (and keep --eval.enabled true)")
 
@@ -294,7 +295,8 @@ def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:
     if c.model.path is None and env.default_model is not None:
         c.model.path = env.default_model()
     _require(not c.generation.partial_rollout, "generation.partial_rollout continues one long generation across "
-                                               "weight updates, which multi-turn rollouts do not do; drop it with --env.name")
+                                               "weight updates, which multi-turn rollouts do not do; drop it with "
+                                               "--env.name")
 
 
 def validate(c: Config, pm: RLHFPluginManager) -> Plan:

@@ -11,7 +11,8 @@ import functools
 import inspect
 import logging
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pluggy
 
@@ -218,14 +219,16 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
             except PluginError:
                 raise
             except Exception as exc:
-                raise PluginError(f"plugin '{impl.plugin_name}' failed in {hookname}: {type(exc).__name__}: {exc}") from exc
+                raise PluginError(f"plugin '{impl.plugin_name}' failed in {hookname}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
             yield impl.plugin_name, results
 
     def collect_state(self) -> dict[str, Any]:
         """Every plugin's ``rlhf_state_dict``, by plugin name (JSON-checked)."""
         import json
 
-        states = {name: results[0] for name, results in self.per_plugin("rlhf_state_dict") if results and results[0] is not None}
+        states = {name: results[0] for name, results in self.per_plugin("rlhf_state_dict")
+                  if results and results[0] is not None}
         for name, state in states.items():
             try:
                 json.dumps(state)

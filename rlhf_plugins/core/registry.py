@@ -1,8 +1,9 @@
 """Components of every area, by name, with the plugin that provided each."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import ConfigError, PluginError
 from ..types import AREAS, Component

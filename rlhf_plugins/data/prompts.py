@@ -34,7 +34,8 @@ class PromptSet:
         """The first ``n`` prompts (all of them when ``n`` is 0)."""
         if not n or n >= len(self):
             return self
-        return PromptSet(self.prompts[:n], self.prompt_ids[:n], {k: v[:n] for k, v in self.columns.items()}, self.dropped)
+        columns = {k: v[:n] for k, v in self.columns.items()}
+        return PromptSet(self.prompts[:n], self.prompt_ids[:n], columns, self.dropped)
 
 
 def data_files(path: Path, key: str = "data.path") -> tuple[str, list[str]]:
@@ -86,7 +87,8 @@ def eval_source(config: Any, rows_given: bool = False) -> str | None:
     return None
 
 
-def split_rows(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split_rows(rows: list[dict[str, Any]], fraction: float,
+               seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training rows, held-out rows): a seeded ``fraction`` of the rows (at least one) held out."""
     if len(rows) < 2:
         raise DataError(f"eval.split needs at least 2 training rows to hold some out; the data has {len(rows)}")
@@ -104,7 +106,8 @@ def builtin_rows(path: str | Path) -> list[dict[str, Any]] | None:
         return None
     name = text.removeprefix("builtin:")
     if name not in BUILTIN:
-        raise DataError(f"unknown built-in dataset '{name}'; choose one of: {', '.join('builtin:' + n for n in BUILTIN)}")
+        raise DataError(f"unknown built-in dataset '{name}'; choose one of: "
+                        f"{', '.join('builtin:' + n for n in BUILTIN)}")
     task, split = BUILTIN[name]
     if task == "calculator":
         from ..models.tool_model import calculator_rows
@@ -188,7 +191,8 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             f"--data.max_prompt_tokens {cfg.max_prompt_tokens}"
         )
     if dropped:
-        logger.warning("dropped %d of %d prompts (empty or longer than %d tokens)", dropped, len(rows), cfg.max_prompt_tokens)
+        logger.warning("dropped %d of %d prompts (empty or longer than %d tokens)", dropped, len(rows),
+                       cfg.max_prompt_tokens)
     return PromptSet(prompts, ids, columns, dropped)
 
 

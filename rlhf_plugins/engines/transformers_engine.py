@@ -7,7 +7,8 @@ when every sample has finished. The KV cache reserves room for prompt + budget
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -97,7 +98,10 @@ class TransformersEngine:
             if params.temperature != 1.0:
                 logits = logits / params.temperature
             logprobs_all = torch.log_softmax(logits, dim=-1)
-            probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1) if filtered else logprobs_all.exp()
+            if filtered:
+                probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1)
+            else:
+                probs = logprobs_all.exp()
             token = sample_from(probs, uniforms[t])
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens[:, t] = token

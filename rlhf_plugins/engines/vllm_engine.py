@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -186,7 +187,8 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         worker = self._local_worker()
         if worker is None:
-            raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method broadcast")
+            raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method "
+                             "broadcast")
         named = list(named_tensors)
         return self.model_workers(_load, named)[0]
 

@@ -15,7 +15,8 @@ import importlib.util
 import sys
 import types
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 AGENT_MODULE = "openrlhf.utils.agent"
 

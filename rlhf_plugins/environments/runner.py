@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from ..errors import ConfigError
 from ..protocols import SamplingParams
@@ -93,7 +94,8 @@ class EnvRunner:
                 self.renderer = Renderer(tokenizer)
             except Exception as exc:
                 raise ConfigError(f"the model's chat template cannot render tool calls and tool messages "
-                                  f"({type(exc).__name__}: {exc}); multi-turn tool use needs a template that does")
+                                  f"({type(exc).__name__}: {exc}); multi-turn tool use needs a template "
+                                  "that does") from exc
         self.ctx = SessionContext(tokenizer, self.renderer, run_in(self.executor), self.chat)
 
     def _probe(self, name: str) -> Any:
@@ -163,7 +165,7 @@ class EnvRunner:
         out = Trajectories()
         out.prompt_ids = self._gather([s.start(prompts[j // n], reset_rows[j]) for j, s in enumerate(sessions)])
         B = len(sessions)
-        out.completion_ids, out.action_masks, out.logprobs = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+        out.completion_ids, out.action_masks, out.logprobs = ([[] for _ in range(B)] for _ in range(3))
         out.final_texts, out.turns, finish = [""] * B, [0] * B, [""] * B
         active = list(range(B))
         for turn in range(cfg.max_turns):

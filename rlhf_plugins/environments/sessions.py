@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import EnvironmentFailed
 from .tools import Renderer, call_tool, parse_turn, public_methods, tool_message
@@ -69,7 +70,8 @@ class _Session:
         self.messages: list[dict[str, Any]] = []
 
     def fail(self, what: str, exc: BaseException | None = None) -> EnvironmentFailed:
-        detail = f": {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}" if exc else ""
+        text = str(exc).strip() if exc else ""
+        detail = f": {type(exc).__name__}: {text.splitlines()[0] if text else ''}" if exc else ""
         return EnvironmentFailed(f"environment '{self.env}' {what} ({self.where}){detail}".rstrip(": "))
 
     def render_prompt(self, prompt: Any, extra: str | None, tools: list[Any] | None) -> str:

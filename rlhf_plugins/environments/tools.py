@@ -14,8 +14,9 @@ import functools
 import inspect
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -86,7 +87,8 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall, run_sync: Callable[..., Any]) -> tuple[Any, bool]:
+async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall,
+                    run_sync: Callable[..., Any]) -> tuple[Any, bool]:
     """``(result, failed)``: the tool's result, or ``{"error": ...}`` and True. ``run_sync(fn,
     **kwargs)`` runs a synchronous tool off the event loop."""
     if call.error is not None:

@@ -13,8 +13,9 @@ stages share it (:mod:`rlhf_plugins.training.heldout` builds the one of a run).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..data.prompts import PromptSet
 from ..protocols import Samples, SamplingParams

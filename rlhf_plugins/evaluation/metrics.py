@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from math import comb
-from typing import Any, Sequence
+from typing import Any
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

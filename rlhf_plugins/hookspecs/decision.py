@@ -6,7 +6,8 @@ integration does to add LoRA adapters to whatever model was loaded.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._markers import hookspec
 
@@ -78,7 +79,8 @@ def rlhf_admit_rollout(step: int, learner_version: int, engine_version: int, que
 
 
 @hookspec(firstresult=True)
-def rlhf_rollout(prompts: list[Any], rows: list[dict[str, Any]], params: Any, engine: Any, tokenizer: Any) -> dict[str, Any] | None:
+def rlhf_rollout(prompts: list[Any], rows: list[dict[str, Any]], params: Any, engine: Any,
+                 tokenizer: Any) -> dict[str, Any] | None:
     """Take over generation for one step (TRL's ``rollout_func``): return the samples, or ``None``
     to let the builtin generate (single-turn, or multi-turn with ``--env.name``).
 

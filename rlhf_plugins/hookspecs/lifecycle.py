@@ -3,13 +3,14 @@
 All are collecting and return ``None``. An observer must not break the run: an
 implementation that raises becomes a warning naming its plugin, and the other
 observers still run. They are called through pluggy, so a new-style wrapper
-(``@hookimpl(wrapper=True)``) sees every call (and its exceptions are its own). ``rlhf_on_error`` tells every observer, then the
-error is re-raised.
+(``@hookimpl(wrapper=True)``) sees every call (and its exceptions are its own). ``rlhf_on_error``
+tells every observer, then the error is re-raised.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._markers import hookspec
 

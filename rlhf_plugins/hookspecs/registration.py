@@ -8,7 +8,8 @@ one area is an error naming both.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .._markers import hookspec
 

@@ -6,7 +6,8 @@ its name and handed back to that plugin only.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._markers import hookspec
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -134,7 +135,8 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             try:
                 _set(raw, key, conv(f[name]))
             except (TypeError, ValueError):
-                raise ConfigError(f"TRL field '{name}' expects {getattr(conv, '__name__', 'a value')}; got {f[name]!r}") from None
+                expected = getattr(conv, "__name__", "a value")
+                raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
     _set(raw, "algo.policy_loss.clip_high", float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"]))
     _set(raw, "algo.kl.estimator", "k3")
     loss = f["loss_type"]
@@ -158,7 +160,8 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     completions = int(f["generation_batch_size"] or per_device * per_gen)
     n = int(f["num_generations"])
     if completions % n:
-        raise ConfigError(f"TRL generation batch ({completions} completions) is not a multiple of num_generations ({n})")
+        raise ConfigError(f"TRL generation batch ({completions} completions) is not a multiple of num_generations "
+                          f"({n})")
     _set(raw, "train.prompts_per_step", completions // n)
     _set(raw, "learner.micro_batch_size", per_device)
     _set(raw, "learner.mini_batch_size", per_device * gas if per_device * gas < completions else 0)
@@ -205,7 +208,8 @@ def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
     if optim not in OPTIMIZERS:
         raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
     if schedule not in SCHEDULERS:
-        raise ConfigError(f"TRL lr_scheduler_type '{schedule}' has no equivalent; choose one of: {', '.join(SCHEDULERS)}")
+        raise ConfigError(f"TRL lr_scheduler_type '{schedule}' has no equivalent; choose one of: "
+                          f"{', '.join(SCHEDULERS)}")
     _set(raw, "learner.optimizer", OPTIMIZERS[optim])
     _set(raw, "learner.betas", [float(f["adam_beta1"]), float(f["adam_beta2"])])
     _set(raw, "learner.lr_scheduler", SCHEDULERS[schedule])

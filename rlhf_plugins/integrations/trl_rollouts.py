@@ -15,7 +15,8 @@ adds it; with no ``reward_funcs`` it is the only one.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..errors import ConfigError
 from ..protocols import SamplingParams

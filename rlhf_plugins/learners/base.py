@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ def deepspeed_config(config: Any, role: str, world_size: int, shape: Any = None)
     """DeepSpeed's config for this run, its buckets sized from the model's ``shape``
     (:class:`~rlhf_plugins.models.memory.ModelShape`) rather than DeepSpeed's defaults, which
     allocate 2 GB per bucket whatever the model."""
-    l, o = config.learner, config.section("deepspeed")
+    learner, o = config.learner, config.section("deepspeed")
     stage = o.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if shape is not None:
@@ -43,13 +44,13 @@ def deepspeed_config(config: Any, role: str, world_size: int, shape: Any = None)
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    micro = max(1, l.micro_batch_size or 1)
+    micro = max(1, learner.micro_batch_size or 1)
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro * world_size,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": l.max_grad_norm,
+        "gradient_clipping": learner.max_grad_norm,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,

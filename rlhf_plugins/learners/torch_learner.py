@@ -2,8 +2,9 @@
 gradient accumulation (see ``base``)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

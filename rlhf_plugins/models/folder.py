@@ -119,7 +119,9 @@ def load_shards(model: Any, folder: str | Path) -> None:
 
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     loaded: set[str] = set()
     for name in files:
         shard = load_file(str(folder / name))

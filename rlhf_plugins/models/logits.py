@@ -15,9 +15,10 @@ take that path.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -3,7 +3,8 @@ alone as PEFT saves it. Used by learners (what to send), engines (what they rece
 LoRA plugin; no PEFT import at module level."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 _PREFIX = "base_model.model."
 

@@ -12,7 +12,6 @@ Learners and engines declare their own memory model (``LearnerBackend.memory`` /
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -14,7 +14,8 @@ The learner's log-prob and value passes and the reference model's use the same b
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

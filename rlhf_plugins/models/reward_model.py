@@ -159,7 +159,8 @@ class RewardModelScorer:
         if getattr(tok, "chat_template", None):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if finished:
-                text = tok.apply_chat_template([*messages, {"role": "assistant", "content": completion}], tokenize=False)
+                turn = {"role": "assistant", "content": completion}
+                text = tok.apply_chat_template([*messages, turn], tokenize=False)
             else:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + completion
             return tok(text, add_special_tokens=False)["input_ids"]

@@ -22,8 +22,9 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .folder import save_pretrained
 

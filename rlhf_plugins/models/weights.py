@@ -1,7 +1,8 @@
 """Copying named weights into a model: name mapping, dtype conversion, loud mismatches."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -76,7 +76,7 @@ class RayPlacement:
         self._hosting = threading.Lock()
         check_capacity({key: bundles for key, (_, bundles) in self.layout.items()})
         begin = time.perf_counter()
-        for key, (members, bundles) in self.layout.items():
+        for key, (_, bundles) in self.layout.items():
             self.pgs[key] = reserve(bundles, opts.strategy, opts.ready_timeout, name=f"rlhf-{key}")
         self.startup["placement groups"] = time.perf_counter() - begin
 

@@ -207,7 +207,7 @@ class RoleGroup:
             return self._get(self.workers[rank].call_function.remote(fn, args, self.role), name, rank)
         return self._get([w.call_function.remote(fn, args, self.role) for w in self.workers], name)
 
-    def run_with(self, other: "RoleGroup", fn: Any) -> Any:
+    def run_with(self, other: RoleGroup, fn: Any) -> Any:
         """``fn(this role's object, other's)`` in the process that hosts both (``--ray.colocate
         hybrid``: one rank each, one actor); a plain pair of groups has no such process."""
         if len(self.workers) != 1 or self.workers != other.workers:

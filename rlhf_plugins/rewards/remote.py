@@ -47,7 +47,8 @@ class RemoteReward:
         texts = prompt_texts or [p if isinstance(p, str) else str(p) for p in prompts]
         queries = queries or [p + c for p, c in zip(texts, completions)]
         labels = list(label) if label is not None else [None] * len(completions)
-        chunks = [range(i, min(i + self.batch_size, len(completions))) for i in range(0, len(completions), self.batch_size)]
+        n, size = len(completions), self.batch_size
+        chunks = [range(i, min(i + size, n)) for i in range(0, n, size)]
         urls = itertools.cycle(self.urls)
         jobs = [(next(urls), {"query": [queries[i] for i in c], "prompts": [texts[i] for i in c],
                               "labels": [labels[i] for i in c]}) for c in chunks]
@@ -80,7 +81,8 @@ class RemoteReward:
         try:
             data = response.json()
         except ValueError:
-            raise RewardError(f"reward server {url} answered something that is not JSON: {_short(response.text)!r}") from None
+            raise RewardError(f"reward server {url} answered something that is not JSON: "
+                              f"{_short(response.text)!r}") from None
         rewards = data.get("rewards") if isinstance(data, dict) else None
         if not isinstance(rewards, list):
             raise RewardError(f"reward server {url} answered without a 'rewards' list: {_short(response.text)!r}")

@@ -20,8 +20,10 @@ def evaluate_model(path: str, rows: list[dict[str, Any]], n: int = 8, temperatur
     from ..protocols import BackendContext
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    ctx = BackendContext(Config(), "generation", path,
-                         lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False))
+    def load() -> object:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+
+    ctx = BackendContext(Config(), "generation", path, load)
     data = DataConfig(prompt_key=prompt_key, label_key=label_key,
                       apply_chat_template=bool(getattr(tokenizer, "chat_template", None)), max_prompt_tokens=10**9)
     prompts = load_prompts(data, tokenizer, rows=rows)

@@ -170,8 +170,8 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
                    "training_rows": len(train), "heldout_rows": len(held), **counts, **figures,
                    "final_model": str(final)}
         write_json(run_dir / "summary.json", summary)
-        shown = {k: v for k, v in summary.items() if k in ("exact_match_accuracy", "greedy_accuracy",
-                                                             "pairwise_accuracy", "preference_accuracy", "reward_margin")}
+        keys = ("exact_match_accuracy", "greedy_accuracy", "pairwise_accuracy", "preference_accuracy", "reward_margin")
+        shown = {k: v for k, v in summary.items() if k in keys}
         console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out "
                       + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items())
                       + f"; model saved to {final}")

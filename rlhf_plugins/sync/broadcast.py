@@ -10,8 +10,9 @@ pays the round trip hundreds of times per sync; see ``bench/weight_sync.py``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -83,7 +84,8 @@ def check_names(learner: dict[str, Any], engine: dict[str, Any]) -> None:
     for name, (shape, dtype) in learner.items():
         eshape, edtype = engine[name]
         if tuple(shape) != tuple(eshape):
-            raise WeightSyncError(f"weight sync: '{name}' is {tuple(shape)} in the learner but {tuple(eshape)} in the engine")
+            raise WeightSyncError(f"weight sync: '{name}' is {tuple(shape)} in the learner but {tuple(eshape)} in the "
+                                  "engine")
         if _is_float(dtype) != _is_float(edtype):
             raise WeightSyncError(f"weight sync: '{name}' is {dtype} in the learner but {edtype} in the engine")
 

@@ -37,7 +37,8 @@ def default_backend() -> str:
 
 
 class SyncGroup:
-    def __init__(self, address: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float = 300) -> None:
+    def __init__(self, address: str, port: int, world_size: int, rank: int, backend: str,
+                 timeout_s: float = 300) -> None:
         import torch
         import torch.distributed as dist
 

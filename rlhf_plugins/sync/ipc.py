@@ -10,7 +10,8 @@ from the buffer at the commit. Needs the engine on the learner's node and device
 from __future__ import annotations
 
 import pickle
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -16,9 +16,10 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._version import __version__
 from ..errors import UsageError

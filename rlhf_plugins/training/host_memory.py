@@ -18,8 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 logger = logging.getLogger("rlhf_plugins")
 

@@ -151,9 +151,9 @@ class Trainer:
     def needs_old_logprobs(self) -> bool:
         """Only when the policy moves before a sample is trained on (several updates per rollout),
         or when KL enters the reward (it needs the rollout-time policy)."""
-        l = self.config.learner
+        learner = self.config.learner
         batch = self.config.train.prompts_per_step * self.config.generation.n_samples_per_prompt
-        several_updates = l.epochs > 1 or (0 < l.mini_batch_size < batch)
+        several_updates = learner.epochs > 1 or (0 < learner.mini_batch_size < batch)
         return several_updates or (self.config.algo.kl.in_reward and self.reference is not None)
 
     # --- one step --------------------------------------------------------------

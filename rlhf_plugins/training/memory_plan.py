@@ -154,7 +154,8 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     if "generation" in needs and shares_weights(c, plan):
         parts = needs["generation"].parts
         parts["weights (the actor's, shared)"] = parts.pop("weights", 0) * 0
-    processes = [ProcessNeed(roles, n, [needs[r] for r in roles], _imports(c, roles) + sum(needs[r].imports for r in roles),
+    processes = [ProcessNeed(roles, n, [needs[r] for r in roles],
+                             _imports(c, roles) + sum(needs[r].imports for r in roles),
                              concurrent=c.train.max_staleness > 0) for roles, n in groups]
     node = plan.placement.memory_of_node(c)
     fixed = RAY_NODE if not plan.placement.same_process else 0

@@ -9,8 +9,9 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..core.spec import PluginSpec, get_manager
 from ..dispatch import dispatch
@@ -106,7 +107,8 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
     sources = []
     for name, weight in zip(names, weights):
         comp = pm.components.get(RewardFunction, name)
-        sources.append(Source(name, f"plugin '{pm.components.provider(RewardFunction, name)}'", comp.build(config), weight))
+        provider = pm.components.provider(RewardFunction, name)
+        sources.append(Source(name, f"plugin '{provider}'", comp.build(config), weight))
     model_weights = weights[len(names):]
     if r.models:
         from transformers import AutoTokenizer

@@ -13,8 +13,9 @@ through them, so no role has a method named after a sync method.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .._lazy import resolve
 from ..core.spec import PluginSpec, get_manager
@@ -206,7 +207,8 @@ class GenerationRole(Role):
         fn = getattr(self.engine, method, None)
         if not callable(fn):
             raise UsageError(f"{self.name} has no {method}(), which {setting} needs "
-                             f"({OPTIONAL['engine'][method].split(' of ')[0]}); turn {setting} off or use another engine")
+                             f"({OPTIONAL['engine'][method].split(' of ')[0]}); turn {setting} off or use another "
+                             "engine")
         return fn
 
     @dispatch("prompts")

@@ -216,7 +216,8 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
             first, last = summary["eval_first"], summary["eval_last"]
             changes = "  ".join(f"{k.removeprefix('eval/')} {first.get(k, float('nan')):.3f} -> {v:.3f}"
                                 for k, v in last.items() if k.startswith("eval/"))
-            console.print(f"held-out, step {first['step']} -> {last['step']}: {changes}", highlight=False, soft_wrap=True)
+            console.print(f"held-out, step {first['step']} -> {last['step']}: {changes}", highlight=False,
+                          soft_wrap=True)
         if "best" in summary:
             b = summary["best"]
             console.print(f"best {b['metric']} {b['value']:.3f} after {b['step']} steps, kept in {run_dir / 'best'}",

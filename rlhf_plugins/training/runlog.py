@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -48,7 +49,8 @@ class MetricsLog:
 
     Evaluations are rows of their own, at the number of updates the evaluated policy had.
     ``start_step`` continues a run: lines of steps at or after it (written after the checkpoint
-    being resumed; an evaluation at exactly ``start_step`` is of the resumed policy and stays) are dropped, and TensorBoard purges its events from that step on, so both
+    being resumed; an evaluation at exactly ``start_step`` is of the resumed policy and stays) are
+    dropped, and TensorBoard purges its events from that step on, so both
     continue with no duplicated and no missing step. Non-finite values are written as ``null``
     and listed under ``nonfinite`` (the file stays valid JSON)."""
 

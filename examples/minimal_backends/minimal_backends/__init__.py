@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from rlhf_plugins import (
     BackendContext,
