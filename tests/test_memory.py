@@ -152,6 +152,7 @@ def test_a_large_model_gets_real_model_defaults_unless_the_run_sets_them(rlhf, r
     config = yaml.safe_load(out[out.index("model:"):out.index("note:")])
     assert config["learner"]["lr"] == 1e-6 and config["critic"]["lr"] == 3e-5  # what the user set stays
     assert config["learner"]["warmup_ratio"] == 0.03 and config["learner"]["lr_scheduler"] == "cosine"
+    assert config["learner"]["gradient_checkpointing"] is True
     assert "note: defaults for a 20M-parameter model" in out and "critic.lr" not in out[out.index("note:"):]
     code, out, _ = rlhf("train", "--dry-run", *short_run())  # the embedded tiny model keeps its tuned rate
     assert code == 0 and yaml.safe_load(out[out.index("model:"):out.index("memory plan")])["learner"]["lr"] == 1e-3
