@@ -349,3 +349,23 @@ def test_the_shipped_models_are_the_recorded_ones():
     assert {default_model_path(), tool_model_path()} == {str(SHIPPED / name) for name in DIGESTS}
     for name, digest in DIGESTS.items():
         assert hashlib.sha256((SHIPPED / name / "model.safetensors").read_bytes()).hexdigest() == digest, name
+
+
+def test_a_cuda_ipc_handle_is_opened_on_this_processs_gpu(monkeypatch):
+    """The receiver of a CUDA IPC handle rebuilds the tensor on its own current device: the argument is
+    found by name in torch's rebuild function (``storage_device``), not by its place in the tuple."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from rlhf_plugins.sync.ipc import with_this_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    args = tuple(f"arg{i}" for i in range(15))
+    rebuilt = with_this_device(rebuild_cuda_tensor, args)
+    import inspect
+
+    names = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert rebuilt[names.index("storage_device")] == 3
+    assert [a for i, a in enumerate(rebuilt) if i != names.index("storage_device")] == \
+        [a for i, a in enumerate(args) if i != names.index("storage_device")]
+    with pytest.raises(RuntimeError, match="takes no storage_device"):
+        with_this_device(lambda tensor_cls, size: None, ("a", "b"))

@@ -48,25 +48,30 @@ class TransformersEngine:
     def __init__(self, ctx: BackendContext) -> None:
         from transformers import AutoTokenizer
 
+        from ..models.device import role_device
+
+        self.device = role_device()
         self.model = ctx.load_model()
-        self.model.eval().requires_grad_(False)
+        self.model.eval().requires_grad_(False).to(self.device)
         tokenizer = AutoTokenizer.from_pretrained(ctx.model_path, trust_remote_code=ctx.config.model.trust_remote_code)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}))
+        self.eos_ids = torch.tensor(sorted({i for i in eos + [tokenizer.eos_token_id] if i is not None}),
+                                    device=self.device)
         #: decode steps read each prompt's keys and values once for all its samples (cascade attention)
         self.shared_prefix = attention.enable(self.model)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        n = params.n
+        n, device = params.n, self.device
         U, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         input_ids = torch.full((U, P), self.pad_id, dtype=torch.long)
         attention = torch.zeros((U, P), dtype=torch.long)
         for i, p in enumerate(prompt_ids):
             input_ids[i, P - len(p) :] = torch.tensor(p)
             attention[i, P - len(p) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         pos = position_ids(attention)
         # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept
@@ -84,14 +89,15 @@ class TransformersEngine:
             attention = attention.repeat_interleave(n, dim=0)
             pos = pos.repeat_interleave(n, dim=0)
         B = U * n
-        mask = torch.ones((B, P + params.max_new_tokens), dtype=attention.dtype)
+        mask = torch.ones((B, P + params.max_new_tokens), dtype=attention.dtype, device=device)
         mask[:, :P] = attention
         next_pos = pos[:, -1:] + 1
-        tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long)
-        logps = torch.zeros((B, params.max_new_tokens))
-        lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long)
-        done = torch.zeros(B, dtype=torch.bool)
-        uniforms = torch.rand((params.max_new_tokens, B), generator=gen)
+        tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((B, params.max_new_tokens), device=device)
+        lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        # drawn on the CPU whatever the device: the same seed samples the same tokens everywhere
+        uniforms = torch.rand((params.max_new_tokens, B), generator=gen).to(device)
         filtered = params.top_k or params.top_p < 1.0
         for t in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float()
@@ -121,6 +127,7 @@ class TransformersEngine:
             )
             next_pos = next_pos + 1
         samples = Samples()
+        tokens, logps, lengths, done = tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu()
         for i in range(B):
             L = int(lengths[i])
             samples.prompt_index.append(i // n)
@@ -166,10 +173,11 @@ class TransformersEngine:
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs of given completions under the engine's weights (sync parity probe)."""
+        from ..models.device import to_device
         from ..models.forward import policy_forward
 
         with torch.inference_mode():
-            return policy_forward(self.model, batch)["logprobs"]
+            return policy_forward(self.model, to_device(batch, self.device))["logprobs"].cpu()
 
     def shutdown(self) -> None:
         pass

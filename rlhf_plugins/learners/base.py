@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..models.device import to_device
 from ..models.forward import group_permutation, policy_forward, split_batch, value_forward
 from ..models.packing import in_token_budget, token_budget_split
 
@@ -55,6 +56,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> torch.optim
 
 class Learner:
     world_size = 1
+    #: where the learner computes; batches are moved here and results handed back on the CPU
+    device = torch.device("cpu")
 
     def _init_learner(self, config: Any, role: str, seed_offset: int = 0) -> None:
         """Shared set-up: the role's forward (log-probs, or values for a critic) and learning rate."""
@@ -90,12 +93,14 @@ class Learner:
         """The model's per-token output without gradient: log-probs, or values for a critic."""
         module = self._module()
         module.eval()
+        batch = to_device(batch, self.device)
         return in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
-                               self.cfg.max_tokens_per_micro_batch)
+                               self.cfg.max_tokens_per_micro_batch).cpu()
 
     def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
         module = self._module()
         module.train()
+        batch = to_device(batch, self.device)
         n = batch["sequences"].shape[0]
         mini = max(1, (self.cfg.mini_batch_size or n * self.world_size) // self.world_size)
         micro = self.cfg.micro_batch_size or mini
@@ -152,15 +157,19 @@ class Learner:
 
     def _save_progress(self, file: Any) -> None:
         """Update count and random state of this rank (the generator orders mini batches; the
-        process RNG drives dropout)."""
-        torch.save({"updates": self.updates, "generator": self.generator.get_state(),
-                    "torch_rng": torch.get_rng_state()}, file)
+        process RNG drives dropout, the GPU's RNG dropout on the GPU)."""
+        state = {"updates": self.updates, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        torch.save(state, file)
 
     def _load_progress(self, file: Any) -> None:
         state = torch.load(file, weights_only=True)
         self.updates = int(state["updates"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def shutdown(self) -> None:
         pass

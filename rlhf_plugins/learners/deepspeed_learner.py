@@ -128,6 +128,7 @@ class DeepSpeedLearner(Learner):
             lr_scheduler=lambda opt: make_scheduler(opt, config))
         del hf_ds_config
         self.model = self.engine.module
+        self.device = self.engine.device
         self._sleep = config.section("deepspeed").sleep
         self._warned_sleep = False
 

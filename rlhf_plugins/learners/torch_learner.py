@@ -15,7 +15,10 @@ from .base import Learner, make_optimizer, make_scheduler
 class TorchLearner(Learner):
     def __init__(self, ctx: BackendContext) -> None:
         self._init_learner(ctx.config, ctx.role)
-        self.model = model = ctx.load_model()
+        from ..models.device import role_device
+
+        self.device = role_device()
+        self.model = model = ctx.load_model().to(self.device)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]

@@ -38,10 +38,22 @@ def open_handle(handle: bytes) -> torch.Tensor:
     kind, payload = pickle.loads(handle)
     if kind == "cuda":  # pragma: no cover - GPU branch
         rebuild, args = payload
-        args = list(args)
-        args[6] = torch.cuda.current_device()  # the sender's device index means nothing here
-        return rebuild(*args)
+        return rebuild(*with_this_device(rebuild, args))
     return pickle.loads(payload)
+
+
+def with_this_device(rebuild: Any, args: tuple) -> list:
+    """``rebuild``'s arguments with its ``storage_device`` (the sender's device index, which means
+    nothing in this process) replaced by this process's current GPU, found by name in its signature."""
+    import inspect
+
+    names = list(inspect.signature(rebuild).parameters)
+    if "storage_device" not in names:
+        raise RuntimeError(f"{getattr(rebuild, '__name__', rebuild)} takes no storage_device; this torch's CUDA IPC "
+                           "handles are not the kind the ipc sync method opens")
+    args = list(args)
+    args[names.index("storage_device")] = torch.cuda.current_device()
+    return args
 
 
 class IPCSender:

@@ -172,9 +172,12 @@ class ReferenceRole(Role):
     def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
         from ..models.forward import policy_forward
 
+        from ..models.device import role_device
+
         host_memory.apply(config)
+        self.device = role_device()
         self.model = self.backend = get_manager(plugin_spec).load_model("reference", model_path, config)
-        self.model.eval().requires_grad_(False)
+        self.model.eval().requires_grad_(False).to(self.device)
         self.temperature = config.generation.temperature
         self.budget = config.learner.max_tokens_per_micro_batch
         self._forward = partial(policy_forward, logits_memory_mb=config.learner.logits_memory_mb)
@@ -183,11 +186,13 @@ class ReferenceRole(Role):
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         import torch
 
+        from ..models.device import to_device
         from ..models.packing import in_token_budget
 
+        batch = to_device(batch, self.device)
         with torch.inference_mode():
             return in_token_budget(lambda part: self._forward(self.model, part, self.temperature)["logprobs"], batch,
-                                   self.budget)
+                                   self.budget).cpu()
 
 
 class GenerationRole(Role):
