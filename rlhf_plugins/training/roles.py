@@ -170,9 +170,8 @@ class ReferenceRole(Role):
     role = "reference"
 
     def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
-        from ..models.forward import policy_forward
-
         from ..models.device import role_device
+        from ..models.forward import policy_forward
 
         host_memory.apply(config)
         self.device = role_device()
