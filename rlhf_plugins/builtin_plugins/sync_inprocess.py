@@ -11,8 +11,9 @@ from .lora import enabled as lora_enabled
 
 
 def _shares(config: Any) -> bool:
-    """Synchronous runs without LoRA: the engine samples with exactly the learner's parameters."""
-    return not config.train.max_staleness and not lora_enabled(config)
+    """Synchronous float32 runs without LoRA: the engine samples with exactly the learner's parameters
+    (16-bit runs train float32 master weights, which are not the engine's)."""
+    return not config.train.max_staleness and not lora_enabled(config) and config.model.dtype == "float32"
 
 
 @hookimpl

@@ -58,6 +58,16 @@ class Learner:
     world_size = 1
     #: where the learner computes; batches are moved here and results handed back on the CPU
     device = torch.device("cpu")
+    #: forwards run under torch.autocast in this dtype (mixed precision over float32 weights), or as they are
+    autocast_dtype: torch.dtype | None = None
+
+    def _compute(self) -> Any:
+        """The context forwards run in: autocast to ``autocast_dtype`` on the learner's device, or none."""
+        import contextlib
+
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _init_learner(self, config: Any, role: str, seed_offset: int = 0) -> None:
         """Shared set-up: the role's forward (log-probs, or values for a critic) and learning rate."""
@@ -94,8 +104,10 @@ class Learner:
         module = self._module()
         module.eval()
         batch = to_device(batch, self.device)
-        return in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
-                               self.cfg.max_tokens_per_micro_batch).cpu()
+        with self._compute():
+            out = in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
+                                  self.cfg.max_tokens_per_micro_batch)
+        return out.float().cpu()
 
     def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
         module = self._module()
@@ -123,7 +135,8 @@ class Learner:
         mini_mask = mini_batch["action_mask"]
         budget = self.cfg.max_tokens_per_micro_batch
         for part in token_budget_split(mini_batch, budget) if budget else split_batch(mini_batch, micro):
-            outputs = self.forward(module, part, self.temperature, with_entropy=objective.needs_entropy)
+            with self._compute():
+                outputs = self.forward(module, part, self.temperature, with_entropy=objective.needs_entropy)
             loss, m = objective(outputs, part)
             w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
             self._backward(loss * w)

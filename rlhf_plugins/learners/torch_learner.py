@@ -1,5 +1,10 @@
 """The plain torch learner: one process, AdamW (or Adam, SGD) with a learning-rate schedule,
-gradient accumulation (see ``base``)."""
+gradient accumulation (see ``base``).
+
+With ``--model.dtype bfloat16`` (or float16) it trains in mixed precision, as transformers' Trainer
+does with ``bf16=True``: float32 master weights, gradients and optimizer states, forwards under
+``torch.autocast`` in the 16-bit dtype (float16 with a gradient scaler). The reference model and the
+generation engine keep the 16-bit weights; weight sync casts the master weights to them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,7 +23,13 @@ class TorchLearner(Learner):
         from ..models.device import role_device
 
         self.device = role_device()
-        self.model = model = ctx.load_model().to(self.device)
+        model = ctx.load_model()
+        dtype = next(model.parameters()).dtype
+        if dtype != torch.float32:  # float32 master weights; forwards autocast to the 16-bit dtype
+            self.autocast_dtype = dtype
+            model = model.float()
+        self.model = model = model.to(self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.autocast_dtype is torch.float16 else None
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
@@ -29,12 +40,18 @@ class TorchLearner(Learner):
         return self.model
 
     def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def _step(self) -> float:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -52,7 +69,7 @@ class TorchLearner(Learner):
         adapters merged into the base weights, which are not these tensors)."""
         from ..models.lora import peft_info
 
-        if peft_info(self.model) is not None:
+        if peft_info(self.model) is not None or self.autocast_dtype is not None:  # 16-bit: the engine's are not these
             return None
         return [(name, p.detach()) for name, p in self.model.named_parameters()]
 

@@ -141,12 +141,12 @@ def optimizer_elements(config: Any) -> int:
 
 
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
-    """One rank holding everything in the model's dtype (torch's optimizers keep states in it)."""
-    b = m.dtype_bytes
+    """One rank holding float32 weights, gradients and optimizer states (16-bit runs: float32 master
+    weights, activations in 16 bits under autocast)."""
     return {
-        "weights": m.shape.parameters * b,
-        "gradients": m.trainable * b,
-        "optimizer states": m.trainable * b * optimizer_elements(m.config),
+        "weights": m.shape.parameters * 4,
+        "gradients": m.trainable * 4,
+        "optimizer states": m.trainable * 4 * optimizer_elements(m.config),
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
     }
