@@ -1,0 +1,202 @@
+"""Ours vs TRL's GRPOTrainer on one GPU, at a real shape: a random-weight Qwen2.5-0.5B (its exact
+configuration, vocabulary 151,936) whose end-of-sequence logit is held far down so every completion
+runs to the budget on both sides (equal work), prompts of about 128 tokens, completions of 256
+tokens, 8 prompts x 8 samples, bf16, transformers generation on both sides, the same learning rate,
+KL coefficient, loss and gradient checkpointing (off on both). Each side runs in a process of its
+own; reported: steps/s, generated tokens/s, peak GPU memory, and our training phase's achieved
+FLOP/s as a fraction of a bf16 matmul measured in the same invocation. Targets: >= 2x TRL's steps/s,
+>= 0.4 of the matmul peak in training.
+
+    python bench/gpu.py --json bench/results/gpu.json          # on the GPU (scripts/device_check.sh)
+    python bench/gpu.py --device cpu --layers 2 --steps 1      # checking the script on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
+from _trl import step_clock, warm_trainer
+
+SETUP = {"prompts": 8, "group": 8, "prompt_tokens": 128, "new_tokens": 256, "lr": 1e-6, "beta": 0.001, "rows": 64}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--layers", type=int, default=None, help="reduce the model's depth (checking on a CPU)")
+    p.add_argument("--new-tokens", type=int, default=SETUP["new_tokens"])
+    p.add_argument("--json", type=Path)
+    p.add_argument("--only", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def setup(out: Path, layers: int | None) -> tuple[str, str]:
+    """The model (EOS held down: feature 0 of the residual stream is 1 for every token but EOS, no
+    layer writes it, and EOS's tied embedding reads it with weight -50) and the prompts."""
+    import torch
+
+    from rlhf_plugins.models.shapes import build
+
+    path = build("qwen2.5-0.5b", out / "model", layers=layers, dtype="bfloat16")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 1.0
+        emb[tok.eos_token_id, 0] = -50.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+    model.save_pretrained(path)
+    rng, rows = random.Random(0), []
+    for _ in range(SETUP["rows"]):
+        numbers = [rng.randint(10, 99)]
+        while len(tok(" + ".join(map(str, numbers)))["input_ids"]) < SETUP["prompt_tokens"] - 16:
+            numbers.append(rng.randint(10, 99))
+        rows.append({"prompt": "Add " + " + ".join(map(str, numbers)) + " =", "label": str(sum(numbers))})
+    data = out / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), str(data)
+
+
+def peak_gpu_gb() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+    raw = {"model": {"path": args.model, "dtype": "bfloat16"}, "data": {"path": args.data},
+           "reward": {"functions": ["exact_match"]}, "eval": {"enabled": False},
+           "train": {"prompts_per_step": SETUP["prompts"], "steps": args.warmup + args.steps},
+           "generation": {"n_samples_per_prompt": SETUP["group"], "max_new_tokens": args.new_tokens},
+           "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False},
+           "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
+    trainer = warm_trainer(raw, args.model, args.warmup)
+    start, tokens = time.perf_counter(), 0.0
+    for step in range(args.warmup, args.warmup + args.steps):
+        m = trainer.step(step)
+        tokens += m["completion/length"] * SETUP["prompts"] * SETUP["group"]
+    elapsed = time.perf_counter() - start
+    timed = trainer.history[args.warmup:]
+    trainer.shutdown()
+    return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "peak_gpu_gb": peak_gpu_gb(),
+            "completion_length": sum(m["completion/length"] for m in timed) / len(timed),
+            "train_seconds": sum(m["time/train"] for m in timed),
+            "phase_seconds": {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "prepare", "train", "sync")}}
+
+
+def run_trl(args: argparse.Namespace) -> dict[str, Any]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_plugins.builtin_plugins.rewards import exact_match
+
+    def reward(prompts, completions, label, **kwargs):
+        return exact_match(prompts, [c[0]["content"] for c in completions], label)
+
+    rows = [json.loads(x) for x in Path(args.data).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
+                                 for r in rows])
+    clock = step_clock()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(output_dir=out, use_cpu=args.device == "cpu", bf16=args.device == "cuda", seed=0,
+                         per_device_train_batch_size=SETUP["prompts"] * SETUP["group"], gradient_accumulation_steps=1,
+                         num_generations=SETUP["group"], max_completion_length=args.new_tokens,
+                         learning_rate=SETUP["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                         beta=SETUP["beta"], temperature=1.0, num_iterations=1, loss_type="dapo",
+                         gradient_checkpointing=False, max_steps=args.warmup + args.steps, logging_steps=1,
+                         report_to=[], save_strategy="no", disable_tqdm=True, log_completions=False)
+        trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=cfg, train_dataset=dataset,
+                              processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[clock])
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    timed, elapsed = clock.timed(args.warmup, args.steps)
+    tokens = sum(clock.lengths[args.warmup:]) * SETUP["prompts"] * SETUP["group"]
+    return {"steps_per_s": timed / elapsed, "tokens_per_s": tokens / elapsed, "peak_gpu_gb": peak_gpu_gb(),
+            "completion_length": sum(clock.lengths[args.warmup:]) / max(1, len(clock.lengths[args.warmup:]))}
+
+
+def matmul_peak(device: str) -> float:
+    """bf16 matmul FLOP/s of this device (8192^3 on a GPU, 1024^3 on a CPU), best of 5."""
+    import torch
+
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 5)
+    return 2 * n**3 / best
+
+
+def train_fraction(ours: dict[str, Any], model: str, steps: int, peak: float) -> float:
+    """Achieved training FLOP/s over the matmul peak: 6 x decoder parameters per token of every
+    sequence (prompt + completion) plus 6 x the head (vocab x hidden) per completion token."""
+    from rlhf_plugins.models.memory import ModelShape
+
+    shape = ModelShape.of_folder(model)
+    head = shape.vocab * shape.hidden
+    n = SETUP["prompts"] * SETUP["group"]
+    tokens = n * (SETUP["prompt_tokens"] + ours["completion_length"])
+    flops = 6 * (shape.parameters - head) * tokens + 6 * head * n * ours["completion_length"]
+    return flops * steps / max(ours["train_seconds"], 1e-9) / peak
+
+
+def main() -> None:
+    args = parse()
+    if args.only:
+        result = run_ours(args) if args.only == "ours" else run_trl(args)
+        args.out.write_text(json.dumps(result))
+        return
+    if args.device == "cpu":
+        os.environ["RLHF_DEVICE"] = "cpu"
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = setup(Path(tmp), args.layers)
+        for side in ("ours", "trl"):
+            out = Path(tmp) / f"{side}.json"
+            subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data, "--out", str(out),
+                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                            "--new-tokens", str(args.new_tokens)], check=True)
+            results[side] = r = json.loads(out.read_text())
+            print(f"{side:>5}: {r['steps_per_s']:.3f} steps/s  {r['tokens_per_s']:.0f} generated tokens/s  "
+                  f"completions {r['completion_length']:.0f} tokens  peak GPU {r['peak_gpu_gb']:.1f} GB", flush=True)
+        peak = matmul_peak(args.device)
+        results["matmul_tflops"] = peak / 1e12
+        results["train_fraction_of_matmul"] = train_fraction(results["ours"], model, args.steps, peak)
+    results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
+    print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x tokens/s "
+          f"(target >= 2x); training at {results['train_fraction_of_matmul']:.2f} of the bf16 matmul peak "
+          f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4)")
+    if args.json:
+        args.json.write_text(json.dumps({"setup": {**SETUP, **vars(args), "json": None}, "results": results}, indent=2,
+                                        default=str))
+
+
+if __name__ == "__main__":
+    main()

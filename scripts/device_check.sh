@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The prepared check for a lent GPU machine (run through the device tool from the repository root):
+# installs the carried wheelhouse (scripts/gpu_wheelhouse.sh, carried as .whl), prints versions and
+# nvidia-smi, runs the GPU tests (tests/gpu, marker gpu) and bench/gpu.py, and writes device_check.log,
+# gpu_tests.xml, gpu_bench.json and device_check.json under $OUT. About 6 minutes on an H100 -- under 8,
+# so a failed first try leaves device time for one rerun. Without CUDA (checking it here) the tests
+# are skipped and the benchmark is not run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/rlhf-device-check}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/device_check.log") 2>&1
+PY="${PYTHON:-python3}"
+start=$(date +%s)
+if "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/rlhf-site .whl/*.whl || exit 3
+    export PYTHONPATH="$PWD:/tmp/rlhf-site"
+else
+    echo "wheelhouse not installed (it is built for CPython 3.12; this is $("$PY" -V 2>&1)): using this environment"
+    export PYTHONPATH="$PWD"
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RLHF_DISABLE_PLUGIN_AUTOLOAD=1 \
+       RLHF_CACHE_DIR=/tmp/rlhf-cache PYTHONUNBUFFERED=1
+nvidia-smi || echo "nvidia-smi: not available"
+"$PY" - <<'PYEOF'
+import importlib.metadata as m, sys
+import torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+for name in ("transformers", "peft", "accelerate", "deepspeed", "trl", "datasets", "rlhf-plugins"):
+    try:
+        print(f"  {name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        print(f"  {name} missing")
+PYEOF
+timeout 330 "$PY" -m pytest -q -m gpu tests/gpu -rA --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider
+tests=$?
+bench=skipped
+if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+    timeout 240 "$PY" bench/gpu.py --json "$OUT/gpu_bench.json" && bench=ok || bench="failed ($?)"
+else
+    echo "no CUDA here: bench/gpu.py not run"
+fi
+"$PY" - "$OUT" "$tests" "$bench" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out, tests, bench = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cases = []
+if (out / "gpu_tests.xml").is_file():
+    for case in ET.parse(out / "gpu_tests.xml").iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = f"{tag}: {(found.get('message') or '')[:300]}"
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        cases.append({"test": case.get("name"), "seconds": float(case.get("time", 0)), "outcome": outcome, **props})
+report = {"pytest_exit": tests, "bench": bench, "tests": cases}
+if (out / "gpu_bench.json").is_file():
+    report["gpu_bench"] = json.loads((out / "gpu_bench.json").read_text())["results"]
+(out / "device_check.json").write_text(json.dumps(report, indent=2))
+print(json.dumps({k: v for k, v in report.items() if k != "tests"}, indent=1)[:3000])
+PYEOF
+echo "device check finished in $(( $(date +%s) - start )) s"
