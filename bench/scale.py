@@ -94,8 +94,10 @@ def resume_check(model: str, flags: list[str], cwd: Path, steps: int) -> dict:
     """The uninterrupted run against one stopped after ``steps - 1`` steps and resumed: equal metrics."""
     from rlhf_plugins.training.runlog import MEASURED
 
-    whole = train(model, flags, cwd, "whole", steps)
-    train(model, flags, cwd, "cut", steps - 1)
+    whole = train(model, flags, cwd, "whole", steps, ["--train.save_every", "1"])
+    if whole["returncode"] != 0:
+        return whole
+    train(model, flags, cwd, "cut", steps - 1, ["--train.save_every", "1"])
     cmd = [sys.executable, "-m", "rlhf_plugins.cli", "train", "--resume", str(cwd / "runs" / "cut"),
            "--train.steps", str(steps)]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)

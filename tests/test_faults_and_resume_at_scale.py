@@ -107,8 +107,8 @@ HANG = textwrap.dedent("""
 
 def test_a_call_that_does_not_return_names_the_role_rank_and_method(tmp_path, tiny_model):
     (tmp_path / "slow.py").write_text(HANG)
-    # long enough for every role to start on a loaded 2-core machine, far shorter than the hang
-    proc = train(tmp_path, "--plugin", "slow.py", *RAY, *SHORT, "--train.steps", "2", "--ray.call_timeout", "20")
+    # roles start within --ray.ready_timeout (60 s) however short the call timeout is
+    proc = train(tmp_path, "--plugin", "slow.py", *RAY, *SHORT, "--train.steps", "2", "--ray.call_timeout", "3")
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert "role 'reward' (rank 0) in 'score' did not return within 20 s (--ray.call_timeout)" in line
+    assert "role 'reward' (rank 0) in 'score' did not return within 3 s (--ray.call_timeout)" in line

@@ -37,7 +37,8 @@ class RayOptions:
     gpus_per_worker: float = setting(1.0, ge=0)
     #: CPUs of one bundle (one rank)
     cpus_per_worker: float = setting(1.0, gt=0)
-    #: seconds to wait for placement groups to be ready
+    #: seconds to wait for placement groups to be ready; a role's start may take the longer of this and
+    #: call_timeout
     ready_timeout: float = setting(60.0, gt=0)
     #: seconds to wait for --ray.address to answer
     connect_timeout: float = setting(10.0, gt=0)

@@ -168,7 +168,9 @@ class RayPlacement:
                 if host not in self._hosted:
                     self._hosted[host] = self._spawn(host, pg, {k: v * members for k, v in share.items()}, n)
                 workers = self._hosted[host]
-        timeout = self.opts.call_timeout or None
+        # starting a role (its actors import torch and load a model) is bounded by the longer of the two
+        # waits, so a short --ray.call_timeout for calls does not cut a slow start short
+        timeout = max(self.opts.call_timeout, self.opts.ready_timeout) if self.opts.call_timeout else None
         address, port = get(workers[0].free_address.remote(), f"role '{role}' start", timeout)
         ips = get([w.node_ip.remote() for w in workers], f"role '{role}' start", timeout)
         seen: Counter[str] = Counter()

@@ -63,7 +63,7 @@ class StageConfig:
 #: (used only with the embedded data; with your data, TRL's own defaults apply)
 DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sft": ("SFTConfig", {"num_train_epochs": 3, "learning_rate": 1e-3, "per_device_train_batch_size": 16}),
-    "rm": ("RewardConfig", {"num_train_epochs": 30, "learning_rate": 1e-3, "per_device_train_batch_size": 32}),
+    "rm": ("RewardConfig", {"num_train_epochs": 4, "learning_rate": 1e-3, "per_device_train_batch_size": 32}),
     "dpo": ("DPOConfig", {"num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
                           "beta": 0.1}),
 }
