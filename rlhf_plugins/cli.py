@@ -96,6 +96,10 @@ def _plugin_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the `rlhf` command: this process is ours (a caller passing argv keeps its own)
+        from .training.host_memory import claim_process
+
+        claim_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(stderr=False)
     verbose = "-v" in argv or "--verbose" in argv

@@ -202,7 +202,9 @@ from rlhf_plugins.config.schema import Config
 from rlhf_plugins.training import host_memory
 
 config = Config()
-config.train.reuse_freed_memory = sys.argv[1] == "on"
+config.train.reuse_freed_memory = {"on": True, "off": False}.get(sys.argv[1])  # else empty: the default
+if sys.argv[1] == "default-owned":
+    host_memory.claim_process()
 host_memory.apply(config)
 
 def faults_of_a_64mb_activation():
@@ -243,6 +245,18 @@ def test_reuse_freed_memory_serves_the_next_activation_without_page_faults():
     assert off["first"] > 10_000 and min(off["again"]) > 10_000  # mapped and faulted in every time
     assert on["first"] > 10_000  # faulted once, then mostly reused
     assert sum(on["again"]) <= 0.5 * sum(off["again"]) and min(on["again"]) < 500
+
+
+def test_reuse_freed_memory_is_on_by_default_only_in_processes_this_project_owns():
+    """The `rlhf` command and Ray role actors claim their process; a program calling api.train keeps
+    its own malloc unless it sets train.reuse_freed_memory."""
+    from rlhf_plugins.training.host_memory import glibc
+
+    if glibc() is None:
+        pytest.skip("the setting applies to glibc's malloc only")
+    assert _faults("default")["applied"] is None
+    owned = _faults("default-owned")
+    assert owned["applied"] is True and min(owned["again"]) < 500
 
 
 def test_reuse_freed_memory_leaves_a_users_own_malloc_tuning_alone():

@@ -54,6 +54,9 @@ class RoleWorker:
               role: str | None = None) -> bool:
         import ray
 
+        from ..training.host_memory import claim_process
+
+        claim_process()  # a role actor's process is ours
         gpu_ids = ray.get_gpu_ids()
         if gpu_ids:
             # one visible GPU per actor, unless Ray was told not to touch *_VISIBLE_DEVICES

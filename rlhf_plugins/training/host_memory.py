@@ -7,7 +7,9 @@ allocates and frees activations of tens of MB many times over, so each one is fa
 page and zeroed by the kernel again: at the realistic benchmark's shape (64 x 250 tokens, hidden
 512) that was about a fifth of a training step. ``--train.reuse_freed_memory`` (on by default)
 makes glibc serve every allocation from its heap and never trim it, so freed activations are
-reused as they are. The cost: the process keeps its peak memory resident until it exits.
+reused as they are. The cost: the process keeps its peak memory resident until it exits. It is on
+by default only in processes this project owns -- the ``rlhf`` command and Ray role actors -- never
+in a program that calls ``rlhf_plugins.api.train`` unless that program asks for it.
 
 Other C libraries (macOS, musl) are left alone, and so is a process that already tuned malloc
 through its environment (``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ... or ``glibc.malloc.*`` in
@@ -84,8 +86,19 @@ def returned_to_the_system() -> Iterator[None]:
         libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
 
 
+#: whether this process is one rlhf-plugins owns (the ``rlhf`` command, a Ray role actor)
+_owned = False
+
+
+def claim_process() -> None:
+    """Mark this process as one rlhf-plugins owns: process-wide settings may apply by default."""
+    global _owned
+    _owned = True
+
+
 def apply(config: object) -> None:
-    """The process-wide memory setting of a role's process (``train.reuse_freed_memory``)."""
-    train = getattr(config, "train", None)
-    if getattr(train, "reuse_freed_memory", False):
+    """The process-wide memory setting of a role's process (``train.reuse_freed_memory``; empty: on
+    in processes this project owns)."""
+    wanted = getattr(getattr(config, "train", None), "reuse_freed_memory", None)
+    if wanted or (wanted is None and _owned):
         reuse_freed_memory()
