@@ -3,6 +3,7 @@ GRPOTrainer, and OpenRLHF agent files loaded unchanged with --plugin."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -244,6 +245,8 @@ def test_agent_file_without_openrlhf_uses_our_base_classes(tmp_path):
     pm = create_manager([str(agent)], autoload=False)
     env = pm.components.get(Environment, "my_agent")
     assert issubclass(env.factory, AgentInstanceBase)
+    # the stand-in modules served that import only: no module named openrlhf is left in this process
+    assert not [name for name in sys.modules if name.split(".")[0] == "openrlhf"]
 
 
 def test_examples_doc_snippet_names_match(tmp_path):

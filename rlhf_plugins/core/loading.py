@@ -141,11 +141,11 @@ class PluginLoading:
             raise PluginError(f"plugin file '{arg}' cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[modname] = module
-        from ..environments.openrlhf import provide_agent_module
+        from ..environments.openrlhf import agent_imports
 
-        provide_agent_module(path.read_text(errors="replace"))
         try:
-            spec.loader.exec_module(module)
+            with agent_imports(path.read_text(errors="replace")):
+                spec.loader.exec_module(module)
         except SystemExit as exc:
             sys.modules.pop(modname, None)
             raise exit_error(arg, "while importing", exc) from None

@@ -7,15 +7,18 @@ for ``agent_func.py``) whose factory is its ``AgentInstance``; a run that loads 
 plugin environment uses it without ``--env.name``.
 
 OpenRLHF itself need not be installed: when it is not, the file's ``openrlhf.utils.agent`` import
-resolves to the base classes below (same names, same methods), and only for that import.
+finds the stand-in modules of :mod:`rlhf_plugins.compat.openrlhf` (the base classes below, same names
+and methods), and only while the file is imported.
 """
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import sys
-import types
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 AGENT_MODULE = "openrlhf.utils.agent"
@@ -45,24 +48,42 @@ class AgentExecutorBase(ABC):
         raise NotImplementedError
 
 
-def provide_agent_module(source: str) -> None:
-    """Before importing a plugin file: make ``openrlhf.utils.agent`` importable when the file uses it
-    and OpenRLHF is not installed."""
-    if AGENT_MODULE not in source or AGENT_MODULE in sys.modules:
-        return
+class _CompatFinder(importlib.abc.MetaPathFinder):
+    """Finds ``openrlhf`` and its submodules in :mod:`rlhf_plugins.compat.openrlhf` (real files)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "openrlhf" and not fullname.startswith("openrlhf."):
+            return None
+        base = Path(__file__).resolve().parent.parent / "compat"
+        parts = fullname.split(".")
+        folder = base.joinpath(*parts)
+        if (folder / "__init__.py").is_file():
+            return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
+                                                          submodule_search_locations=[str(folder)])
+        file = base.joinpath(*parts[:-1], parts[-1] + ".py")
+        return importlib.util.spec_from_file_location(fullname, file) if file.is_file() else None
+
+
+@contextmanager
+def agent_imports(source: str) -> Iterator[None]:
+    """While a plugin file is imported: when it uses ``openrlhf.utils.agent`` and OpenRLHF is not
+    installed, that import finds the real stand-in modules of :mod:`rlhf_plugins.compat.openrlhf`;
+    afterwards nothing named ``openrlhf`` is left behind (the file holds the classes it imported)."""
     try:
-        if importlib.util.find_spec("openrlhf") is not None:
-            return
+        needed = AGENT_MODULE in source and importlib.util.find_spec("openrlhf") is None
     except (ImportError, ValueError):
-        pass
-    parts = AGENT_MODULE.split(".")
-    for i in range(1, len(parts) + 1):
-        name = ".".join(parts[:i])
-        module = sys.modules.setdefault(name, types.ModuleType(name))
-        if i < len(parts):
-            module.__path__ = []  # a package, so the next part imports
-    agent = sys.modules[AGENT_MODULE]
-    agent.AgentInstanceBase, agent.AgentExecutorBase = AgentInstanceBase, AgentExecutorBase
+        needed = False
+    if not needed:
+        yield
+        return
+    finder = _CompatFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == "openrlhf" or n.startswith("openrlhf.")]:
+            del sys.modules[name]
 
 
 class AgentFile:
