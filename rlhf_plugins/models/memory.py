@@ -160,8 +160,10 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
     out = {"weights": P * b // n if stage == 3 else P * b}
     if stage == 3:
         out["gathered tensor"] = max(m.shape.layer_parameters, m.shape.largest_tensor) * b
-    # DeepSpeed keeps an fp32 master partition whenever ZeRO is on (a copy even of float32 weights)
-    out["fp32 master weights"] = T * 4 // n if stage >= 1 else 0
+    # ZeRO keeps an fp32 master partition; under ZeRO-3 float32 weights are their own master (the
+    # learner shares them: deepspeed_learner.share_master_weights), unless the optimizer is offloaded
+    shared = stage == 3 and b == 4 and not m.options.get("offload_optimizer")
+    out["fp32 master weights"] = T * 4 // n if stage >= 1 and not shared else 0
     out["gradients"] = T * (4 if stage >= 1 else b) // (n if stage >= 2 else 1)
     states = T * 4 * optimizer_elements(m.config) if stage >= 1 else T * b * optimizer_elements(m.config)
     out["optimizer states"] = states // (n if stage >= 1 else 1)
