@@ -259,6 +259,52 @@ def test_reuse_freed_memory_is_on_by_default_only_in_processes_this_project_owns
     assert owned["applied"] is True and min(owned["again"]) < 500
 
 
+_RELEASED = """
+import json, sys, psutil, torch
+import rlhf_plugins.config.scale as scale
+from rlhf_plugins.config.schema import Config
+from rlhf_plugins.testing import reduced_model_path
+from rlhf_plugins.training import host_memory
+
+config = Config()
+config.model.path = reduced_model_path()
+scale.REAL_MODEL_PARAMETERS = 10_000_000 if sys.argv[1] == "real" else 10**12
+host_memory.claim_process()
+host_memory.apply(config)
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+base = rss()
+x = torch.ones(8 * 2**20)  # 32 MB, freed: glibc then raises its mmap threshold to 32 MB
+del x
+kept = []
+for _ in range(3):
+    y = torch.ones(4 * 2**20)  # 16 MB: from the heap under glibc's raised threshold, mapped on its own if released
+    del y
+    kept.append(rss() - base)
+print(json.dumps({"released": host_memory._released, "reused": host_memory._applied, "kept_mb": kept}))
+"""
+
+
+def test_a_real_models_roles_hand_freed_tensors_back_at_once():
+    """In a process this project owns, a real-size model's roles map every large allocation on its own
+    and unmap it when freed (resident memory tracks what is live); the tiny default keeps reusing it."""
+    import json
+    import subprocess
+    import sys
+
+    from rlhf_plugins.training.host_memory import glibc
+
+    if glibc() is None:
+        pytest.skip("the setting applies to glibc's malloc only")
+    runs = {}
+    for kind in ("real", "tiny"):
+        out = subprocess.run([sys.executable, "-c", _RELEASED, kind], capture_output=True, text=True, check=True)
+        runs[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["real"]["released"] is True and runs["real"]["reused"] is None
+    assert max(runs["real"]["kept_mb"]) < 4  # each 16 MB block went back when freed
+    assert runs["tiny"]["reused"] is True and runs["tiny"]["released"] is False
+    assert min(runs["tiny"]["kept_mb"]) > 12  # kept for the next one
+
+
 def test_reuse_freed_memory_leaves_a_users_own_malloc_tuning_alone():
     from rlhf_plugins.training.host_memory import glibc
 

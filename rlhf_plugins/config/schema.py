@@ -238,8 +238,9 @@ class TrainConfig:
     #: threads for torch on this process (0 leaves torch's default)
     num_threads: int = setting(0, ge=0)
     #: reuse memory freed by large tensors (glibc: no mmap per tensor, no trim; RSS stays at its peak);
-    #: empty: on in the processes rlhf-plugins owns (the `rlhf` command, Ray role actors), off in a program
-    #: that calls rlhf_plugins.api.train (its malloc is the program's)
+    #: empty: in the processes rlhf-plugins owns (the `rlhf` command, Ray role actors) on for small models
+    #: and, for a real model (50M+ parameters), freed tensors handed back at once instead; nothing in a
+    #: program that calls rlhf_plugins.api.train (its malloc is the program's)
     reuse_freed_memory: bool | None = None
     #: asynchronous RL: rollouts of the next K steps are generated while the learner trains, and no
     #: sample is more than K policy versions old when trained on; 0 is the synchronous loop
