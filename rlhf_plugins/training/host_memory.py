@@ -51,6 +51,11 @@ def glibc() -> ctypes.CDLL | None:
         return None
 
 
+def user_tuned() -> bool:
+    """Whether the user tuned glibc's malloc through the environment (then it is left alone)."""
+    return any(k in os.environ for k in USER_TUNING) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+
+
 def reuse_freed_memory() -> bool:
     """Serve allocations from the heap and never trim it (once per process). Returns whether
     this process now does; False on a C library other than glibc or under the user's own tuning."""
@@ -61,7 +66,7 @@ def reuse_freed_memory() -> bool:
     if libc is None:
         logger.debug("reuse_freed_memory: not glibc; malloc left as it is")
         _applied = False
-    elif any(k in os.environ for k in USER_TUNING) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    elif user_tuned():
         logger.debug("reuse_freed_memory: malloc tuned through the environment; left as it is")
         _applied = False
     else:
@@ -80,7 +85,7 @@ def release_freed_memory() -> bool:
     if _applied is not None or _released:
         return _released
     libc = glibc()
-    if libc is None or any(k in os.environ for k in USER_TUNING) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if libc is None or user_tuned():
         return False
     _released = bool(libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD))  # fixed: no longer raised by frees
     return _released
