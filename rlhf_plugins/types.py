@@ -262,6 +262,8 @@ class WeightSyncMethod(Component):
     ``needs_adapter`` (only a LoRA adapter moves: the engine must support adapters).
     ``shares_weights(config)``: with this config the engine reads the learner's own parameters
     (when the engine and learner allow it), so the process holds one copy of the weights.
+    ``staging``: the roles (``"generation"``, ``"actor"``) that hold a whole extra copy of the weights
+    during a sync (received buckets kept until they load in one pass; shared buffers), for the memory plan.
     """
 
     area: ClassVar[str] = "weight sync method"
@@ -270,6 +272,7 @@ class WeightSyncMethod(Component):
     needs_colocation: bool = field(default=False, kw_only=True)
     needs_adapter: bool = field(default=False, kw_only=True)
     shares_weights: Callable[[Any], bool] | None = field(default=None, kw_only=True)
+    staging: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -16,6 +16,7 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
         factory=Lazy("rlhf_plugins.sync.broadcast:BroadcastSync"),
         description="buckets of weights over a process group (NCCL on GPU, gloo on CPU); one call per bucket",
         same_process=False,
+        staging=("generation",),  # an engine keeps every bucket of a sync until it loads them in one pass
     )
     yield WeightSyncMethod(
         "ipc",
@@ -23,4 +24,5 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
         description="colocated: shared buffers by CUDA IPC / shared-memory handle, zero-copy where possible",
         same_process=False,
         needs_colocation=True,
+        staging=("actor",),  # the learner's rank 0 keeps the shared buffers: a whole copy of the weights
     )

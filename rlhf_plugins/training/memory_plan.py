@@ -15,7 +15,7 @@ from ..config.schema import Config
 from ..config.validate import Plan
 from ..errors import ConfigError
 from ..models.logits import BYTES_PER_LOGIT, chunk_tokens
-from ..models.memory import GIB, MemoryInputs, ModelShape, gib, reference_memory
+from ..models.memory import DTYPE_BYTES, GIB, MemoryInputs, ModelShape, gib, reference_memory
 
 #: resident memory of a process that imported torch and transformers, before any model (measured:
 #: bench/scale.py); an engine's own libraries come as its memory model's ``imports`` item
@@ -36,6 +36,8 @@ REMEDIES = {
     "KV cache": "fewer sequences per step (--train.prompts_per_step, --generation.n_samples_per_prompt), a shorter "
                 "--generation.max_new_tokens or --vllm.kv_cache_mb",
     "decode logits": "fewer sequences per step (--train.prompts_per_step)",
+    "sync staging": "a weight sync that stages nothing: --ray.colocate hybrid (in-process), or LoRA adapters alone "
+                    "(--lora.rank 16 --sync.method adapter)",
     "gathered tensor": "more ranks do not help here: --model.dtype bfloat16",
     "reduce bucket": "DeepSpeed's buckets are sized from the model; a smaller model or more nodes",
 }
@@ -154,6 +156,9 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     if "generation" in needs and shares_weights(c, plan):
         parts = needs["generation"].parts
         parts["weights (the actor's, shared)"] = parts.pop("weights", 0) * 0
+    for role in plan.sync.staging:  # a whole extra copy of the weights while a sync is under way
+        if role in needs and needs[role].known:
+            needs[role].parts["sync staging"] = _sync_copy(c, shape, needs[role])
     processes = [ProcessNeed(roles, n, [needs[r] for r in roles],
                              _imports(c, roles) + sum(needs[r].imports for r in roles),
                              concurrent=c.train.max_staleness > 0) for roles, n in groups]
@@ -163,6 +168,11 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     workload = (f"{batch} sequences of up to {prompt} + {completion} tokens, {shape.parameters / 1e6:.3g}M "
                 f"parameters in {c.model.dtype}")
     return MemoryPlan(processes, node, fixed if node is not None else 0, workload)
+
+
+def _sync_copy(c: Config, shape: ModelShape, need: RoleNeed) -> int:
+    """A whole copy of the weights in the dtype the role holds them in."""
+    return need.parts.get("weights") or shape.parameters * DTYPE_BYTES[c.model.dtype]
 
 
 def shares_weights(config: Config, plan: Plan) -> bool:
