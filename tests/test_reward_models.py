@@ -42,12 +42,15 @@ def test_trl_format_scores_equal_transformers_own_forward(models):
         assert score == pytest.approx(expected, abs=1e-4)
 
 
-def test_openrlhf_format_scores_at_the_last_token_with_its_normalisation(models):
+def test_openrlhf_format_scores_at_the_last_token_with_its_normalisation_only_when_asked(models):
+    """Its stored mean / std apply with --reward.normalize (OpenRLHF's --normalize_reward), not otherwise."""
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    scorer = RewardModelScorer(str(models["openrlhf"]))
+    scorer = RewardModelScorer(str(models["openrlhf"]), normalize=True)
     got = scorer(PROMPTS, COMPLETIONS)
+    raw = RewardModelScorer(str(models["openrlhf"]))(PROMPTS, COMPLETIONS)
+    assert raw == pytest.approx([g * 2.0 + 0.5 for g in got], abs=1e-4)
     backbone = AutoModel.from_pretrained(models["openrlhf"]).eval()
     head = load_file(str(models["openrlhf"] / "model.safetensors"))["score.weight"]
     for prompt, completion, score in zip(PROMPTS, COMPLETIONS, got):

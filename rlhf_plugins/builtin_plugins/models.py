@@ -20,7 +20,7 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
         if role == "critic":
             from ..models.value_model import ValueModel
 
-            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype])
+            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=config.reward.normalize)
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype],
                                                     trust_remote_code=config.model.trust_remote_code)
     except OSError as exc:

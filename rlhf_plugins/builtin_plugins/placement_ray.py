@@ -132,11 +132,13 @@ def _processes(config: Any, roles: tuple[str, ...]) -> list[tuple[tuple[str, ...
 
 
 def _local_cluster_memory(config: Any) -> int | None:
-    """A cluster this run starts lives on this machine; a cluster joined by address is sized after joining."""
+    """A cluster this run starts lives on this machine, and Ray's memory monitor kills the newest task
+    once the node is 95% full (RAY_memory_usage_threshold): that much of it. A cluster joined by
+    address is sized after joining."""
     import os
 
     if config.section("ray").address or os.environ.get("RAY_ADDRESS"):
         return None
     from ..models.memory import this_machine
 
-    return this_machine()
+    return int(this_machine() * float(os.environ.get("RAY_memory_usage_threshold", "0.95")))

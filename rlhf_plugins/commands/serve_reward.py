@@ -24,6 +24,8 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="queries scored together at most")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--normalize-reward", action="store_true",
+                   help="apply the model's stored mean / std (OpenRLHF serve_rm's --normalize_reward)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
         from ..models.reward_model import inspect_reward_model
 
         inspect_reward_model(args.model)
-        score, what = model_scorer(args.model, args.dtype, args.batch_size), f"reward model {args.model}"
+        score = model_scorer(args.model, args.dtype, args.batch_size, args.normalize_reward)
+        what = f"reward model {args.model}"
     else:
         from ..core.manager import create_manager
         from ..types import RewardFunction

@@ -51,7 +51,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             i += 1
         else:
             if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
-                raise ConfigError(f"flag '--{key}' needs a value, e.g. --{key} VALUE")
+                from ..integrations.openrlhf import hint as openrlhf_hint
+
+                theirs = openrlhf_hint(key)
+                raise ConfigError(theirs or f"flag '--{key}' needs a value, e.g. --{key} VALUE")
             raw = args[i + 1]
             i += 2
         set_dotted(out, key, _parse_scalar(raw))
@@ -108,7 +111,7 @@ def build_config(raw: dict[str, Any], options: OptionRegistry | None = None) -> 
         elif key in options.sections:
             extra[key] = _coerce(value, options.sections[key], key, known)
         else:
-            raise ConfigError(_unknown(key, known))
+            raise ConfigError(_unknown(_deepest(key, value), known))
     for name, cls in options.sections.items():
         extra.setdefault(name, cls())
     return Config(**kwargs, extra=extra)
@@ -132,12 +135,31 @@ def build_dataclass(raw: dict[str, Any], cls: type) -> Any:
     return _coerce(raw, cls, "", known)
 
 
+def _deepest(key: str, value: Any) -> str:
+    """The dotted key of the first leaf under an unknown section (``actor.adam.lr``, not ``actor``),
+    when that is a flag of OpenRLHF's: its hint names the whole flag."""
+    from ..integrations.openrlhf import lookup
+
+    if isinstance(value, dict):
+        for sub, inner in value.items():
+            path = _deepest(f"{key}.{sub}", inner)
+            if lookup(path):
+                return path
+    return key
+
+
 def _unknown(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    """One line for a key the schema lacks: what an OpenRLHF flag is here, else the one key with the
+    same last part, else a close spelling (never a key of another meaning: 'seed' is not 'deepspeed')."""
+    from ..integrations.openrlhf import hint as openrlhf_hint
+
+    theirs = openrlhf_hint(key)
+    if theirs:
+        return f"unknown config key '{key}': {theirs}"
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if "." in key else []
     if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
-        close = same_leaf[:1]
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown config key '{key}'{hint}"
 

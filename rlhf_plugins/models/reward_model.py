@@ -7,8 +7,9 @@ Two formats, told apart by the folder:
   one label): ``config.architectures`` names a ``...ForSequenceClassification`` class;
 * **OpenRLHF** (``get_llm_for_sequence_regression``): a causal-LM config, the backbone's weights
   and a one-output linear value head named by ``value_head_prefix`` (``score``, or the older
-  ``value_head``); with ``normalize_reward`` in its config the score is ``(r - mean) / std`` with
-  the ``mean`` / ``std`` saved beside it.
+  ``value_head``); with ``normalize_reward`` in its config and ``--reward.normalize`` on the run (as
+  OpenRLHF's ``--normalize_reward``) the score is ``(r - mean) / std`` with the ``mean`` / ``std``
+  saved beside it.
 
 Either way the score is read at the last non-padding token of ``prompt + completion`` (right
 padding), which is EOS when the completion stopped, as both frameworks do. When the reward model
@@ -103,9 +104,9 @@ class RewardHead:
     states and per-token scores; shared by the reward scorer and a critic started from it."""
 
     @staticmethod
-    def load(info: RewardModelInfo, dtype: Any) -> tuple[Any, Any]:
-        """(backbone returning ``last_hidden_state``, head ``Linear(hidden, 1)`` with the
-        normalisation folded in)."""
+    def load(info: RewardModelInfo, dtype: Any, normalize: bool = False) -> tuple[Any, Any]:
+        """(backbone returning ``last_hidden_state``, head ``Linear(hidden, 1)``); ``normalize`` folds
+        the model's stored mean / std in, as OpenRLHF does with ``--normalize_reward`` (only then)."""
         import torch
         from safetensors import safe_open
         from transformers import AutoModel
@@ -122,9 +123,10 @@ class RewardHead:
         if weight is None:
             raise ConfigError(f"reward model '{info.path}' lost its head '{info.head}'")
         head = torch.nn.Linear(weight.shape[1], 1, dtype=dtype)
+        mean, std = (info.mean, info.std) if normalize else (0.0, 1.0)
         with torch.no_grad():
-            head.weight.copy_(weight / info.std)
-            head.bias.copy_(((bias if bias is not None else torch.zeros(1)) - info.mean) / info.std)
+            head.weight.copy_(weight / std)
+            head.bias.copy_(((bias if bias is not None else torch.zeros(1)) - mean) / std)
         return backbone, head
 
 
@@ -132,7 +134,7 @@ class RewardModelScorer:
     """Scores (prompt, completion) texts with one reward model, ``batch_size`` at a time."""
 
     def __init__(self, path: str, dtype: str = "float32", batch_size: int = 16, head_prefix: str | None = None,
-                 device: str | None = None, policy_tokenizer: Any = None) -> None:
+                 device: str | None = None, policy_tokenizer: Any = None, normalize: bool = False) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -141,7 +143,7 @@ class RewardModelScorer:
         self.info = inspect_reward_model(path, head_prefix)
         self.name = self.info.path.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.backbone, self.head = RewardHead.load(self.info, DTYPES[dtype])
+        self.backbone, self.head = RewardHead.load(self.info, DTYPES[dtype], normalize)
         self.backbone.to(self.device).eval().requires_grad_(False)
         self.head.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path), trust_remote_code=False)

@@ -34,7 +34,8 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> ValueModel:
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, normalize: bool = False) -> ValueModel:
+        """``normalize``: a reward model's stored mean / std folded into the head (``--reward.normalize``)."""
         from safetensors.torch import load_file
         from transformers import AutoModel
 
@@ -46,7 +47,7 @@ class ValueModel(torch.nn.Module):
             if info is not None:
                 from .reward_model import RewardHead
 
-                backbone, reward_head = RewardHead.load(info, dtype)
+                backbone, reward_head = RewardHead.load(info, dtype, normalize)
                 model = cls(backbone)
                 model.value_head.load_state_dict(reward_head.state_dict())
                 return model

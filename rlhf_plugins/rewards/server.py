@@ -78,11 +78,12 @@ class Batcher:
                 offset += len(it.queries)
 
 
-def model_scorer(path: str, dtype: str, batch_size: int) -> Callable[..., list[float]]:
-    """Scores full query texts with a reward model (its own tokenizer; EOS appended)."""
+def model_scorer(path: str, dtype: str, batch_size: int, normalize: bool = False) -> Callable[..., list[float]]:
+    """Scores full query texts with a reward model (its own tokenizer; EOS appended); ``normalize``
+    applies its stored mean / std."""
     from ..models.reward_model import RewardModelScorer
 
-    scorer = RewardModelScorer(path, dtype, batch_size)
+    scorer = RewardModelScorer(path, dtype, batch_size, normalize=normalize)
     tok = scorer.tokenizer
 
     def score(queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
@@ -143,7 +144,13 @@ def make_app(score: Callable[..., list[float]], batch_size: int = 16, max_wait_m
             rewards = await batcher.submit(request.query, prompts, labels)
         except Exception as exc:  # noqa: BLE001 - the client sees what went wrong
             raise HTTPException(500, f"{type(exc).__name__}: {exc}") from exc
-        return {"rewards": rewards, "scores": rewards, "extra_logs": {"batches": batcher.batches}}
+        # extra_logs is logged by OpenRLHF's client as metrics of the user's run: nothing of ours in it
+        return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, int]:
+        """The server's own bookkeeping: model calls made so far."""
+        return {"batches": batcher.batches}
 
     @app.get("/health")
     async def health() -> dict[str, str]:

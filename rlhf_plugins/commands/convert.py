@@ -1,0 +1,197 @@
+"""``rlhf convert openrlhf -- <command line>``: an OpenRLHF command (``python3 -m openrlhf.cli.train_ppo_ray
+--pretrain ... --actor_learning_rate 5e-7 ...``, ``deepspeed --module openrlhf.cli.train_sft ...``, or just
+its flags) as a YAML config for the matching rlhf command, with OpenRLHF's defaults carried where ours
+differ and every flag that could not be converted listed with the reason."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config.loading import set_dotted
+from ..errors import UsageError
+from ..integrations.openrlhf import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
+
+#: sections a stage (rlhf sft / rm / dpo) config has; other keys of ours apply to rlhf train only
+STAGE_SECTIONS = ("model", "data", "train", "lora", "trl")
+
+
+@dataclass
+class Converted:
+    command: str = "ppo"
+    raw: dict[str, Any] = field(default_factory=dict)
+    #: (flag, why it was not converted)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: OpenRLHF defaults carried into the config
+    carried: list[str] = field(default_factory=list)
+    #: (flag, how ours differs) for flags converted to an equivalent with a difference
+    partial: list[tuple[str, str]] = field(default_factory=list)
+    set_keys: set[str] = field(default_factory=set)
+
+    def put(self, key: str, value: Any) -> None:
+        set_dotted(self.raw, key, value)
+        self.set_keys.add(key)
+
+
+def split_command(argv: list[str]) -> tuple[str, list[str]]:
+    """(our name of their command, their flags): the command from the ``openrlhf.cli.X`` module named
+    on the line (train_ppo_ray when none is), the flags after it."""
+    for i, token in enumerate(argv):
+        for module, command in COMMANDS.items():
+            if token.endswith(f"openrlhf.cli.{module}") or token.endswith(f"openrlhf/cli/{module}.py"):
+                return command, argv[i + 1:]
+    first = next((i for i, t in enumerate(argv) if t.startswith("--")), len(argv))
+    return "ppo", argv[first:]
+
+
+def _values(flag: Flag | None, argv: list[str], i: int, inline: str | None) -> tuple[list[str], int]:
+    """The flag's values and the index after them."""
+    if inline is not None:
+        return [inline], i + 1
+    if flag is not None and flag.switch:
+        return [], i + 1
+    if flag is not None and isinstance(flag.nargs, int):
+        return argv[i + 1:i + 1 + flag.nargs], i + 1 + flag.nargs
+    j = i + 1
+    while j < len(argv) and not (argv[j].startswith("--") and len(argv[j]) > 2):
+        j += 1
+    vals = argv[i + 1:j]
+    if flag is None or flag.nargs == "*":
+        return vals, j
+    return vals[:1], i + 1 + min(1, len(vals))
+
+
+def _scalar(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads 5e-7 as text
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _value(flag: Flag, vals: list[str]) -> Any:
+    if flag.switch or (flag.value is not None and not flag.nargs):
+        return True if flag.value is None else flag.value
+    parsed = [_scalar(v) for v in vals]
+    if flag.map is not None:
+        parsed = [flag.map.get(str(v), v) for v in parsed]
+    if flag.nargs == "*":
+        return [x for v in parsed for x in (str(v).split(",") if isinstance(v, str) else [v]) if x != ""]
+    if flag.nargs == 2:
+        if flag.ours == ("reward.clip",):
+            return max(abs(float(v)) for v in parsed)
+        return parsed
+    return parsed[0] if parsed else None
+
+
+def convert(argv: list[str]) -> Converted:
+    command, flags = split_command(argv)
+    out = Converted(command=command)
+    roles: dict[str, dict[str, int]] = {}
+    i = 0
+    while i < len(flags):
+        token = flags[i]
+        if not token.startswith("--"):
+            out.skipped.append((token, "not a flag (a positional argument of the launcher?)"))
+            i += 1
+            continue
+        name, _, inline = token.partition("=")
+        flag = lookup(name)
+        vals, i = _values(flag, flags, i, inline if "=" in token else None)
+        if flag is None:
+            out.skipped.append((name, "not a flag of OpenRLHF's train_ppo_ray / train_sft / train_rm / train_dpo / "
+                                      "serve_rm (0.9-0.11)"))
+        elif flag.kind == "none":
+            out.skipped.append((name, flag.note))
+        elif flag.role:
+            role, what = flag.role.split(".")
+            roles.setdefault(role, {})[what] = int(vals[0])
+        else:
+            _apply(out, flag, name, vals)
+    for role, counts in roles.items():
+        out.put(f"ray.{role}_workers", counts.get("nodes", 1) * counts.get("gpus", 8))
+    if command == "ppo":
+        if out.raw.get("vllm", {}).get("num_engines") == 0:
+            out.raw["vllm"].pop("num_engines")
+            out.put("generation.backend", "transformers")
+        for key, value in PPO_DEFAULTS.items():
+            if key not in out.set_keys:
+                out.put(key, value)
+                out.carried.append(f"{key}: {value}")
+    return out
+
+
+def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
+    """One flag into the config of ``out.command``."""
+    stage = out.command in ("sft", "rm", "dpo")
+    if not flag.ours and not (stage and flag.stage):
+        out.skipped.append((name, flag.note or "no equivalent here"))
+        return
+    if flag.kind == "partial" and flag.note:
+        out.partial.append((name, flag.note))
+    if stage and flag.stage:
+        value = flag.stage_value if flag.stage_value is not None else _value(flag, vals)
+        out.put(flag.stage, value)
+        return
+    keys = flag.ours
+    if stage and not all(k.split(".")[0] in STAGE_SECTIONS for k in keys):
+        out.skipped.append((name, f"no equivalent in {OURS[out.command]} (TRL's fields go under --trl.*)"))
+        return
+    if out.command == "serve_rm":
+        out.skipped.append((name, f"give it to {OURS['serve_rm']} as {flag.target or 'its own flag'}"))
+        return
+    value = _value(flag, vals)
+    if len(keys) == 2 and not isinstance(value, list):
+        value = [value, value]
+    for key, v in zip(keys, value if len(keys) == 2 else [value]):
+        out.put(key, v)
+    for key, v in flag.sets.items():
+        if key not in out.set_keys:
+            out.put(key, v)
+
+
+def render(conv: Converted) -> str:
+    """The YAML config with a header saying how to run it, what was carried and what was not converted."""
+    lines = [f"# {OURS[conv.command]} --config this.yaml   (converted from OpenRLHF's {conv.command} command by "
+             "`rlhf convert openrlhf`)"]
+    if conv.carried:
+        lines.append("# OpenRLHF's defaults, carried where rlhf-plugins' differ: " + "; ".join(conv.carried))
+    for flag, how in conv.partial:
+        lines.append(f"# converted with a difference: {flag}: {how}")
+    for flag, why in conv.skipped:
+        lines.append(f"# not converted: {flag}: {why}")
+    return "\n".join(lines) + "\n" + yaml.safe_dump(conv.raw, sort_keys=False)
+
+
+def add_parser(sub: Any, plugin_args: Any) -> None:
+    p = sub.add_parser("convert", allow_abbrev=False, help="convert another framework's command line to a config",
+                       description="rlhf convert openrlhf [-o FILE] -- <OpenRLHF command line>: the equivalent YAML "
+                                   "config (run it with rlhf train --config FILE), OpenRLHF's defaults carried "
+                                   "where ours differ, and the flags it could not convert, each with the reason.")
+    p.add_argument("source", choices=["openrlhf"], help="whose command line")
+    p.add_argument("-o", "--output", type=Path, help="write the config here (default: print it)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="the command line, after --")
+
+
+def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
+    argv = [*args.argv, *rest]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise UsageError("give the OpenRLHF command line after --, e.g. rlhf convert openrlhf -- "
+                         "python3 -m openrlhf.cli.train_ppo_ray --pretrain ...")
+    text = render(convert(argv))
+    if args.output:
+        args.output.write_text(text)
+        console.print(f"wrote {args.output}", highlight=False)
+    else:
+        print(text, end="")
+    return 0

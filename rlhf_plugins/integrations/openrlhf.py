@@ -1,0 +1,178 @@
+"""OpenRLHF users' command lines, here: every flag of ``train_ppo_ray``, ``train_sft``, ``train_rm``,
+``train_dpo`` and ``serve_rm`` (0.9's flat spellings and 0.10+'s dotted ones) with our equivalent
+(``assets/openrlhf_flags.yaml``): the one-line hint when such a flag reaches ``rlhf``, the converter
+behind ``rlhf convert openrlhf -- <command line>``, and the table of docs/from_openrlhf.md.
+
+The converter carries OpenRLHF's defaults where ours differ, so the converted run means what the
+user's command meant (a GAE critic, one sample per prompt, KL in the reward with k1 at 0.01, ...).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TABLE = Path(__file__).resolve().parent.parent / "assets" / "openrlhf_flags.yaml"
+#: OpenRLHF's defaults (train_ppo_ray, 0.9-0.11) where they differ from ours: carried into a converted run
+PPO_DEFAULTS: dict[str, Any] = {
+    "placement.strategy": "ray",
+    "learner.backend": "deepspeed",
+    "deepspeed.zero_stage": 2,
+    "model.dtype": "bfloat16",
+    "algo.advantage.estimator": "gae",
+    "algo.advantage.lam": 1.0,
+    "generation.n_samples_per_prompt": 1,
+    "generation.max_new_tokens": 1024,
+    "data.max_prompt_tokens": 1024,
+    "data.apply_chat_template": False,
+    "algo.kl.coef": 0.01,
+    "algo.kl.estimator": "k1",
+    "algo.kl.in_reward": True,
+    "critic.value_clip": 0.5,
+    "critic.lr": 9e-6,
+    "learner.lr": 1e-6,
+    "learner.betas": [0.9, 0.95],
+    "learner.warmup_ratio": 0.03,
+    "learner.lr_scheduler": "cosine",
+    "learner.min_lr_ratio": 0.1,
+    "train.prompts_per_step": 1024,
+    "learner.mini_batch_size": 128,
+    "learner.micro_batch_size": 1,
+    "reward.clip": 10.0,
+    "train.seed": 42,
+    "eval.temperature": 0.6,
+    "eval.n_samples": 4,
+    "vllm.gpu_memory_utilization": 0.95,
+}
+COMMANDS = {"train_ppo_ray": "ppo", "train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "serve_rm": "serve_rm"}
+#: our command for each of theirs
+OURS = {"ppo": "rlhf train", "sft": "rlhf sft", "rm": "rlhf rm", "dpo": "rlhf dpo", "serve_rm": "rlhf serve-reward"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    flags: tuple[str, ...]
+    kind: str
+    ours: tuple[str, ...] = ()
+    note: str = ""
+    switch: bool = False
+    value: Any = None
+    map: dict[str, Any] | None = None
+    nargs: int | str | None = None
+    sets: dict[str, Any] = field(default_factory=dict)
+    role: str | None = None
+    commands: tuple[str, ...] = ()
+    stage: str | None = None
+    stage_value: Any = None
+
+    @property
+    def target(self) -> str:
+        return ", ".join(f"--{k}" if not k.startswith("--") else k for k in self.ours)
+
+
+@functools.cache
+def table() -> tuple[Flag, ...]:
+    rows = yaml.safe_load(TABLE.read_text())
+    out = []
+    for row in rows:
+        ours = row.pop("ours", ())
+        row["ours"] = tuple(ours) if isinstance(ours, list) else ((ours,) if ours else ())
+        row["flags"] = tuple(row["flags"])
+        row["commands"] = tuple(row.get("commands", ()))
+        out.append(Flag(**row))
+    return tuple(out)
+
+
+@functools.cache
+def _index() -> dict[str, Flag]:
+    return {name: flag for flag in table() for name in flag.flags}
+
+
+def lookup(name: str) -> Flag | None:
+    """The entry of an OpenRLHF flag, in any spelling, with or without its dashes."""
+    name = name.split("=", 1)[0]
+    return _index().get(name if name.startswith("--") else "--" + name)
+
+
+def hint(name: str) -> str | None:
+    """One line for an OpenRLHF flag given to rlhf: what it is here, or why there is none."""
+    flag = lookup(name)
+    if flag is None:
+        return None
+    spelled = name.split("=", 1)[0] if name.startswith("--") else "--" + name.split("=", 1)[0]
+    if flag.kind == "none":
+        return f"{spelled} is OpenRLHF's; it has no equivalent here: {flag.note}"
+    target = flag.target or (f"--{flag.stage}" if flag.stage else "")
+    if flag.switch and flag.value is not None and len(flag.ours) == 1:
+        target = f"{target} {str(flag.value).lower() if isinstance(flag.value, bool) else flag.value}"
+    elif flag.switch and len(flag.ours) == 1:
+        target = f"{target} true"
+    note = f" ({flag.note})" if flag.note and flag.kind == "partial" else ""
+    return (f"{spelled} is OpenRLHF's; here it is {target}{note}; `rlhf convert openrlhf -- <command line>` "
+            "converts a whole command")
+
+
+INTRO = """# Coming from OpenRLHF
+
+OpenRLHF's PPO-on-Ray recipe is the one rlhf-plugins re-implements: the same roles (actor, critic,
+reference, reward, vLLM engines) on Ray placement groups, DeepSpeed ZeRO, bucketed weight sync. This
+page maps every flag of OpenRLHF's `train_ppo_ray`, `train_sft`, `train_rm`, `train_dpo` and
+`serve_rm` -- 0.9's flat spellings and 0.10+'s dotted ones -- to ours.
+
+```bash
+rlhf convert openrlhf -- python3 -m openrlhf.cli.train_ppo_ray --pretrain ... --actor_learning_rate 5e-7 ...
+rlhf convert openrlhf -o ppo.yaml -- <the same command>    # then: rlhf train --config ppo.yaml
+```
+
+`rlhf convert openrlhf` writes the equivalent config for `rlhf train` (or `rlhf sft` / `rm` / `dpo`
+for the other scripts), carries OpenRLHF's defaults where ours differ so the run means what the
+command meant, and lists every flag it converted with a difference or could not convert, with the
+reason. An OpenRLHF flag given to `rlhf` itself stops with one line naming our equivalent
+(`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`).
+
+## Where the semantics differ
+
+- **Batch sizes.** OpenRLHF's `--rollout_batch_size` counts prompts per rollout, each sampled
+  `--n_samples_per_prompt` times: our `--train.prompts_per_step` and `--generation.n_samples_per_prompt`.
+  `--train_batch_size` is samples per optimizer step over all ranks: our `--learner.mini_batch_size`;
+  `--micro_train_batch_size` is per rank and forward: our `--learner.micro_batch_size`.
+- **Ranks.** `--actor_num_nodes x --actor_num_gpus_per_node` is our `--ray.actor_workers` (likewise
+  critic, reference, reward); `--ray.strategy SPREAD` spreads them over nodes.
+- **KL.** OpenRLHF puts KL in the reward (k1, coefficient 0.01) unless `--use_kl_loss`; our default
+  is KL in the loss (k3, 0.001). The converter carries OpenRLHF's choice (`algo.kl.in_reward: true`,
+  `estimator: k1`, `coef: 0.01`).
+- **Defaults.** OpenRLHF defaults to GAE with a critic, one sample per prompt, bf16, ZeRO-2, lr 1e-6
+  (critic 9e-6) with 3% warm-up and cosine decay to a tenth, value clip 0.5, lambda 1.0, reward clip
+  10, seed 42; the converter writes each of these where ours differ. (A model of 50M parameters or
+  more gets the learning-rate part here by itself: docs/memory.md.)
+- **Reward normalization.** A reward model's stored mean/std (OpenRLHF's `normalize_reward` config)
+  is applied when the run asks for it with `--reward.normalize` (OpenRLHF: `--normalize_reward`).
+- **Models and data** are local folders and files (no hub names): download them first.
+
+## Every flag
+
+| OpenRLHF | here | | note |
+|---|---|---|---|
+"""
+
+
+def markdown() -> str:
+    """docs/from_openrlhf.md: the introduction and one table row per entry of the flag table."""
+    rows = []
+    for flag in table():
+        names = " ".join(f"`{n}`" for n in flag.flags)
+        here = flag.target or (f"--{flag.stage}" if flag.stage else "")
+        if flag.switch and flag.value is not None and len(flag.ours) == 1:
+            here = f"{here} {str(flag.value).lower() if isinstance(flag.value, bool) else flag.value}"
+        if flag.stage and flag.ours:
+            here = f"{here} (stages: --{flag.stage})"
+        kind = {"same": "same", "partial": "partly", "none": "none"}[flag.kind]
+        rows.append(f"| {names} | {f'`{here}`' if here else '-'} | {kind} | {flag.note} |")
+    return INTRO + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - regenerating the page
+    print(markdown(), end="")

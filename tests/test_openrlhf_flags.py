@@ -1,0 +1,123 @@
+"""OpenRLHF users' flags: every flag of its five scripts (0.9's flat and 0.11's dotted spellings) is
+in the table, a flag given to rlhf names our equivalent in one line, and `rlhf convert openrlhf` turns
+OpenRLHF's commands into configs that rlhf accepts, carrying OpenRLHF's defaults."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_plugins.commands.convert import convert, render
+from rlhf_plugins.integrations.openrlhf import lookup, markdown
+from tests.helpers import ROOT, short_run
+
+FLAGS = json.loads((Path(__file__).parent / "data" / "openrlhf_flags.json").read_text())["flags"]
+
+#: OpenRLHF's README command (0.9 spelling) and the same in 0.11's dotted one
+PPO_FLAT = """python3 -m openrlhf.cli.train_ppo_ray --ref_num_nodes 1 --ref_num_gpus_per_node 2 --reward_num_nodes 1
+ --reward_num_gpus_per_node 2 --critic_num_nodes 1 --critic_num_gpus_per_node 2 --actor_num_nodes 1
+ --actor_num_gpus_per_node 2 --vllm_num_engines 2 --vllm_tensor_parallel_size 1 --colocate_all_models
+ --vllm_gpu_memory_utilization 0.5 --pretrain MODEL --reward_pretrain RM --save_path /tmp/out --micro_train_batch_size 4
+ --train_batch_size 32 --micro_rollout_batch_size 8 --rollout_batch_size 8 --n_samples_per_prompt 4 --max_epochs 1
+ --prompt_max_len 64 --max_samples 1000 --generate_max_len 16 --zero_stage 3 --bf16 --actor_learning_rate 5e-7
+ --critic_learning_rate 9e-6 --init_kl_coef 0.01 --prompt_data DATA --input_key prompt --apply_chat_template
+ --normalize_reward --gradient_checkpointing --packing_samples --vllm_sync_backend nccl --enforce_eager
+ --vllm_enable_sleep --deepspeed_enable_sleep --use_wandb KEY""".split()
+PPO_DOTTED = """python3 -m openrlhf.cli.train_ppo_ray --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1
+ --actor.num_gpus_per_node 2 --vllm.num_engines 2 --train.colocate_all --actor.model_name_or_path MODEL
+ --reward.model_name_or_path RM --train.micro_batch_size 4 --train.batch_size 32 --rollout.batch_size 8
+ --rollout.n_samples_per_prompt 4 --rollout.max_new_tokens 16 --ds.zero_stage 3 --ds.param_dtype bf16
+ --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset DATA
+ --data.input_key prompt --data.apply_chat_template --reward.normalize_enable --actor.gradient_checkpointing_enable
+ --algo.kl.use_loss --algo.kl.estimator k3 --actor.eps_clip_low_high 0.2 0.28""".split()
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS))
+def test_every_flag_of_openrlhfs_scripts_is_in_the_table(script):
+    missing = [flag for flag in FLAGS[script] if lookup(flag) is None]
+    assert not missing, missing
+
+
+def test_the_docs_table_is_the_flag_table():
+    assert (ROOT / "docs" / "from_openrlhf.md").read_text() == markdown()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--actor_learning_rate", "5e-7"], "--actor_learning_rate is OpenRLHF's; here it is --learner.lr;"),
+    (["--actor.adam.lr", "5e-7"], "--actor.adam.lr is OpenRLHF's; here it is --learner.lr;"),
+    (["--colocate_all_models"], "--colocate_all_models is OpenRLHF's; here it is --ray.colocate all;"),
+    (["--pretrain", "x"], "--pretrain is OpenRLHF's; here it is --model.path"),
+    (["--normalize_reward"], "--normalize_reward is OpenRLHF's; here it is --reward.normalize true"),
+    (["--rollout_batch_size", "8"], "--rollout_batch_size is OpenRLHF's; here it is --train.prompts_per_step;"),
+    (["--seed", "3"], "--seed is OpenRLHF's; here it is --train.seed;"),
+    (["--use_kl_loss"], "--use_kl_loss is OpenRLHF's; here it is --algo.kl.in_reward false;"),
+    (["--flash_attn"], "--flash_attn is OpenRLHF's; it has no equivalent here: transformers' default attention"),
+])
+def test_an_openrlhf_flag_given_to_rlhf_names_its_equivalent_in_one_line(rlhf, args, expected):
+    code, _, err = rlhf("train", *args, *short_run())
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], err
+
+
+def test_a_close_spelling_hint_never_names_a_key_of_another_meaning(rlhf):
+    code, _, err = rlhf("train", "--train.sed", "3", *short_run())
+    assert code == 2 and "did you mean 'train.seed'?" in err
+    code, _, err = rlhf("train", "--sead", "3", *short_run())
+    assert code == 2 and "deepspeed" not in err
+
+
+def _accepted(tmp_path, rlhf, tiny_model, monkeypatch, argv, command="train"):
+    conv = convert(argv)
+    text = render(conv).replace("MODEL", tiny_model).replace("DATA", "builtin:addition-train")
+    text = text.replace("- RM", f"- {tiny_model}")
+    path = tmp_path / "converted.yaml"
+    path.write_text(text)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the user's cluster: not sized from this machine
+    code, out, err = rlhf(command, "--config", str(path), "--dry-run")
+    return conv, yaml.safe_load(text), code, out, err
+
+
+def test_openrlhfs_readme_command_converts_to_a_config_rlhf_train_accepts(tmp_path, rlhf, tiny_model, monkeypatch):
+    conv, config, code, out, err = _accepted(tmp_path, rlhf, tiny_model, monkeypatch, PPO_FLAT)
+    assert code == 0, err
+    assert config["learner"]["lr"] == 5e-7 and config["critic"]["lr"] == 9e-6
+    assert config["ray"] == {"colocate": "all", "reference_workers": 2, "reward_workers": 2, "critic_workers": 2,
+                             "actor_workers": 2}
+    assert config["generation"]["backend"] == "vllm" and config["vllm"]["num_engines"] == 2
+    assert config["learner"]["backend"] == "deepspeed" and config["deepspeed"]["zero_stage"] == 3
+    assert (config["train"]["prompts_per_step"], config["generation"]["n_samples_per_prompt"]) == (8, 4)
+    assert (config["learner"]["mini_batch_size"], config["learner"]["micro_batch_size"]) == (32, 4)
+    # OpenRLHF's defaults where ours differ: GAE, KL k1 in the reward
+    assert config["algo"]["advantage"]["estimator"] == "gae"
+    assert config["algo"]["kl"] == {"coef": 0.01, "estimator": "k1", "in_reward": True}
+    assert "--max_samples" in dict(conv.skipped) and "--micro_rollout_batch_size" in dict(conv.skipped)
+    assert "config is valid" in out
+
+
+def test_the_dotted_spelling_converts_the_same(tmp_path, rlhf, tiny_model, monkeypatch):
+    conv, config, code, out, err = _accepted(tmp_path, rlhf, tiny_model, monkeypatch, PPO_DOTTED)
+    assert code == 0, err
+    assert config["learner"]["lr"] == 5e-7 and config["model"]["dtype"] == "bfloat16"
+    assert config["algo"]["kl"]["in_reward"] is False and config["algo"]["kl"]["estimator"] == "k3"
+    assert (config["algo"]["policy_loss"]["clip_low"], config["algo"]["policy_loss"]["clip_high"]) == (0.2, 0.28)
+    assert config["ray"]["actor_workers"] == 2 and config["ray"]["colocate"] == "all"
+
+
+def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeypatch):
+    argv = ("deepspeed --module openrlhf.cli.train_sft --pretrain MODEL --dataset DATA --input_key prompt "
+            "--output_key answer --max_len 128 --learning_rate 5e-6 --max_epochs 2 --micro_train_batch_size 4 "
+            "--zero_stage 2 --bf16 --lora_rank 8").split()
+    conv = convert(argv)
+    assert conv.command == "sft"
+    assert conv.raw["trl"] == {"max_length": 128, "learning_rate": 5e-6, "num_train_epochs": 2,
+                               "per_device_train_batch_size": 4}
+    assert conv.raw["lora"]["rank"] == 8 and conv.raw["model"]["dtype"] == "bfloat16"
+    assert "--zero_stage" in dict(conv.skipped)
+    text = render(conv).replace("MODEL", tiny_model).replace("path: DATA", "path: null")
+    text = text.replace("prompt_key: prompt\n", "").replace("completion_key: answer\n", "")
+    (tmp_path / "sft.yaml").write_text(text)
+    code, out, err = rlhf("sft", "--config", str(tmp_path / "sft.yaml"), "--dry-run")
+    assert code == 0, err
