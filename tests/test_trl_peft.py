@@ -250,3 +250,74 @@ def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
     block_import(monkeypatch, "vllm.lora.request")
     code, _, err = rlhf("train", "--lora.rank", "8", "--sync.method", "adapter", "--generation.backend", "vllm")
     assert code == 2 and "this vLLM build has no LoRA support (vllm.lora)" in err
+
+
+def test_trl_reward_keywords_trainer_state_log_metric_and_log_extra_work(rlhf, tmp_path):
+    """TRL 1.16 passes reward functions trainer_state, log_extra and log_metric besides the columns: a
+    reward that uses them runs unchanged, its logged metric lands in metrics.jsonl, and trainer_state
+    counts the updates made."""
+    plugin = tmp_path / "trl_reward.py"
+    plugin.write_text(textwrap.dedent("""
+        def logs(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+            log_metric("my/length", sum(len(c) for c in completions) / len(completions))
+            log_metric("my/step_seen", trainer_state.global_step)
+            log_extra("why", ["ok"] * len(completions))
+            assert trainer_state.max_steps == 3
+            return [float(len(c) < 3) for c in completions]
+    """))
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert [r["my/step_seen"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["my/length"] >= 0 for r in rows)
+
+
+def test_trl_prompt_formats_reach_the_model_as_trl_feeds_them(tiny_model):
+    """A plain-string prompt ("standard") is tokenized as it is and a list of messages
+    ("conversational") goes through the chat template -- token for token what TRL's GRPOTrainer feeds;
+    rlhf train's own default templates plain strings too (and says so in its printed config)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.integrations.trl import from_grpo_fields
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    raw, _ = from_grpo_fields({})
+    config, _, _ = prepare(raw, autoload=False)
+    rows = [{"prompt": "3+4=", "label": "7"}, {"prompt": [{"role": "user", "content": "3+4="}], "label": "7"}]
+    ours = load_prompts(config.data, tok, rows=rows).prompt_ids
+    trl_standard = tok(text=["3+4="])["input_ids"][0]  # trl GRPOTrainer._tokenize_prompts, standard format
+    trl_chat = tok.apply_chat_template([rows[1]["prompt"]], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"][0]
+    assert ours == [trl_standard, trl_chat] and trl_standard != trl_chat
+    default, _, _ = prepare({}, autoload=False)
+    assert load_prompts(default.data, tok, rows=rows[:1]).prompt_ids == [trl_chat]
+
+
+def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_model, monkeypatch):
+    """save_model, state.log_history, model, processing_class and TRL's TrainOutput; without max_steps
+    the run lasts num_train_epochs passes over the data; shuffle_dataset is honoured."""
+    import yaml
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+    rows = task_rows("train")[:16]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_train_epochs=2, per_device_train_batch_size=16,
+                      num_generations=4, max_completion_length=4, shuffle_dataset=False, use_cpu=True, bf16=False,
+                      report_to=[])
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match",
+                          args=args, train_dataset=rows, rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    out = trainer.train()
+    assert out.global_step == 8  # 2 epochs x 16 prompts / 4 prompts per step
+    assert trainer.state.global_step == 8 and len(trainer.state.log_history) == 8
+    assert {"loss", "reward", "step"} <= set(trainer.state.log_history[-1])
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "tokenizer.json").is_file()
+    policy = trainer.model  # the trained one: final/ of the run
+    assert policy.config.vocab_size == len(trainer.processing_class) and policy.name_or_path.endswith("final")
+    saved = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
+    assert saved["data"]["shuffle"] is False and saved["data"]["template_strings"] is False

@@ -38,6 +38,10 @@ class DataConfig:
     label_key: str = "label"
     #: render prompts with the tokenizer's chat template (add_generation_prompt)
     apply_chat_template: bool = True
+    #: with apply_chat_template: a plain-string prompt becomes a user message of the template (false: it is
+    #: tokenized as it is, and only chat-message prompts are templated -- TRL's "standard" and
+    #: "conversational" formats; the TRL drop-in and --trl-config set false)
+    template_strings: bool = True
     #: longer prompts are dropped (with a warning)
     max_prompt_tokens: int = setting(256, ge=1)
     #: sample prompts in a seeded random order each pass (false: file order)

@@ -29,6 +29,13 @@ class PluginInfo:
     location: str = ""
 
 
+def interrupted(plugin: str) -> Exception:
+    """Ctrl-C while a plugin imports (a slow or hanging import): say which one."""
+    from ..errors import Interrupted
+
+    return Interrupted(f"interrupted while importing plugin '{plugin}'", 130)
+
+
 def exit_error(plugin: str, where: str, exc: SystemExit) -> PluginError:
     return PluginError(f"plugin '{plugin}' called sys.exit({exc.code!r}) {where}; plugins must raise an error instead")
 
@@ -68,6 +75,8 @@ class PluginLoading:
             dist_label = f"{dist.name} {dist.version}" if dist else "unknown distribution"
             try:
                 plugin = ep.load()
+            except KeyboardInterrupt:
+                raise interrupted(ep.name) from None
             except SystemExit as exc:
                 raise exit_error(ep.name, f"while importing (from {dist_label})", exc) from None
             except Exception as exc:
@@ -115,6 +124,8 @@ class PluginLoading:
                     "an importable module or a .py file; check the name or pip install the plugin"
                 ) from exc
             raise PluginError(f"plugin '{arg}' failed to import: {type(exc).__name__}: {exc}") from exc
+        except KeyboardInterrupt:
+            raise interrupted(arg) from None
         except SystemExit as exc:
             raise exit_error(arg, "while importing", exc) from None
         except Exception as exc:
@@ -146,6 +157,9 @@ class PluginLoading:
         try:
             with agent_imports(path.read_text(errors="replace")):
                 spec.loader.exec_module(module)
+        except KeyboardInterrupt:
+            sys.modules.pop(modname, None)
+            raise interrupted(arg) from None
         except SystemExit as exc:
             sys.modules.pop(modname, None)
             raise exit_error(arg, "while importing", exc) from None

@@ -31,6 +31,17 @@ DISABLE_AUTOLOAD_ENV = "RLHF_DISABLE_PLUGIN_AUTOLOAD"
 LIFECYCLE_HOOKS = tuple(name for name in vars(lifecycle) if name.startswith("rlhf_"))
 
 
+def one_line(exc: Exception) -> str:
+    """pluggy's validation message (three lines: plugin and hook, the definition, the reason) as one:
+    the hook, then the reason."""
+    import re
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    hook = re.search(r"hook '([^']+)'", lines[0]) if lines else None
+    reason = lines[-1] if lines else str(exc)
+    return f"its {hook.group(1)}: {reason}" if hook else reason
+
+
 def autoload_disabled() -> bool:
     """``RLHF_DISABLE_PLUGIN_AUTOLOAD`` set to anything but empty, 0, false, no or off."""
     return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
@@ -88,14 +99,14 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
         try:
             super().check_pending()
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin '{exc.plugin and self.get_name(exc.plugin)}': {exc}") from exc
+            raise PluginError(f"plugin '{exc.plugin and self.get_name(exc.plugin)}': {one_line(exc)}") from exc
 
     def register(self, plugin: object, name: str | None = None) -> str | None:  # type: ignore[override]
         self._registry = None
         try:
             registered = super().register(plugin, name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin '{name}' cannot be registered: {exc}") from exc
+            raise PluginError(f"plugin '{name}' cannot be registered: {one_line(exc)}") from exc
         self._guard_observers()
         return registered
 

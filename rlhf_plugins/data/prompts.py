@@ -165,19 +165,22 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             f"dataset '{path}' has no '{cfg.prompt_key}' column (columns: {', '.join(rows[0])}); "
             "set --data.prompt_key"
         )
-    if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+    templated = cfg.template_strings or any(not isinstance(r.get(cfg.prompt_key), str) for r in rows)
+    if cfg.apply_chat_template and templated and not getattr(tokenizer, "chat_template", None):
         raise DataError("the model's tokenizer has no chat template; set --data.apply_chat_template false")
     prompts, ids, dropped = [], [], 0
+    empty = too_long = 0
     columns: dict[str, list[Any]] = {}
     for number, row in enumerate(rows, 1):
         prompt = row[cfg.prompt_key]
         if prompt is None or prompt == "" or prompt == []:
-            dropped += 1
+            dropped, empty = dropped + 1, empty + 1
             continue
         check_prompt(prompt, number, path, cfg.prompt_key)
-        tokens = encode_prompt(prompt, tokenizer, cfg.apply_chat_template)
+        tokens = encode_prompt(prompt, tokenizer, cfg.apply_chat_template and (cfg.template_strings
+                                                                             or not isinstance(prompt, str)))
         if len(tokens) > cfg.max_prompt_tokens:
-            dropped += 1
+            dropped, too_long = dropped + 1, too_long + 1
             continue
         prompts.append(prompt)
         ids.append(tokens)
@@ -191,8 +194,9 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             f"--data.max_prompt_tokens {cfg.max_prompt_tokens}"
         )
     if dropped:
-        logger.warning("dropped %d of %d prompts (empty or longer than %d tokens)", dropped, len(rows),
-                       cfg.max_prompt_tokens)
+        why = [f"{empty} empty"] * bool(empty) + [f"{too_long} longer than --data.max_prompt_tokens "
+                                                 f"{cfg.max_prompt_tokens}"] * bool(too_long)
+        logger.warning("dropped %d of %d prompts (%s)", dropped, len(rows), ", ".join(why))
     return PromptSet(prompts, ids, columns, dropped)
 
 

@@ -40,6 +40,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size", int),
     "vllm_max_model_length": ("vllm.max_model_len", lambda v: None if v is None else int(v)),
     "vllm_enable_sleep_mode": ("vllm.sleep", bool),
+    "shuffle_dataset": ("data.shuffle", bool),
 }
 #: fields handled by hand below
 DERIVED = {
@@ -77,7 +78,7 @@ IGNORED_WHY = {
     "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
     "pad_to_multiple_of": "padding to a multiple does not change the loss",
     "use_cache": "the learner never caches; generation always does",
-    "disable_dropout": "the builtin models have no dropout",
+    "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
     "trust_remote_code": "set --model.trust_remote_code",
 }
@@ -90,7 +91,7 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
                         "resume_from_checkpoint", "restore_callback", "overwrite_output_dir", "do_", "debug",
                         "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
                         "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
-                        "shuffle_dataset", "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
+                        "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
 
 
 def grpo_defaults() -> dict[str, Any]:
@@ -125,6 +126,9 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     changed = {k for k in fields if fields[k] != defaults.get(k)}
     fields = f
     raw: dict[str, Any] = {}
+    # TRL's prompt formats: a plain string is tokenized as it is ("standard"), a list of messages is
+    # rendered with the chat template ("conversational")
+    _set(raw, "data.template_strings", False)
     notes: list[str] = []
     for name, why in UNSUPPORTED.items():
         if name in changed:
@@ -328,12 +332,17 @@ class GRPOTrainer:
         self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})
         self.rewards = TRLRewards(callables) if callables else None
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
+        self.model_path, self.run_dir = str(model), None
+        _epochs_to_steps(self.raw, fields, self.rows)
 
-    def train(self) -> Path:
-        """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns the run directory."""
+    def train(self) -> Any:
+        """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns what TRL's
+        ``train()`` does (``TrainOutput(global_step, training_loss, metrics)``); the run directory is
+        ``self.run_dir``, the trained policy ``self.model`` afterwards."""
         from rich.console import Console
 
         from ..api import train
+        from .trl_state import train_output
 
         console = Console()
         for note in self.notes:
@@ -341,4 +350,44 @@ class GRPOTrainer:
         inline = [("trl_rewards", self.rewards)] if self.rewards is not None else []
         if self.rollouts.factories or self.rollouts.rollout_func is not None:
             inline.append(("trl_rollouts", self.rollouts))
-        return train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)
+        self.run_dir = train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)
+        return train_output(self.run_dir)
+
+    @property
+    def state(self) -> Any:
+        """TRL's ``trainer.state``: ``global_step``, ``max_steps`` and ``log_history`` (one dict per step)."""
+        from .trl_state import trainer_state
+
+        return trainer_state(self.run_dir, self.raw)
+
+    @property
+    def model(self) -> Any:
+        """The trained policy (``final/``), loaded with transformers (before training: the initial one)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.run_dir / "final") if self.run_dir else self.model_path)
+
+    @property
+    def processing_class(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Copy the trained policy (``final/``: weights, config, tokenizer; a LoRA run's adapter) to
+        ``output_dir`` (default: GRPOConfig.output_dir), as TRL's ``save_model`` writes it."""
+        import shutil
+
+        if self.run_dir is None:
+            raise ConfigError("save_model() before train(): there is no trained model yet")
+        target = Path(output_dir or self.raw.get("train", {}).get("output_dir") or "trainer_output")
+        shutil.copytree(self.run_dir / "final", target, dirs_exist_ok=True)
+
+
+def _epochs_to_steps(raw: dict[str, Any], fields: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
+    """Without max_steps TRL runs num_train_epochs passes over the dataset: as many rollout steps here."""
+    if int(fields.get("max_steps", -1) or -1) > 0 or rows is None or "steps" in raw.get("train", {}):
+        return
+    epochs = float(fields.get("num_train_epochs", grpo_defaults()["num_train_epochs"]))
+    per_step = int(raw.get("train", {}).get("prompts_per_step", 1))
+    _set(raw, "train.steps", max(1, math.ceil(epochs * len(rows) / per_step)))

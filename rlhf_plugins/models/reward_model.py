@@ -99,6 +99,23 @@ def find_reward_head(folder: Path, head_prefix: str | None = None) -> RewardMode
     return None
 
 
+def load_backbone(path: str, dtype: Any) -> Any:
+    """The reward model's transformer without its head. transformers reports the head's weights as
+    unexpected keys of the backbone (a table on stderr): loading the backbone alone is the intent, so
+    that report is silenced (other warnings stay)."""
+    import logging
+
+    from transformers import AutoModel
+
+    report = logging.getLogger("transformers.utils.loading_report")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        return AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    finally:
+        report.setLevel(level)
+
+
 class RewardHead:
     """Backbone + one-output linear head of a reward model (either format), returning hidden
     states and per-token scores; shared by the reward scorer and a critic started from it."""
@@ -109,9 +126,8 @@ class RewardHead:
         the model's stored mean / std in, as OpenRLHF does with ``--normalize_reward`` (only then)."""
         import torch
         from safetensors import safe_open
-        from transformers import AutoModel
 
-        backbone = AutoModel.from_pretrained(str(info.path), dtype=dtype, trust_remote_code=False)
+        backbone = load_backbone(str(info.path), dtype)
         weight = bias = None
         for file in sorted(info.path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:

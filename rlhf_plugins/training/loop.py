@@ -182,6 +182,7 @@ class Trainer:
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
                                                   rollout.finish_reasons, bool(c.reward.remote_urls)))
         rollout.raw_scores, rollout.reward_components = result.scores, result.parts
+        rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
         self.reward_retries += result.retries
         rollout.scores = self.shaper(
             rollout.raw_scores, [len(x) for x in rollout.completion_ids], rollout.finish_reasons

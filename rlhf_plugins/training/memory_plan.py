@@ -107,6 +107,8 @@ class MemoryPlan:
     #: fixed memory of the placement itself (Ray's processes)
     fixed: int = 0
     workload: str = ""
+    #: what to change for each kind of memory, for this run (REMEDIES without what it already does)
+    remedies: dict[str, str] = field(default_factory=lambda: dict(REMEDIES))
 
     @property
     def roles(self) -> dict[str, RoleNeed]:
@@ -156,7 +158,7 @@ class MemoryPlan:
         biggest = max(self.processes, key=lambda p: p.total)
         role = max(biggest.needs, key=lambda n: n.total)
         items = sorted(role.parts.items(), key=lambda kv: -kv[1])[:2]
-        fixes = "; ".join(f"{k} ({gib(v)}): {REMEDIES.get(k, 'reduce it')}" for k, v in items)
+        fixes = "; ".join(f"{k} ({gib(v)}): {self.remedies.get(k, 'reduce it')}" for k, v in items)
         raise ConfigError(f"this layout needs at least {gib(self.total)} and the node has {gib(self.node_bytes)}: "
                           f"the largest is {role.role} ({gib(role.total)} per rank x {biggest.count}) -- {fixes}")
 
@@ -187,7 +189,11 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     batch = c.train.prompts_per_step * c.generation.n_samples_per_prompt
     workload = (f"{batch} sequences of up to {prompt} + {completion} tokens, {shape.parameters / 1e6:.3g}M "
                 f"parameters in {c.model.dtype}")
-    return MemoryPlan(processes, node, fixed if node is not None else 0, workload)
+    remedies = dict(REMEDIES)
+    if c.learner.gradient_checkpointing:
+        remedies["activations"] = ("a smaller micro batch (--learner.micro_batch_size, --learner.max_tokens_per_micro_"
+                                   "batch, which also bounds the reference's forward)")
+    return MemoryPlan(processes, node, fixed if node is not None else 0, workload, remedies)
 
 
 def _sync_copy(c: Config, shape: ModelShape, need: RoleNeed) -> int:

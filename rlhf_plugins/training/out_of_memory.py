@@ -103,7 +103,8 @@ def explain(exc: BaseException, plan: Any, history: list[dict[str, float]], loca
     if facts:
         parts.append(f" ({'; '.join(facts)})")
     items = sorted(need.parts.items(), key=lambda kv: -kv[1])[:2] if need is not None else []
-    fixes = "; ".join(f"{k}: {REMEDIES.get(k, 'reduce it')}" for k, _ in items) or (
+    remedies = plan.remedies if plan is not None else REMEDIES
+    fixes = "; ".join(f"{k}: {remedies.get(k, 'reduce it')}" for k, _ in items) or (
         "shard the learner (--deepspeed.zero_stage 3 over more ranks), a smaller micro batch "
         "(--learner.micro_batch_size), --vllm.kv_cache_mb")
     parts.append(f"; reduce it -- {fixes}")

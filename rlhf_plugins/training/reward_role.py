@@ -86,11 +86,28 @@ class RewardResult:
     scores: list[float]
     parts: dict[str, list[float | None]]
     retries: int = 0
+    #: what reward functions logged with TRL's ``log_metric(name, value)``: every value by name
+    logged: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def merge(cls, results: list[RewardResult]) -> RewardResult:
         parts = {k: [x for r in results for x in r.parts[k]] for k in results[0].parts}
-        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results))
+        logged: dict[str, list[float]] = {}
+        for r in results:
+            for name, values in r.logged.items():
+                logged.setdefault(name, []).extend(values)
+        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results), logged)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL hands reward functions as ``trainer_state`` (the fields they read of transformers'
+    TrainerState): the updates made so far, the run's length, the epoch over the prompts."""
+
+    global_step: int
+    max_steps: int
+    epoch: float = 0.0
+    log_history: tuple = ()
 
 
 @dataclass
@@ -150,10 +167,15 @@ class RewardRole(Role):
         self.backend = self.sources
         self.max_retries = config.reward.max_retries
         self.timeout = config.reward.timeout or None
+        self.max_steps = config.train.steps
 
-    def _call(self, source: Source, batch: RewardBatch, where: str) -> Any:
+    def _call(self, source: Source, batch: RewardBatch, where: str, logged: dict[str, list[float]]) -> Any:
         kwargs = dict(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
                       **batch.columns)
+        if source.where.startswith("plugin"):  # TRL passes these to every reward function
+            kwargs.update(trainer_state=TrainerState(batch.step, self.max_steps),
+                          log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+                          log_extra=lambda column, values: None)
         if getattr(source.fn, "wants_queries", False):
             kwargs.update(queries=batch.queries, prompt_texts=batch.prompt_texts)
         if getattr(source.fn, "wants_tokens", False):
@@ -168,12 +190,13 @@ class RewardRole(Role):
         n = len(batch)
         combined = [0.0] * n
         parts: dict[str, list[float | None]] = {}
+        logged: dict[str, list[float]] = {}
         retries = 0
         for source in self.sources:
             where = f"reward '{source.name}' ({source.where}) {batch.when}"
             for attempt in range(self.max_retries + 1):
                 try:
-                    out = self._call(source, batch, where)
+                    out = self._call(source, batch, where, logged)
                     break
                 except RewardError as exc:
                     if attempt == self.max_retries:
@@ -206,7 +229,11 @@ class RewardRole(Role):
                                       "within +-1e12")
                 combined[i] += source.weight * float(v)
             parts[source.name] = [None if v is None else float(v) for v in values]
-        return RewardResult(combined, parts, retries)
+        if n and all(v is None for values in parts.values() for v in values):
+            names = ", ".join(f"'{s.name}'" for s in self.sources)
+            raise RewardError(f"every reward source ({names}) returned None for all {n} samples {batch.when}: None "
+                              "means a reward does not apply to a sample; one must apply to each")
+        return RewardResult(combined, parts, retries, logged)
 
     def shutdown(self) -> None:
         for source in self.sources:

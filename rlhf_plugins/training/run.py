@@ -88,13 +88,20 @@ def eval_due(config: Config, done: int) -> bool:
     return done == config.train.steps or bool(every and done % every == 0)
 
 
+#: seconds a step may still take after SIGINT / SIGTERM before the run stops at once
+STOP_GRACE = 10.0
+
+
 class StopRequests:
-    """SIGINT / SIGTERM ask the loop to stop after the current step (main thread only)."""
+    """SIGINT / SIGTERM ask the loop to stop after the current step (main thread only); a step that
+    has not finished :data:`STOP_GRACE` seconds later (a stuck reward, a hung call) is interrupted, so
+    ``ray job stop`` or a scheduler's SIGTERM ends the run within seconds, its status written."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
@@ -103,6 +110,8 @@ class StopRequests:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -113,7 +122,13 @@ class StopRequests:
             return
         self.signum = signum
         self.console.print(f"rlhf: {signal.Signals(signum).name} received: finishing this step, then saving a "
-                           "checkpoint (Ctrl-C again stops at once)", highlight=False)
+                           f"checkpoint (Ctrl-C again stops at once; so does a step still running in "
+                           f"{STOP_GRACE:g} s)", highlight=False)
+        import _thread
+
+        self._deadline = threading.Timer(STOP_GRACE, _thread.interrupt_main, args=(signal.SIGINT,))
+        self._deadline.daemon = True
+        self._deadline.start()
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -152,7 +167,8 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     log: MetricsLog | None = None
     start = 0
     try:
-        with StopRequests(console) as stop:
+        stop = StopRequests(console)
+        with stop:
             trainer.setup()
             for where, what in trainer.placement.describe().items():
                 console.print(f"  {escape(where)}: {escape(what)}")
@@ -254,7 +270,8 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
             when = f"during step {steps_done + 1}" if trainer.phase != "idle" else f"after step {steps_done}"
             found = checkpoint.complete(run_dir)
             since = f" (from the checkpoint of step {found[-1][0]})" if found else ""
-            raise Interrupted(f"interrupted {when}; {resume_hint(run_dir)}{since}", 130) from None
+            code = EXIT_CODES.get(stop.signum, 130)  # a SIGTERM whose step never finished: 143
+            raise Interrupted(f"interrupted {when}; {resume_hint(run_dir)}{since}", code) from None
         raise
     finally:
         if log is not None:
