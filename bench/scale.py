@@ -72,7 +72,8 @@ def train(model: str, flags: list[str], cwd: Path, name: str, steps: int, extra:
     out = {"seconds": time.perf_counter() - start, "returncode": proc.returncode}
     run = cwd / "runs" / name
     if proc.returncode != 0:
-        out["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        killed = f"killed by signal {-proc.returncode} (SIGKILL: the kernel's OOM killer), nothing printed"
+        out["error"] = (proc.stderr.strip().splitlines() or [killed])[-1]
     plan = [line for line in proc.stdout.splitlines() if line.startswith(("memory plan:", "  "))]
     out["plan"] = [line for line in plan if "memory plan" in line or "GB" in line or " MB" in line][:12]
     if (run / "summary.json").is_file():
@@ -155,11 +156,13 @@ def table(results: dict) -> str:
             continue
         for path, res in paths.items():
             if "summary" not in res:
-                lines.append(f"| {shape} | {path} | did not run: {res.get('error', '?')} | | |")
+                why = res.get("error", "?")
+                why = "killed by SIGKILL (the kernel's OOM killer), nothing printed" if why == "?" else why
+                lines.append(f"| {shape} | {path} | did not run: {why.split(' -- ')[0].removeprefix('rlhf: error: ')} | | |")
                 continue
-            procs = "; ".join(
+            procs = "; ".join(  # a rule-based reward's process has no model: no analytic need to compare
                 f"{name} {m['peak_rss_gb']:.2f} / {m['analytic_gb']:.2f} + {m['imports_gb']:.2f} ({m.get('ratio', 0):.2f})"
-                for name, m in res["summary"]["memory"].items())
+                for name, m in res["summary"]["memory"].items() if m["analytic_gb"] > 0)
             ph = res.get("phases", {})
             sync = ph.get("sync", 0.0)
             weights = res.get("weights_gb")

@@ -20,18 +20,22 @@ from .dispatch import dispatch
 from .errors import ConfigError, DataError, PluginError, RewardError, UsageError
 from .protocols import (
     BackendContext,
+    Batch,
     Endpoint,
     GenerationEngine,
     Learner,
     ModelWorker,
+    Objective,
     Placement,
     PlacementContext,
     RankContext,
     RoleHandle,
     Samples,
     SamplingParams,
+    WeightShapes,
     WeightSync,
     on_model_workers,
+    share_weights,
 )
 from .settings import setting
 from .types import (
@@ -53,6 +57,12 @@ _LAZY = {
     "PolicyLossInputs": "rlhf_plugins.algorithms.policy_losses",
     "Rollout": "rlhf_plugins.training.rollout",
     "Plan": "rlhf_plugins.config.validate",
+    "build_config": "rlhf_plugins.config.loading",
+    "MemoryInputs": "rlhf_plugins.models.memory",
+    "ModelShape": "rlhf_plugins.models.memory",
+    "Delegate": "rlhf_plugins.extending",
+    "builtin": "rlhf_plugins.extending",
+    "derive": "rlhf_plugins.extending",
 }
 
 
@@ -72,6 +82,16 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageInputs",
     "BackendContext",
+    "Batch",
+    "MemoryInputs",
+    "ModelShape",
+    "Objective",
+    "WeightShapes",
+    "build_config",
+    "builtin",
+    "Delegate",
+    "derive",
+    "share_weights",
     "Component",
     "Config",
     "ConfigError",

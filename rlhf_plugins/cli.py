@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import textwrap
 import traceback
@@ -22,13 +21,13 @@ from rich.markup import escape
 from ._version import __version__
 from .commands import convert, evaluate, runs, serve_reward, stages
 from .errors import Interrupted, UsageError
+from .terminal import logger, quiet_third_party, setup_logging
 
 #: subcommands with a module of their own: ``add_parser(sub, plugin_args)`` and
 #: ``run(args, rest, console)`` (``rest``: the dotted config flags, for commands that take them)
 COMMANDS = {"eval": evaluate, "runs": runs, "plot": runs, "serve-reward": serve_reward, "convert": convert,
             **{stage: stages for stage in stages.STAGES}}
 
-logger = logging.getLogger("rlhf_plugins")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(stderr=False)
     verbose = "-v" in argv or "--verbose" in argv
-    _setup_logging(verbose)
+    setup_logging(verbose)
     if not verbose:
         quiet_third_party()
     try:
@@ -131,50 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         Console(stderr=True).print("rlhf: interrupted")
         return 130
-
-
-class _LineHandler(logging.Handler):
-    """``rlhf: warning: ...`` on one line, to whatever ``sys.stderr`` is now (a job log, a pipe,
-    a test's capture); a terminal gets rich's colours."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            level = record.levelname.lower()
-            text = f"rlhf: {level}: {record.getMessage()}"
-            if sys.stderr.isatty():
-                colour = {"warning": "yellow", "error": "red"}.get(level, "dim")
-                Console(stderr=True, soft_wrap=True).print(f"[{colour}]rlhf: {level}:[/] {escape(record.getMessage())}",
-                                                           highlight=False)
-            else:
-                sys.stderr.write(text + "\n")
-        except Exception:  # noqa: BLE001 - logging must never raise
-            self.handleError(record)
-
-
-#: libraries whose deprecation and future warnings are theirs to fix, not the user's
-NOISY = r"(vllm|transformers|torch|deepspeed|ray|trl|peft|accelerate|datasets|triton)(\.|$)"
-
-
-def quiet_third_party() -> None:
-    """Keep the known noise of the stack out of the user's terminal (``-v`` shows it): deprecation
-    and future warnings raised inside the libraries, vLLM's info and warning lines, torch's C++
-    warnings. Environment variables carry it to engine processes and Ray workers started from here."""
-    import os
-    import warnings
-
-    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=NOISY)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    logging.getLogger("vllm").setLevel(logging.ERROR)  # some of vLLM warns before it configures its logging
-
-
-def _setup_logging(verbose: bool) -> None:
-    if not logger.handlers:
-        logger.addHandler(_LineHandler())
-        logger.propagate = False
-    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _plugins_named(argv: list[str]) -> list[str]:

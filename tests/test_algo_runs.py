@@ -19,6 +19,9 @@ def test_every_estimator_runs(rlhf, estimator):
     rows = metrics_of(the_run())
     assert len(rows) == 3 and all(math.isfinite(r["loss/total"]) for r in rows)
     assert ("critic/loss" in rows[0]) == (estimator == "gae")
+    if estimator == "gae":  # the critic trains: its value head starts at zero and moves with each update
+        values = [r["critic/values"] for r in rows]
+        assert values[0] == 0.0 and values[1] != 0.0 and values[2] != values[1], values
 
 
 def test_reinforce_with_one_sample_per_prompt(rlhf, tiny_model):

@@ -204,14 +204,24 @@ def test_ppo_matches_loop(dual):
     r = ragged(seed=4)
     g = r.g
     lp = torch.randn(r.B, r.T, generator=g) * 0.5
-    old = lp + torch.randn(r.B, r.T, generator=g) * 0.5
+    old = lp + torch.randn(r.B, r.T, generator=g)  # ratios from 0.1 to 10: both clips and the dual clip act
     adv = torch.randn(r.B, r.T, generator=g) * 2
     o = opts(dual_clip=dual)
     loss, m = L.ppo(L.PolicyLossInputs(lp, old, adv, r.mask), o)
+    clipped, dual_bound, tokens = 0, 0, 0
     for i in range(r.B):
         for t in range(r.lengths[i]):
-            assert float(loss[i, t]) == pytest.approx(ppo_loop(float(lp[i, t]), float(old[i, t]), float(adv[i, t]), o), rel=1e-5, abs=1e-6)
-    assert 0.0 <= float(m["loss/clip_frac"]) <= 1.0
+            a, b, A = float(lp[i, t]), float(old[i, t]), float(adv[i, t])
+            assert float(loss[i, t]) == pytest.approx(ppo_loop(a, b, A, o), rel=1e-5, abs=1e-6)
+            ratio = math.exp(a - b)
+            clipped += min(max(ratio, 1 - o.clip_low), 1 + o.clip_high) * A < ratio * A  # the clip decided
+            dual_bound += dual is not None and A < 0 and ppo_loop(a, b, A, opts()) > -dual * A
+            tokens += 1
+    # the logged fractions are the loop's, token by token
+    assert 0.1 < clipped / tokens < 0.9
+    assert float(m["loss/clip_frac"]) == pytest.approx(clipped / tokens, abs=1e-6)
+    if dual is not None:
+        assert 0 < dual_bound and float(m["loss/dual_clip_frac"]) == pytest.approx(dual_bound / tokens, abs=1e-6)
 
 
 def test_clipping_bounds_the_ratio_and_dual_clip_only_on_negative_advantages():

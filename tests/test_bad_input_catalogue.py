@@ -48,6 +48,24 @@ FLAGS = [
     ("top-p-zero", ["--generation.top_p", "0"], "config key 'generation.top_p' must be > 0 and <= 1; got 0.0"),
     ("steps-zero", ["--train.steps", "0"], "config key 'train.steps' must be >= 1; got 0"),
     ("reward-timeout", ["--reward.timeout", "-5"], "config key 'reward.timeout' must be >= 0; got -5.0"),
+    ("aggregation", ["--algo.policy_loss.aggregation", "foo"],
+     "unknown loss aggregation 'foo'; choose one of: token-mean, seq-mean-token-sum, seq-mean-token-mean, "
+     "seq-mean-token-sum-norm (--algo.policy_loss.aggregation)"),
+    ("overlong-buffer", ["--reward.overlong_buffer", "40", "--generation.max_new_tokens", "8"],
+     "reward.overlong_buffer (40) must not exceed generation.max_new_tokens (8)"),
+    ("filtering-one-sample", ["--reward.dynamic_filtering", "true", "--generation.n_samples_per_prompt", "1"],
+     "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2"),
+    ("filter-range", ["--reward.filter_range", "[0.5, 0.1]"],
+     "reward.filter_range must be [low, high] with low < high; got [0.5, 0.1]"),
+    ("adaptive-kl-zero", ["--algo.kl.controller", "adaptive", "--algo.kl.coef", "0"],
+     "an adaptive KL controller needs a starting algo.kl.coef > 0"),
+    ("staleness-uncorrected", ["--train.max_staleness", "1"],
+     "train.max_staleness 1 trains on samples of policies up to 1 update behind the learner, and "
+     "algo.policy_loss.mismatch is none, so nothing corrects for it; use --algo.policy_loss.mismatch tis (or icepop, "
+     "seq_mask_tis), or --train.allow_uncorrected_staleness true to train uncorrected"),
+    ("partial-without-async", ["--generation.partial_rollout", "true"],
+     "generation.partial_rollout swaps weights during a generation, which needs asynchronous training; set "
+     "--train.max_staleness 1 (or more), or drop partial_rollout"),
     ("betas", ["--learner.betas", "[0.9, 1.5]"],
      "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
     ("optimizer", ["--learner.optimizer", "lion"],
@@ -496,8 +514,30 @@ def test_an_address_where_something_else_listens(rlhf):
                                "--ray.address (a Ray head's GCS port, 6379 by default)")
 
 
-def test_the_catalogue_is_long_enough():
-    assert len(FLAGS) + len(EVAL_FLAGS) + len(FILES) + len(RUNTIME) + 4 >= 60
+def rule_messages(source: str) -> list[tuple[int, str]]:
+    """(line, the longest literal part of its message) for every ``_require(...)`` and
+    ``ConfigError(...)`` in ``source``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("_require", "ConfigError"):
+            msg = node.args[1] if node.func.id == "_require" else node.args[0]
+            parts = [v.value for v in (msg.values if isinstance(msg, ast.JoinedStr) else [msg])
+                     if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            if parts:
+                out.append((node.lineno, max(parts, key=len).strip()))
+    return out
+
+
+def test_every_rule_of_the_config_checks_has_a_catalogue_entry():
+    """Each rule config/checks.py enforces is run above (the catalogue asserts its whole line)."""
+    from tests.helpers import ROOT
+
+    lines = " ".join(str(entry[-1]) for group in (FLAGS, EVAL_FLAGS, FILES, RUNTIME) for entry in group)
+    rules = rule_messages((ROOT / "rlhf_plugins" / "config" / "checks.py").read_text())
+    missing = [f"checks.py:{line}: {text}" for line, text in rules if text not in lines]
+    assert len(rules) >= 12 and not missing, missing
 
 
 def test_no_custom_code_prompt_ever_reaches_the_user(rlhf, tmp_path, tiny_model, monkeypatch):

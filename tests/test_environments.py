@@ -243,7 +243,7 @@ def test_an_unreadable_tool_call_is_answered_and_counted(tokenizer):
 
 
 def test_async_tools_run_concurrently(tokenizer):
-    import time
+    running = {"now": 0, "most": 0}
 
     async def slow(x: int) -> str:
         """Wait.
@@ -251,21 +251,23 @@ def test_async_tools_run_concurrently(tokenizer):
         Args:
             x: a number
         """
-        await asyncio.sleep(0.3)
+        running["now"] += 1
+        running["most"] = max(running["most"], running["now"])
+        await asyncio.sleep(0.05)
+        running["now"] -= 1
         return str(x)
 
-    s = session(tokenizer, [slow])
     call = '<tool_call>{"name": "slow", "arguments": {"x": %d}}</tool_call>'
-    start = time.perf_counter()
+    s = session(tokenizer, [slow])
     text, _ = observe(tokenizer, s, "".join(call % i for i in range(3)) + "<|eos|>")
-    # three calls of one turn, run one after another by the session; sessions of a step overlap
-    assert text.count("<|tool|>") == 3
-    runner = runner_for(tokenizer)
-    sessions = [session(tokenizer, [slow]) for _ in range(8)]
-    start = time.perf_counter()
-    runner._gather([x.step(call % 1 + "<|eos|>") for x in sessions])
-    assert time.perf_counter() - start < 0.3 * 8 / 2
-    runner.close()
+    # three calls of one turn run one after another by the session
+    assert text.count("<|tool|>") == 3 and running["most"] == 1
+    # the sessions of a step overlap, up to --env.concurrency at once
+    for concurrency, expected in ((16, 8), (3, 3)):
+        runner, running["most"] = runner_for(tokenizer, concurrency=concurrency), 0
+        runner._gather([x.step(call % 1 + "<|eos|>") for x in [session(tokenizer, [slow]) for _ in range(8)]])
+        assert running["most"] == expected
+        runner.close()
 
 
 class BadReset:

@@ -155,7 +155,7 @@ def test_a_large_model_gets_real_model_defaults_unless_the_run_sets_them(rlhf, r
     assert config["learner"]["gradient_checkpointing"] is True
     assert "note: defaults for a 20M-parameter model" in out and "critic.lr" not in out[out.index("note:"):]
     code, out, _ = rlhf("train", "--dry-run", *short_run())  # the embedded tiny model keeps its tuned rate
-    assert code == 0 and yaml.safe_load(out[out.index("model:"):out.index("memory plan")])["learner"]["lr"] == 1e-3
+    assert code == 0 and yaml.safe_load(out[out.index("model:"):out.index("memory plan")])["learner"]["lr"] == 5e-4
 
 
 def test_a_first_update_that_moves_kl_too_far_says_so_naming_lr(rlhf, reduced, monkeypatch, tmp_path):
@@ -197,3 +197,22 @@ def test_out_of_memory_is_one_line_naming_the_role_its_need_and_the_flags(tmp_pa
     (run,) = list((tmp_path / "runs").iterdir())
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and "ran out of memory" in status["message"]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero3_memory_items_by_hand(offload):
+    """ZeRO-3 over 2 ranks, float32, AdamW: each rank holds half of the weights, gradients and the two
+    Adam states; float32 weights are their own master unless the optimizer is offloaded, which then
+    keeps a float32 master and a gradient partition of its own."""
+    from rlhf_plugins.config.schema import Config
+    from rlhf_plugins.models.memory import MemoryInputs, deepspeed_learner_memory
+
+    shape = ModelShape(parameters=1000, layer_parameters=300, largest_tensor=400, vocab=50, hidden=8,
+                       intermediate=16, layers=2, q_dim=8, kv_dim=4, tied=True)
+    m = MemoryInputs(Config(), shape, "actor", ranks=2, trainable=1000, micro_tokens=0, logits_bytes=0,
+                     options={"zero_stage": 3, "offload_optimizer": offload})
+    items = deepspeed_learner_memory(m)
+    assert items["weights"] == 2000 and items["gathered tensor"] == 1600
+    assert items["gradients"] == 2000 and items["optimizer states"] == 4000
+    assert items.get("fp32 master weights", 0) == (2000 if offload else 0)
+    assert items.get("offloaded gradients", 0) == (2000 if offload else 0)

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from rlhf_plugins.models.forward import group_permutation, policy_forward, split_batch
-from tests.helpers import random_batch
+from tests.helpers import random_batch, speedups_supported
+
+#: tests of the package's own KV caches and attention, which transformers 4.x does not run
+needs_speedups = pytest.mark.skipif(not speedups_supported(), reason="this transformers runs its own cache and "
+                                    "attention (rlhf_plugins.models.speedups)")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,7 @@ def test_reserved_kv_cache_samples_exactly_what_the_growing_cache_samples(tiny_m
     assert max(map(len, reserved[1].completion_ids)) > 4  # decoding went on past the short budget
 
 
+@needs_speedups
 def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_model, monkeypatch):
     """Cascade attention in decode (each prompt's keys read once for its samples) against the
     reserved per-sample cache under SDPA: same tokens, log-probs equal to float32 rounding, on
@@ -155,6 +160,7 @@ def test_cascade_attention_equals_sdpa_over_the_whole_sequence(kv_heads):
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-12)
 
 
+@needs_speedups
 def test_shared_prefix_attention_only_for_plain_sdpa_full_attention_models():
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -178,6 +184,7 @@ def test_shared_prefix_attention_only_for_plain_sdpa_full_attention_models():
         layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
 
 
+@needs_speedups
 def test_reserved_kv_cache_is_used_only_for_full_attention_models():
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -429,3 +436,63 @@ def test_a_cuda_ipc_handle_is_opened_on_this_processs_gpu(monkeypatch):
         [a for i, a in enumerate(args) if i != names.index("storage_device")]
     with pytest.raises(RuntimeError, match="takes no storage_device"):
         with_this_device(lambda tensor_cls, size: None, ("a", "b"))
+
+
+def _engine_and_samples(tiny_model):
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({}, autoload=False)
+    engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist() for n in (6, 40, 35)]
+    return engine, engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12, temperature=1.3, seed=5))
+
+
+@pytest.fixture
+def fresh_probe():
+    from rlhf_plugins.models import speedups
+
+    speedups.supported.cache_clear()
+    yield speedups
+    speedups.supported.cache_clear()
+
+
+@needs_speedups
+def test_the_speedups_switch_runs_transformers_own_cache_and_attention(tiny_model, monkeypatch, fresh_probe):
+    """RLHF_SPEEDUPS=0: no reserved cache, no cascade, transformers' SDPA -- and the same samples."""
+    from rlhf_plugins.engines import transformers_engine
+
+    fast_engine, fast = _engine_and_samples(tiny_model)
+    assert fast_engine.shared_prefix
+    made = []
+    real = transformers_engine.reserved_cache
+    monkeypatch.setattr(transformers_engine, "reserved_cache", lambda *a: made.append(1) or real(*a))
+    monkeypatch.setenv(fresh_probe.ENV, "0")
+    engine, plain = _engine_and_samples(tiny_model)
+    assert not engine.shared_prefix and engine.model.config._attn_implementation == "sdpa" and made == []
+    assert plain.completion_ids == fast.completion_ids and plain.finish_reasons == fast.finish_reasons
+    for a, b in zip(plain.logprobs, fast.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+@needs_speedups
+def test_unexpected_transformers_internals_fall_back_with_one_line(tiny_model, monkeypatch, caplog, fresh_probe):
+    """What transformers 4.57 did (a cache-layer method with another signature): one warning line,
+    then transformers' own cache and attention, and generation works."""
+    from rlhf_plugins.models import kv_cache
+
+    def older_signature(self, key_states):
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(kv_cache.DynamicLayer, "lazy_initialization", older_signature)
+    with caplog.at_level("WARNING", logger="rlhf_plugins"):
+        assert fresh_probe.enabled() is False
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "TypeError" in lines[0] and "its own KV cache and attention run instead" in lines[0]
+    assert "\n" not in lines[0]
+    monkeypatch.undo()  # generation needs transformers' real cache layer back; the probe's answer is kept
+    engine, samples = _engine_and_samples(tiny_model)
+    assert not engine.shared_prefix and len(samples) == 12 and all(samples.completion_ids)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from rlhf_plugins.commands.convert import convert, render
-from rlhf_plugins.integrations.openrlhf import lookup, markdown
-from tests.helpers import ROOT, short_run
+from rlhf_plugins.config.openrlhf_flags import lookup, markdown
+from tests.helpers import ROOT, make_reward_model, short_run
 
 FLAGS = json.loads((Path(__file__).parent / "data" / "openrlhf_flags.json").read_text())["flags"]
 
@@ -72,7 +72,7 @@ def test_a_close_spelling_hint_never_names_a_key_of_another_meaning(rlhf):
 def _accepted(tmp_path, rlhf, tiny_model, monkeypatch, argv, command="train"):
     conv = convert(argv)
     text = render(conv).replace("MODEL", tiny_model).replace("DATA", "builtin:addition-train")
-    text = text.replace("- RM", f"- {tiny_model}")
+    text = text.replace("- RM", f"- {make_reward_model(tmp_path / 'rm')}")
     path = tmp_path / "converted.yaml"
     path.write_text(text)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the user's cluster: not sized from this machine
@@ -117,7 +117,7 @@ def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeyp
     assert conv.raw["lora"]["rank"] == 8 and conv.raw["model"]["dtype"] == "bfloat16"
     assert "--zero_stage" in dict(conv.skipped)
     text = render(conv).replace("MODEL", tiny_model).replace("path: DATA", "path: null")
-    text = text.replace("prompt_key: prompt\n", "").replace("completion_key: answer\n", "")
+    text = text.replace("  prompt_key: prompt\n", "").replace("  completion_key: answer\n", "")
     (tmp_path / "sft.yaml").write_text(text)
     code, out, err = rlhf("sft", "--config", str(tmp_path / "sft.yaml"), "--dry-run")
     assert code == 0, err

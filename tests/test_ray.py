@@ -196,32 +196,30 @@ def test_a_role_failing_at_start_stops_set_up_and_leaves_no_actor(local_ray, tmp
 
 
 def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
-    start = time.monotonic()
+    """Decided from the cluster's resources: no placement group is asked for (none would ever be ready)."""
+    groups = len(ray.util.placement_group_table())
     with pytest.raises(ClusterError, match=r"the roles ask for 6 GPU in all \(actor 6\) but the cluster has 4: 1 node\(s\)"):
-        RayPlacement(PlacementContext(config(actor_workers=6), ("actor",)))
-    assert time.monotonic() - start < 5
+        RayPlacement(PlacementContext(config(actor_workers=6, ready_timeout=3600), ("actor",)))
+    assert len(ray.util.placement_group_table()) == groups
 
 
 def test_strict_spread_on_one_node_times_out_with_a_reason(local_ray):
-    start = time.monotonic()
-    with pytest.raises(ClusterError, match="STRICT_SPREAD needs one node per bundle.*not ready after"):
+    with pytest.raises(ClusterError, match=r"STRICT_SPREAD needs one node per bundle.*not ready after \d+ s"):
         RayPlacement(PlacementContext(config(actor_workers=2, strategy="STRICT_SPREAD", ready_timeout=2), ("actor",)))
-    assert time.monotonic() - start < 15
     # nothing is left reserved: a feasible request still fits
     p = RayPlacement(PlacementContext(config(actor_workers=4), ("actor",)))
     p.shutdown()
 
 
+@pytest.mark.timeout(120)  # a hang fails here instead of stalling the suite
 def test_unreachable_address_is_bounded():
     from rlhf_plugins.placement.ray_cluster import connect
 
     opts = RayOptions(address="127.0.0.1:1", connect_timeout=2)
-    start = time.monotonic()
     with pytest.raises(ClusterError, match="cannot reach the Ray cluster at '127.0.0.1:1'"):
         if ray.is_initialized():
             ray.shutdown()
         connect(opts)
-    assert time.monotonic() - start < 5
 
 
 def test_a_local_cluster_the_run_starts_listens_on_loopback():

@@ -134,6 +134,7 @@ def faulty():
     server.server_close()
 
 
+@pytest.mark.timeout(120)  # a hang fails here instead of stalling the suite
 @pytest.mark.parametrize("mode, expected", [
     ("500", "failed 3 times; last: HTTP 500 (model crashed: CUDA out of memory)"),
     ("notjson", "answered something that is not JSON: '<html>gateway</html>'"),
@@ -144,11 +145,9 @@ def test_every_server_fault_is_one_line_naming_the_url(faulty, mode, expected):
     server, url = faulty
     server.mode = mode
     client = RemoteReward([url], timeout=1.0, attempts=3, backoff=0.05)
-    start = time.monotonic()
     with pytest.raises(RewardError) as info:
         client(["a", "b"], ["1", "2"])
     assert str(info.value).startswith(f"reward server {url} ") and expected in str(info.value)
-    assert time.monotonic() - start < 15  # bounded: never a hang
 
 
 def test_a_transient_500_is_retried(faulty):

@@ -13,16 +13,16 @@ from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
 
 @pytest.mark.slow
 def test_default_run_learns(rlhf):
-    """The README's promise: the mean reward of the last 10% of steps beats the first 10% (by 0.18
-    to 0.32 over seeds 0-2 with the shipped model; the margin here is 0.15, so another CPU's kernels,
-    which change the run as another seed would, do not fail it), and held-out pass@1 rises (+0.43 to
-    +0.60 over the same seeds; checked at 0.2)."""
+    """The README's promise: the mean reward of the last 10% of steps beats the first 10% (by 0.37
+    to 0.40 over seeds 0-5 with the shipped model and torch 2.13; the margin here is 0.25, so another
+    CPU's or torch's kernels, which change the run as another seed would, do not fail it), and
+    held-out pass@1 rises (+0.49 to +0.65 over the same seeds; checked at 0.3)."""
     code, out, err = rlhf("train")
     assert code == 0, err
     run = the_run()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 200
-    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.15, summary
+    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.25, summary
     rows = metrics_of(run)
     assert len(rows) == 200 and {"reward/mean", "kl", "loss/total", "time/step"} <= set(rows[-1])
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -30,19 +30,26 @@ def test_default_run_learns(rlhf):
     evals = eval_rows_of(run)
     assert [r["step"] for r in evals] == [0, 200]
     assert {"eval/pass@1", "eval/pass@8", "eval/mean@8", "eval/maj@8", "eval/greedy"} == set(evals[0]) - {"step"}
-    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.2, evals
+    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.3, evals
     assert summary["eval_first"] == evals[0] and summary["eval_last"] == evals[-1]
     assert "held-out, step 0 -> 200: pass@1" in out
 
     # the final policy is a normal transformers model that answers the task
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlhf_plugins.models.tiny_model import task_rows
+
     tok = AutoTokenizer.from_pretrained(run / "final")
     model = AutoModelForCausalLM.from_pretrained(run / "final")
-    ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
-    out_ids = model.generate(**ids, max_new_tokens=4, do_sample=False)
-    assert tok.decode(out_ids[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip().isdigit()
+    right = 0
+    for row in task_rows("test"):  # greedy answers, as the held-out evaluation's greedy metric counts them
+        ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        out_ids = model.generate(**ids, max_new_tokens=6, do_sample=False)
+        right += tok.decode(out_ids[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() == row["label"]
+    # 0.70-0.95 over seeds 0-5; the model is the one the last evaluation measured
+    assert right / len(task_rows("test")) == pytest.approx(summary["eval_last"]["eval/greedy"], abs=0.1)
+    assert right / len(task_rows("test")) >= 0.6
 
 
 def test_short_run_writes_a_complete_run_directory(rlhf):
@@ -87,7 +94,7 @@ def test_lifecycle_hooks_fire_in_order(rlhf, tmp_path):
             _w("after_rollout", step, len(rollout), sorted(rollout.columns), rollout.group_size)
         @hookimpl
         def rlhf_after_weight_sync(step, info):
-            _w("after_weight_sync", step, info["method"], info["shared"])
+            _w("after_weight_sync", step, info["method"], info["shared"], info.get("setup"))
         @hookimpl
         def rlhf_after_step(step, metrics):
             _w("after_step", step, "reward/mean" in metrics)
@@ -105,10 +112,10 @@ def test_lifecycle_hooks_fire_in_order(rlhf, tmp_path):
         ["configure", 2],
         ["before_train", True],
         ["after_rollout", 0, 16, ["label"], 4],
-        ["after_weight_sync", 0, "inprocess", True],
+        ["after_weight_sync", 0, "inprocess", True, {"shared": True}],
         ["after_step", 0, True],
         ["after_rollout", 1, 16, ["label"], 4],
-        ["after_weight_sync", 1, "inprocess", True],
+        ["after_weight_sync", 1, "inprocess", True, None],
         ["after_step", 1, True],
         ["after_train", 2],
     ]

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 from ..config.loading import set_dotted
+from ..config.openrlhf_flags import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
 from ..errors import UsageError
-from ..integrations.openrlhf import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
 
 #: sections a stage (rlhf sft / rm / dpo) config has; other keys of ours apply to rlhf train only
 STAGE_SECTIONS = ("model", "data", "train", "lora", "trl")

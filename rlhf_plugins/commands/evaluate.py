@@ -87,7 +87,6 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
 
 def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any]:
     """Place the generation and reward roles, evaluate once, return the report."""
-    from rich.table import Table
     from transformers import AutoTokenizer
 
     from .._lazy import resolve
@@ -128,12 +127,7 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
         placement.shutdown()
     console.print(f"held-out evaluation of {escape(model_path)} on {escape(str(source))} ({len(held)} prompts, "
                   f"{config.eval.n_samples} samples each)", highlight=False, soft_wrap=True)
-    table = Table()
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        table.add_row(key, f"{value:.4f}")
-    console.print(table)
+    show_metrics(console, metrics)
     e = config.eval
     return {
         "model": model_path,
@@ -146,3 +140,14 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
                      [*plan.rewards, *config.reward.models, *(["remote"] if config.reward.remote_urls else [])],
                      "seed": config.train.seed},
     }
+
+
+def show_metrics(console: Console, metrics: dict[str, float]) -> None:
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4f}")
+    console.print(table)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from ..settings import describe_bounds
-from .loading import _hints
+from .coerce import _hints
 from .options import OptionRegistry
 from .schema import Config
 

@@ -119,7 +119,7 @@ class LearnerConfig:
     #: torch (one process) | deepspeed (ZeRO 0-3, several ranks) or a plugin's
     backend: str = "torch"
     #: peak learning rate of the policy
-    lr: float = setting(1e-3, gt=0)
+    lr: float = setting(5e-4, gt=0)
     #: decoupled weight decay (AdamW) or L2 (Adam, SGD)
     weight_decay: float = setting(0.0, ge=0)
     #: clip the global gradient norm to this (0: no clipping)

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..algorithms import AGGREGATIONS
 from ..core.manager import RLHFPluginManager
 from ..errors import ConfigError
-from ..settings import check_bounds
 from ..types import (
     AdvantageEstimator,
     Environment,
@@ -23,6 +21,7 @@ from ..types import (
     RewardFunction,
     WeightSyncMethod,
 )
+from .checks import _require, check_ranges, check_staleness
 from .schema import Config
 
 
@@ -61,94 +60,6 @@ class Plan:
         """The roles to place, in start order."""
         return ("generation", "actor", *("reference",) * self.needs_reference, *("critic",) * self.needs_critic,
                 "reward")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def check_ranges(c: Config) -> None:
-    """Every key within the bounds declared beside it (:func:`rlhf_plugins.settings.setting`), core
-    and plugin sections alike, then the rules that tie several keys together."""
-    check_bounds(c)
-    for name, section in c.extra.items():
-        check_bounds(section, f"{name}.")
-    g, t, p, r, k = c.generation, c.train, c.algo.policy_loss, c.reward, c.algo.kl
-    _require(
-        p.aggregation in AGGREGATIONS,
-        f"unknown loss aggregation '{p.aggregation}'; choose one of: {', '.join(AGGREGATIONS)} "
-        "(--algo.policy_loss.aggregation)",
-    )
-    _require(
-        r.overlong_buffer <= g.max_new_tokens,
-        f"reward.overlong_buffer ({r.overlong_buffer}) must not exceed generation.max_new_tokens ({g.max_new_tokens})",
-    )
-    for url in r.remote_urls:
-        _require(url.startswith(("http://", "https://")), f"reward.remote_urls entry '{url}' is not an http(s) URL")
-    if r.filter_range is not None:
-        _require(
-            len(r.filter_range) == 2 and r.filter_range[0] < r.filter_range[1],
-            f"reward.filter_range must be [low, high] with low < high; got {r.filter_range}",
-        )
-    _require(
-        not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
-        "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
-    )
-    _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
-    betas = c.learner.betas
-    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
-             f"config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
-    _require(c.model.dtype != "float16" or _has_gpu(),
-             "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16")
-    name = t.run_name
-    _require(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
-             f"train.run_name '{name}' must be a plain folder name inside train.output_dir (no '/' or '..')")
-    if r.models:
-        from ..models.reward_model import inspect_reward_model
-
-        for path in r.models:
-            inspect_reward_model(path, r.value_head_prefix)
-    from ..models.folder import check_model_folder
-
-    for key, folder in (("model.path", c.model.path), ("critic.path", c.critic.path)):
-        if folder:
-            check_model_folder(folder, key, trust_remote_code=c.model.trust_remote_code, tokenizer=key == "model.path")
-    from ..data.prompts import builtin_rows, data_files
-
-    for key, folder in (("data.path", c.data.path), ("eval.path", c.eval.path)):
-        if folder and builtin_rows(folder) is None:
-            data_files(Path(folder).expanduser(), key)
-    check_best_metric(c)
-
-
-def eval_metric_names(c: Config) -> list[str]:
-    """The metrics an evaluation of this config reports."""
-    k = c.eval.n_samples
-    return ["eval/pass@1", *([f"eval/pass@{k}"] if k > 1 else []), f"eval/mean@{k}", f"eval/maj@{k}", "eval/greedy"]
-
-
-def check_best_metric(c: Config) -> None:
-    metric = c.train.best_metric
-    if not metric:
-        return
-    from ..data.prompts import eval_source
-
-    names = eval_metric_names(c)
-    _require(metric in names, f"train.best_metric '{metric}' is not an evaluation metric; choose one of: "
-                              f"{', '.join(names)}")
-    _require(eval_source(c) is not None, f"train.best_metric '{metric}' needs held-out evaluation: give --eval.path "
-                                         "or --eval.split (and keep --eval.enabled true)")
-
-
-def _has_gpu() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def choose_rewards(c: Config, pm: RLHFPluginManager, plugin_env: bool = False) -> tuple[list[str], list[float]]:
@@ -258,22 +169,6 @@ def check_combinations(c: Config, plan: Plan) -> None:
             f"advantage estimator '{est.name}' needs a critic, but critic.enabled is false; "
             "enable it or choose an estimator without one (group_norm, rloo, reinforce, ...)"
         )
-
-
-def check_staleness(c: Config) -> None:
-    """Asynchronous training trains on samples of older policies: it needs the engine's log-probs
-    corrected for (or an explicit opt-out), and partial rollouts need something to overlap with."""
-    k, mismatch = c.train.max_staleness, c.algo.policy_loss.mismatch
-    if k >= 1 and mismatch == "none" and not c.train.allow_uncorrected_staleness:
-        raise ConfigError(
-            f"train.max_staleness {k} trains on samples of policies up to {k} update{'s' if k > 1 else ''} behind "
-            "the learner, and "
-            "algo.policy_loss.mismatch is none, so nothing corrects for it; use --algo.policy_loss.mismatch tis "
-            "(or icepop, seq_mask_tis), or --train.allow_uncorrected_staleness true to train uncorrected"
-        )
-    if c.generation.partial_rollout and k == 0:
-        raise ConfigError("generation.partial_rollout swaps weights during a generation, which needs "
-                          "asynchronous training; set --train.max_staleness 1 (or more), or drop partial_rollout")
 
 
 def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:

@@ -171,6 +171,8 @@ class PluginLoading:
         self.requested.add(name)
 
     def _register_user_plugin(self, plugin: object, name: str) -> None:
+        if self.is_registered(plugin):  # a builtin module named as a plugin (``rlhf_plugins.builtin_plugins.rewards``)
+            return
         has_hooks = any(self.parse_hookimpl_opts(plugin, attr) is not None for attr in dir(plugin))
         if not has_hooks and isinstance(plugin, ModuleType):
             from ..environments.openrlhf import AgentFile

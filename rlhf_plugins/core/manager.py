@@ -17,12 +17,12 @@ from typing import Any
 import pluggy
 
 from .._markers import PROJECT
-from ..errors import PluginError
+from ..errors import PluginError, UsageError
 from ..hookspecs import SPEC_MODULES, lifecycle
 from ..types import AREAS
 from .loading import PluginInfo, PluginLoading, exit_error
 from .registry import ComponentRegistry
-from .spec import PluginSpec, remember
+from .spec import PluginSpec
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -40,6 +40,18 @@ def one_line(exc: Exception) -> str:
     hook = re.search(r"hook '([^']+)'", lines[0]) if lines else None
     reason = lines[-1] if lines else str(exc)
     return f"its {hook.group(1)}: {reason}" if hook else reason
+
+
+def _raiser(hook: Any, exc: BaseException) -> str:
+    """The plugin whose implementation of ``hook`` is on ``exc``'s traceback."""
+    codes, tb = set(), exc.__traceback__
+    while tb is not None:
+        codes.add(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    for impl in hook.get_hookimpls():
+        if getattr(impl.function, "__code__", None) in codes:
+            return impl.plugin_name
+    return "?"
 
 
 def autoload_disabled() -> bool:
@@ -92,7 +104,7 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
             self.infos[name] = PluginInfo(name, "python", "", type(obj).__name__)
             self.requested.add(name)
         self.check_pending()
-        remember(self.spec, self)
+        _MANAGERS[self.spec] = self
         return self
 
     def check_pending(self) -> None:
@@ -193,11 +205,22 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
     def configure(self, config: Any, plan: Any) -> None:
         self.hook.rlhf_configure.call_historic(kwargs={"config": config, "plan": plan})
 
-    def load_model(self, role: str, path: str, config: Any) -> Any:
+    def decide(self, hookname: str, **kwargs: Any) -> Any:
+        """Call a decision hook (the first answer wins); a plugin that raises, or calls
+        ``sys.exit``, is one line naming the plugin and the hook."""
+        hook = getattr(self.hook, hookname)
         try:
-            model = self.hook.rlhf_load_model(role=role, path=path, config=config)
+            return hook(**kwargs)
+        except (UsageError, KeyboardInterrupt):
+            raise
         except SystemExit as exc:
-            raise PluginError(f"a plugin called sys.exit({exc.code!r}) in rlhf_load_model") from None
+            raise PluginError(f"plugin '{_raiser(hook, exc)}' called sys.exit({exc.code!r}) in {hookname}") from None
+        except Exception as exc:
+            raise PluginError(f"plugin '{_raiser(hook, exc)}' raised {type(exc).__name__} in {hookname}: "
+                              f"{exc}".splitlines()[0]) from exc
+
+    def load_model(self, role: str, path: str, config: Any) -> Any:
+        model = self.decide("rlhf_load_model", role=role, path=path, config=config)
         if model is None:
             raise PluginError(f"no plugin loaded the {role} model from '{path}'")
         import torch
@@ -262,3 +285,16 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
 def create_manager(plugin_args: Iterable[str] = (), *, autoload: bool | None = None,
                    inline: Iterable[tuple[str, object]] = ()) -> RLHFPluginManager:
     return RLHFPluginManager().setup(plugin_args, autoload=autoload, inline=inline)
+
+
+#: the manager of each spec in this process: the driver's own, or one rebuilt in a worker
+_MANAGERS: dict[PluginSpec, RLHFPluginManager] = {}
+
+
+def get_manager(spec: PluginSpec) -> RLHFPluginManager:
+    """The manager for ``spec`` in this process: the driver's own, or rebuilt once in a worker."""
+    pm = _MANAGERS.get(spec)
+    if pm is None:
+        pm = RLHFPluginManager().setup(spec.plugins, autoload=spec.autoload, inline=spec.inline, spec=spec)
+        _MANAGERS[spec] = pm
+    return pm

@@ -2,7 +2,8 @@
 
 Roles run in the driver (local placement) or in Ray actors; each needs the manager the driver
 built (its ``--plugin`` list, autoload setting and plugin objects registered from Python). A
-:class:`PluginSpec` says how to rebuild it; :func:`get_manager` builds it once per process.
+:class:`PluginSpec` says how to rebuild it; :func:`rlhf_plugins.core.manager.get_manager` builds
+it once per process.
 Plugin objects travel inside the spec as they are: a placement that crosses processes pickles
 them (Ray's cloudpickle sends objects defined in a user's script by value).
 """
@@ -12,10 +13,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .manager import RLHFPluginManager
+from typing import Any
 
 #: module-name prefix of plugins imported from a ``.py`` path
 FILE_MODULE_PREFIX = "rlhf_plugin_file_"
@@ -29,28 +27,8 @@ class PluginSpec:
     inline: tuple[tuple[str, Any], ...] = field(default=(), compare=False, hash=False)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def build(self) -> RLHFPluginManager:
-        from .manager import RLHFPluginManager
-
-        return RLHFPluginManager().setup(self.plugins, autoload=self.autoload, inline=self.inline, spec=self)
-
     @staticmethod
     def file_modules() -> list[ModuleType]:
         """Plugins imported from ``.py`` files in this process (not importable by name elsewhere:
         a placement that crosses processes ships them by value)."""
         return [m for name, m in list(sys.modules.items()) if name.startswith(FILE_MODULE_PREFIX)]
-
-
-_MANAGERS: dict[PluginSpec, RLHFPluginManager] = {}
-
-
-def remember(spec: PluginSpec, pm: RLHFPluginManager) -> None:
-    _MANAGERS[spec] = pm
-
-
-def get_manager(spec: PluginSpec) -> RLHFPluginManager:
-    """The manager for ``spec`` in this process: the driver's own, or rebuilt once in a worker."""
-    pm = _MANAGERS.get(spec)
-    if pm is None:
-        pm = _MANAGERS[spec] = spec.build()
-    return pm

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..models import attention
+from ..models import attention, speedups
 from ..models.forward import position_ids
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.weights import load_named_weights
@@ -65,22 +65,16 @@ class TransformersEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         n, device = params.n, self.device
-        U, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        input_ids = torch.full((U, P), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((U, P), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
-            input_ids[i, P - len(p) :] = torch.tensor(p)
-            attention[i, P - len(p) :] = 1
+        input_ids, attention = left_pad(prompt_ids, self.pad_id)
         input_ids, attention = input_ids.to(device), attention.to(device)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        U, P = input_ids.shape
         pos = position_ids(attention)
         # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept
         # once per prompt and read once per decode step for all its samples (cascade attention), or
         # repeated per sample; either cache reserves room for the whole budget (no per-step copy of it)
         shared = n > 1 and self.shared_prefix and P >= SHARED_PREFIX_MIN_PROMPT
         cache = (shared_prefix_cache(self.model, attention, params.max_new_tokens) if shared
-                 else reserved_cache(self.model, P + params.max_new_tokens))
-        decode_kwargs = {"shared_prefix": cache} if shared else {}
+                 else reserved_cache(self.model, P + params.max_new_tokens) if speedups.enabled() else None)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **({"past_key_values": cache} if cache is not None else {}))
         if n > 1:
@@ -88,30 +82,27 @@ class TransformersEngine:
             out.logits = out.logits.repeat_interleave(n, dim=0)
             attention = attention.repeat_interleave(n, dim=0)
             pos = pos.repeat_interleave(n, dim=0)
-        B = U * n
-        mask = torch.ones((B, P + params.max_new_tokens), dtype=attention.dtype, device=device)
+        mask = torch.ones((U * n, P + params.max_new_tokens), dtype=attention.dtype, device=device)
         mask[:, :P] = attention
-        next_pos = pos[:, -1:] + 1
+        return self._decode(out, mask, pos[:, -1:] + 1, params, cache if shared else None)
+
+    def _decode(self, out: Any, mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
+                shared: Any) -> Samples:
+        """Sample token by token from the prefilled ``out`` until every sample stopped or the budget
+        is spent; ``shared``: the shared-prefix cache (its cascade masks the prompts), or None."""
+        B, device, P = mask.shape[0], self.device, mask.shape[1] - params.max_new_tokens
         tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((B, params.max_new_tokens), device=device)
         lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         # drawn on the CPU whatever the device: the same seed samples the same tokens everywhere
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         uniforms = torch.rand((params.max_new_tokens, B), generator=gen).to(device)
-        filtered = params.top_k or params.top_p < 1.0
         for t in range(params.max_new_tokens):
-            logits = out.logits[:, -1, :].float()
-            if params.temperature != 1.0:
-                logits = logits / params.temperature
-            logprobs_all = torch.log_softmax(logits, dim=-1)
-            if filtered:
-                probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1)
-            else:
-                probs = logprobs_all.exp()
-            token = sample_from(probs, uniforms[t])
+            token, logp = sample_token(out.logits[:, -1, :], params, uniforms[t])
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens[:, t] = token
-            logps[:, t] = logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0)
+            logps[:, t] = logp.masked_fill(done, 0.0)
             finished_now = ~done & torch.isin(token, self.eos_ids)
             lengths = torch.where(finished_now, torch.full_like(lengths, t + 1), lengths)
             done = done | finished_now
@@ -119,22 +110,14 @@ class TransformersEngine:
                 break
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=None if shared else mask[:, : P + t + 1],  # the cascade masks the prompts
+                attention_mask=None if shared is not None else mask[:, : P + t + 1],
                 position_ids=next_pos,
                 past_key_values=out.past_key_values,
                 use_cache=True,
-                **decode_kwargs,
+                **({"shared_prefix": shared} if shared is not None else {}),
             )
             next_pos = next_pos + 1
-        samples = Samples()
-        tokens, logps, lengths, done = tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu()
-        for i in range(B):
-            L = int(lengths[i])
-            samples.prompt_index.append(i // n)
-            samples.completion_ids.append(tokens[i, :L].tolist())
-            samples.logprobs.append(logps[i, :L].tolist())
-            samples.finish_reasons.append("stop" if bool(done[i]) else "length")
-        return samples
+        return to_samples(tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu(), params.n)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         return load_named_weights(self.model, named_tensors)
@@ -181,3 +164,42 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to one width: (token ids, attention mask)."""
+    U, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((U, P), pad_id, dtype=torch.long)
+    attention = torch.zeros((U, P), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, P - len(p) :] = torch.tensor(p)
+        attention[i, P - len(p) :] = 1
+    return input_ids, attention
+
+
+def sample_token(last_logits: torch.Tensor, params: SamplingParams,
+                 uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row at the sampling temperature (top-k / top-p filtered when asked), drawn by
+    inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered distribution."""
+    logits = last_logits.float()
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    if params.top_k or params.top_p < 1.0:
+        probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1)
+    else:
+        probs = logprobs_all.exp()
+    token = sample_from(probs, uniform)
+    return token, logprobs_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def to_samples(tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor,
+               n: int) -> Samples:
+    samples = Samples()
+    for i in range(tokens.shape[0]):
+        L = int(lengths[i])
+        samples.prompt_index.append(i // n)
+        samples.completion_ids.append(tokens[i, :L].tolist())
+        samples.logprobs.append(logps[i, :L].tolist())
+        samples.finish_reasons.append("stop" if bool(done[i]) else "length")
+    return samples

@@ -150,85 +150,109 @@ class EnvRunner:
             rows: list[dict[str, Any]], where: list[str], params: SamplingParams) -> Trajectories:
         """``params.n`` trajectories for each prompt (``rows``: its dataset row; ``where``: how an
         error names it)."""
-        n, cfg, tok = params.n, self.cfg, self.tokenizer
+        n, cfg = params.n, self.cfg
+        sessions = self._sessions(rows, where, n)
+        reset_rows = [{k: v for k, v in rows[j // n].items() if k != cfg.column} for j in range(len(sessions))]
+        out = Trajectories()
+        out.prompt_ids = self._gather([s.start(prompts[j // n], reset_rows[j]) for j, s in enumerate(sessions)])
+        B = len(sessions)
+        out.completion_ids, out.action_masks, out.logprobs = ([[] for _ in range(B)] for _ in range(3))
+        out.final_texts, out.turns, out.finish_reasons = [""] * B, [0] * B, [""] * B
+        active = list(range(B))
+        for turn in range(cfg.max_turns):
+            room = {i: cfg.max_total_tokens - len(out.completion_ids[i]) for i in active}
+            for i in [i for i in active if room[i] <= 0]:
+                out.finish_reasons[i] = "length"
+            active = [i for i in active if room[i] > 0]
+            if not active:
+                break
+            contexts = [out.prompt_ids[i] + out.completion_ids[i] for i in active]
+            samples = self._sample(generate, contexts, params, turn, max(room.values()), out)
+            replies = self._model_turn(out, active, samples, contexts, room)
+            active = self._env_turn(out, sessions, replies, turn)
+        out.env_rewards = self._gather([s.reward() for s in sessions])
+        out.messages = [s.messages for s in sessions]
+        out.tool_calls = [s.tool_calls for s in sessions]
+        out.tool_failures = [s.tool_failures for s in sessions]
+        return out
+
+    def _sessions(self, rows: list[dict[str, Any]], where: list[str], n: int) -> list[Any]:
+        """One session per trajectory: an agent's own, or the tool-calling loop of its environment."""
         names = [self.env_of(row) for row in rows for _ in range(n)]
-        instances = self._instances(names)
-        sessions = []
-        for j, (name, inst) in enumerate(zip(names, instances)):
+        sessions: list[Any] = []
+        for j, (name, inst) in enumerate(zip(names, self._instances(names))):
             row, at = rows[j // n], where[j // n]
             if inst is not None and is_agent(inst):
                 sessions.append(AgentSession(name or "", inst, self.ctx, row, at))
             else:
                 tools = list(self.envs[name].tools) if name is not None else []
                 sessions.append(ToolSession(name or "none", inst, tools, self.ctx, row, at))
-        reset_rows = [{k: v for k, v in rows[j // n].items() if k != cfg.column} for j in range(len(sessions))]
-        out = Trajectories()
-        out.prompt_ids = self._gather([s.start(prompts[j // n], reset_rows[j]) for j, s in enumerate(sessions)])
-        B = len(sessions)
-        out.completion_ids, out.action_masks, out.logprobs = ([[] for _ in range(B)] for _ in range(3))
-        out.final_texts, out.turns, finish = [""] * B, [0] * B, [""] * B
-        active = list(range(B))
-        for turn in range(cfg.max_turns):
-            room = {i: cfg.max_total_tokens - len(out.completion_ids[i]) for i in active}
-            for i in [i for i in active if room[i] <= 0]:
-                finish[i] = "length"
-            active = [i for i in active if room[i] > 0]
-            if not active:
-                break
-            contexts = [out.prompt_ids[i] + out.completion_ids[i] for i in active]
-            seed = None if params.seed is None else params.seed + 7919 * turn
-            turn_budget = min(cfg.max_turn_tokens or cfg.max_total_tokens, max(room.values()))
-            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=turn_budget)
-            if turn == 0 and n > 1 and all(contexts[j] == contexts[j - j % n] for j in range(B)):
-                # the first turn of a group starts from one prompt: sample its n turns in one request
-                # (the engine prefills the prompt once)
-                samples = generate(contexts[::n], dataclasses.replace(turn_params, n=n))
+        return sessions
+
+    def _sample(self, generate: Callable[..., Any], contexts: list[list[int]], params: SamplingParams, turn: int,
+                room: int, out: Trajectories) -> Any:
+        """One model turn of every active trajectory."""
+        cfg, n = self.cfg, params.n
+        seed = None if params.seed is None else params.seed + 7919 * turn
+        turn_budget = min(cfg.max_turn_tokens or cfg.max_total_tokens, room)
+        turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=turn_budget)
+        B = len(contexts)
+        if turn == 0 and n > 1 and all(contexts[j] == contexts[j - j % n] for j in range(B)):
+            # the first turn of a group starts from one prompt: sample its n turns in one request
+            # (the engine prefills the prompt once)
+            return generate(contexts[::n], dataclasses.replace(turn_params, n=n))
+        samples = generate(contexts, turn_params)
+        if turn > 0 and getattr(samples, "cached_prompt_tokens", None) is not None:
+            out.later_cached_tokens = (out.later_cached_tokens or 0) + samples.cached_prompt_tokens
+            out.later_prompt_tokens += sum(len(c) for c in contexts)
+        return samples
+
+    def _model_turn(self, out: Trajectories, active: list[int], samples: Any, contexts: list[list[int]],
+                    room: dict[int, int]) -> list[tuple[int, str, str]]:
+        """Append each trajectory's sampled tokens (trained on); the ones that go on to the
+        environment, as (trajectory, the turn's text, the text just before it)."""
+        tok, replies = self.tokenizer, []
+        for j, i in enumerate(active):
+            ids, lps = list(samples.completion_ids[j]), list(samples.logprobs[j])
+            cut = len(ids) > room[i]
+            ids, lps = ids[: room[i]], lps[: room[i]]
+            out.completion_ids[i] += ids
+            out.action_masks[i] += [1] * len(ids)
+            out.logprobs[i] += lps
+            out.turns[i] += 1
+            out.final_texts[i] = tok.decode(ids, skip_special_tokens=True)
+            if cut or samples.finish_reasons[j] == "length":
+                out.finish_reasons[i] = "length"
+                continue
+            replies.append((i, tok.decode(ids, skip_special_tokens=False),
+                            tok.decode(contexts[j][-16:], skip_special_tokens=False)))
+        return replies
+
+    def _env_turn(self, out: Trajectories, sessions: list[Any], replies: list[tuple[int, str, str]],
+                  turn: int) -> list[int]:
+        """Each environment answers its trajectory's turn; its tokens are appended (masked out of the
+        loss). The trajectories still active."""
+        cfg = self.cfg
+        before = {i: len(sessions[i].messages) for i, _, _ in replies}
+        results = self._gather([_step(sessions[i], text, prefix) for i, text, prefix in replies])
+        active = []
+        for (i, _, _), res in zip(replies, results):
+            if res.done:
+                out.finish_reasons[i] = res.reason or "stop"
+            elif turn == cfg.max_turns - 1:  # out of turns: what answered the last turn is not kept
+                out.finish_reasons[i] = "max_turns"
+                del sessions[i].messages[before[i] + 1:]
             else:
-                samples = generate(contexts, turn_params)
-                if turn > 0 and getattr(samples, "cached_prompt_tokens", None) is not None:
-                    out.later_cached_tokens = (out.later_cached_tokens or 0) + samples.cached_prompt_tokens
-                    out.later_prompt_tokens += sum(len(c) for c in contexts)
-            stepping, texts, prefixes = [], [], []
-            for j, i in enumerate(active):
-                ids, lps = list(samples.completion_ids[j]), list(samples.logprobs[j])
-                cut = len(ids) > room[i]
-                ids, lps = ids[: room[i]], lps[: room[i]]
+                left = cfg.max_total_tokens - len(out.completion_ids[i])
+                ids = res.ids[:left]
                 out.completion_ids[i] += ids
-                out.action_masks[i] += [1] * len(ids)
-                out.logprobs[i] += lps
-                out.turns[i] += 1
-                out.final_texts[i] = tok.decode(ids, skip_special_tokens=True)
-                if cut or samples.finish_reasons[j] == "length":
-                    finish[i] = "length"
-                    continue
-                stepping.append(i)
-                texts.append(tok.decode(ids, skip_special_tokens=False))
-                prefixes.append(tok.decode(contexts[j][-16:], skip_special_tokens=False))
-            before = {i: len(sessions[i].messages) for i in stepping}
-            results = self._gather([_step(sessions[i], t, p) for i, t, p in zip(stepping, texts, prefixes)])
-            active = []
-            for i, res in zip(stepping, results):
-                if res.done:
-                    finish[i] = res.reason or "stop"
-                elif turn == cfg.max_turns - 1:  # out of turns: what answered the last turn is not kept
-                    finish[i] = "max_turns"
-                    del sessions[i].messages[before[i] + 1:]
+                out.action_masks[i] += [0] * len(ids)
+                out.logprobs[i] += [0.0] * len(ids)
+                if len(res.ids) >= left:
+                    out.finish_reasons[i] = "length"
                 else:
-                    left = cfg.max_total_tokens - len(out.completion_ids[i])
-                    ids = res.ids[:left]
-                    out.completion_ids[i] += ids
-                    out.action_masks[i] += [0] * len(ids)
-                    out.logprobs[i] += [0.0] * len(ids)
-                    if len(res.ids) >= left:
-                        finish[i] = "length"
-                    else:
-                        active.append(i)
-        out.finish_reasons = finish
-        out.env_rewards = self._gather([s.reward() for s in sessions])
-        out.messages = [s.messages for s in sessions]
-        out.tool_calls = [s.tool_calls for s in sessions]
-        out.tool_failures = [s.tool_failures for s in sessions]
-        return out
+                    active.append(i)
+        return active
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -32,12 +32,16 @@ _NOT_PLAIN: weakref.WeakSet = weakref.WeakSet()
 
 def enable(model: Any) -> bool:
     """Run ``model`` (or the model a DeepSpeed / PEFT wrapper holds) under :func:`attention` when its
-    attention is plain SDPA over full-attention layers. Returns whether it now does."""
+    attention is plain SDPA over full-attention layers and the speed machinery is on
+    (:mod:`.speedups`). Returns whether it now does."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    from . import speedups
     from .kv_cache import reserved_cache
 
+    if not speedups.enabled():
+        return False
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == ATTENTION:

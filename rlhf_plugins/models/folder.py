@@ -157,3 +157,16 @@ def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
         model.save_pretrained(path, **kwargs)
     finally:
         unwrapping.is_deepspeed_available = probe
+
+
+def save_tokenizer(tokenizer: Any, path: str | Path) -> None:
+    """``tokenizer.save_pretrained(path)`` naming the class every supported transformers loads:
+    transformers 5 writes ``TokenizersBackend``, which 4.x does not know; both read
+    ``PreTrainedTokenizerFast`` as the same fast tokenizer."""
+    tokenizer.save_pretrained(str(path))
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            config_file.write_text(json.dumps(config, indent=2) + "\n")

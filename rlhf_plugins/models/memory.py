@@ -165,6 +165,8 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
     shared = stage == 3 and b == 4 and not m.options.get("offload_optimizer")
     out["fp32 master weights"] = T * 4 // n if stage >= 1 and not shared else 0
     out["gradients"] = T * (4 if stage >= 1 else b) // (n if stage >= 2 else 1)
+    if m.options.get("offload_optimizer"):  # the offloaded optimizer's own float32 gradient partition
+        out["offloaded gradients"] = T * 4 // n  # (stage3.py initialize_optimizer_states: one per sub-group)
     states = T * 4 * optimizer_elements(m.config) if stage >= 1 else T * b * optimizer_elements(m.config)
     out["optimizer states"] = states // (n if stage >= 1 else 1)
     out["reduce bucket"] = zero_bucket_elements(m.shape) * 4 if stage >= 2 else 0

@@ -65,7 +65,7 @@ def build(name: str, out: str | Path, *, layers: int | None = None, hidden: int 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .folder import save_pretrained
+    from .folder import save_pretrained, save_tokenizer
     from .tiny_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(quiet=True))
@@ -78,5 +78,5 @@ def build(name: str, out: str | Path, *, layers: int | None = None, hidden: int 
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     out = Path(out)
     save_pretrained(model, out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out

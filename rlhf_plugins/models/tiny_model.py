@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .folder import save_pretrained
+from .folder import save_pretrained, save_tokenizer
 
 RECIPE_VERSION = 1
 CHAT_TEMPLATE = (
@@ -210,7 +210,7 @@ def pretrain(out: Path, tokenizer: Any, batch_texts: Callable[[], list[str]], st
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     save_pretrained(model, out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
 
 
 if __name__ == "__main__":  # pragma: no cover - regenerating the shipped model

@@ -175,12 +175,12 @@ def _send(ctx: RankContext, engines: list[Any], size: int) -> dict[str, Any]:
     futures, tensors, nbytes, count = [], 0, 0, 0
     for bucket, parts in buckets(named, size):
         flat = torch.cat(parts)
-        futures += [engine.submit(_receive, bucket) for engine in engines]
+        futures += [endpoint.submit(_receive, bucket) for endpoint in engines]
         group.broadcast(flat.to(group.device), src=0)
         tensors += len(bucket.names)
         nbytes += flat.numel() * flat.element_size()
         count += 1
-    futures += [engine.submit(commit) for engine in engines]
+    futures += [endpoint.submit(commit) for endpoint in engines]
     engines[0].wait(futures)
     return {"tensors": tensors, "bytes": nbytes, "buckets": count, "rpcs": len(futures)}
 

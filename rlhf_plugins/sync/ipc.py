@@ -87,10 +87,10 @@ class IPCSender:
             for part in parts:
                 buf[offset : offset + part.numel()].copy_(part)
                 offset += part.numel()
-            futures += [engine.submit(_receive, bucket, handle, index) for engine in engines]
+            futures += [endpoint.submit(_receive, bucket, handle, index) for endpoint in engines]
             tensors += len(bucket.names)
             nbytes += buf.numel() * buf.element_size()
-        futures += [engine.submit(commit) for engine in engines]
+        futures += [endpoint.submit(commit) for endpoint in engines]
         engines[0].wait(futures)  # buffers are rewritten only after every engine has read them
         return {"tensors": tensors, "bytes": nbytes, "buckets": len(self.buffers), "rpcs": len(futures)}
 

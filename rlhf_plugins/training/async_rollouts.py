@@ -7,10 +7,8 @@ of step ``t`` starts only once the learner has made ``t - K`` updates, and the w
 engine to the newest weights before it starts, so every sample is trained on at most ``K``
 versions after the policy that sampled it. Nothing finished is ever thrown away for being stale.
 
-With ``generation.partial_rollout`` the worker generates in chunks of
-``generation.partial_chunk_tokens`` and takes new weights between chunks: an unfinished
-generation continues from its prefix (resubmitted to the engine, which works for every backend)
-under the newest policy, and each token records the version that sampled it.
+With ``generation.partial_rollout`` the worker generates in chunks and takes new weights between
+them (:mod:`.policy_lag`).
 
 The reference model's log-probs (they depend on the rollout alone) are computed in a thread of
 their own, off the learner's path. A rollout is generated in ``generation.rollout_parts`` parts
@@ -24,7 +22,6 @@ seeds, but not the staler weights the interrupted run had used).
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -35,7 +32,9 @@ from typing import Any
 import torch
 
 from ..protocols import Samples, SamplingParams
-from .rollout import Rollout, make_batch, reads_rows, step_rollout
+from .policy_lag import Stopped, staleness_metrics
+from .rollout import Rollout, make_batch
+from .rollout_sources import reads_rows, step_rollout
 
 
 @dataclass
@@ -54,10 +53,6 @@ class Produced:
     #: its tensors, with the reference log-probs (they depend on the rollout only), computed
     #: beside the next generation
     batch: Future
-
-
-class Stopped(Exception):
-    """The worker was asked to stop in the middle of a rollout."""
 
 
 class LockedEngine:
@@ -154,7 +149,7 @@ class RolloutWorker:
         t = self.trainer
         if self.learner_version < step - self.k:  # the bound, whatever a plugin says
             return False
-        answer = t.pm.hook.rlhf_admit_rollout(step=step, learner_version=self.learner_version,
+        answer = t.pm.decide("rlhf_admit_rollout", step=step, learner_version=self.learner_version,
                                               engine_version=t.engine_version, queued=[p.step for p in self.queue],
                                               max_staleness=self.k)
         return answer is not False
@@ -274,37 +269,10 @@ class RolloutWorker:
                 self.cond.notify_all()
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Samples, list[list[int]]]:
-        """Partial rollouts: generate ``chunk`` tokens at a time, taking new weights between chunks;
-        unfinished samples continue from their prefix, one sample per resubmitted prefix."""
-        t = self.trainer
-        first = dataclasses.replace(params, max_new_tokens=min(self.chunk, params.max_new_tokens))
-        out = t.engine.generate(prompt_ids, first)
-        samples = Samples(list(out.prompt_index), [list(x) for x in out.completion_ids],
-                          [list(x) for x in out.logprobs], list(out.finish_reasons))
-        versions = [[t.engine_version] * len(x) for x in samples.completion_ids]
-        rounds = 1
-        while True:
-            open_ = [j for j, (ids, why) in enumerate(zip(samples.completion_ids, samples.finish_reasons))
-                     if why == "length" and len(ids) < params.max_new_tokens]
-            if not open_:
-                break
-            if self.stopping:
-                raise Stopped
-            self.catch_up()
-            done = len(samples.completion_ids[open_[0]])
-            more = dataclasses.replace(
-                params, n=1, max_new_tokens=min(self.chunk, params.max_new_tokens - done),
-                seed=None if params.seed is None else params.seed + 7919 * rounds,
-            )
-            prefixes = [prompt_ids[samples.prompt_index[j]] + samples.completion_ids[j] for j in open_]
-            cont = t.engine.generate(prefixes, more)
-            for j, ids, lps, why in zip(open_, cont.completion_ids, cont.logprobs, cont.finish_reasons):
-                samples.completion_ids[j] += list(ids)
-                samples.logprobs[j] += list(lps)
-                samples.finish_reasons[j] = why
-                versions[j] += [t.engine_version] * len(ids)
-            rounds += 1
-        return samples, versions
+        """Partial rollouts: see :func:`.policy_lag.partial_sample`."""
+        from .policy_lag import partial_sample
+
+        return partial_sample(self, prompt_ids, params)
 
 
 def async_step(trainer: Any, step: int) -> dict[str, float]:
@@ -327,15 +295,3 @@ def async_step(trainer: Any, step: int) -> dict[str, float]:
         trainer.sampler_position = item.sampler_after
         worker.published(step + 1)
     return metrics
-
-
-def staleness_metrics(step: int, versions: list[list[int]]) -> dict[str, float]:
-    """Token-weighted lag (``step`` minus the version that sampled each token): mean, max, and
-    the fraction of tokens at each lag."""
-    lags = [step - v for seq in versions for v in seq]
-    if not lags:
-        return {}
-    out = {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
-    for lag in sorted(set(lags)):
-        out[f"async/tokens_lag{lag}"] = lags.count(lag) / len(lags)
-    return out

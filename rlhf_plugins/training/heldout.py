@@ -34,7 +34,7 @@ def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: An
         return judge.score(batch).scores
 
     def extract(text: str, row: dict[str, Any]) -> Any:
-        return pm.hook.rlhf_extract_answer(completion=text, sample=row)
+        return pm.decide("rlhf_extract_answer", completion=text, sample=row)
 
     sample = None
     if env_runner is not None:

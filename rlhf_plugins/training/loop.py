@@ -7,7 +7,7 @@ placements: roles are whatever the placement plugin returned.
 from __future__ import annotations
 
 import dataclasses
-import random
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -17,33 +17,18 @@ import torch
 
 from .._lazy import resolve
 from ..algorithms.advantages import AdvantageInputs
-from ..algorithms.kl_control import make_controller
-from ..algorithms.objective import Objective
-from ..algorithms.shaping import RewardShaper, keep_groups
-from ..algorithms.value import ValueObjective
+from ..algorithms.shaping import keep_groups
 from ..config.scale import warn_first_update
 from ..config.schema import Config
 from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
-from ..data.prompts import PromptSampler, PromptSet
-from ..environments import make_env_runner
-from ..protocols import PlacementContext, SamplingParams
+from ..data.prompts import PromptSet
+from ..protocols import SamplingParams
 from ..sync import verify_parity
 from .memory_watch import role_memory
-from .reward_role import RewardBatch, RewardRole
-from .roles import CriticRole, GenerationRole, PolicyRole, ReferenceRole
-from .rollout import Rollout, make_batch, rollout_metrics, step_rollout, step_timings
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
+from .reward_role import RewardBatch
+from .rollout import Rollout, make_batch, rollout_metrics, step_timings
+from .rollout_sources import step_rollout
 
 
 class Trainer:
@@ -86,51 +71,13 @@ class Trainer:
         #: multi-turn rollouts (--env.name or a data column naming environments)
         self.env_runner: Any = None
 
-    # --- set-up --------------------------------------------------------------
     def setup(self) -> None:
-        c, plan, spec = self.config, self.plan, self.pm.spec
-        if c.train.num_threads:
-            torch.set_num_threads(c.train.num_threads)
-        seed_everything(c.train.seed)
-        accelerated = ("generation", "actor", "reference", "critic", *(("reward",) if c.reward.models else ()))
-        ctx = PlacementContext(c, plan.roles, workers={"generation": plan.engine_workers}, plugin_spec=spec,
-                               accelerated=accelerated)
-        self.placement = resolve(plan.placement.factory)(ctx)
-        create = self.placement.create_role
-        self.engine = create("generation", GenerationRole, c, spec, self.model_path, plan.engine,
-                             plan.provider(plan.engine), plan.sync.needs_adapter)
-        learner = (plan.learner, plan.provider(plan.learner))
-        self.actor = create("actor", PolicyRole, c, spec, self.model_path, *learner)
-        self.reference = create("reference", ReferenceRole, c, spec, self.model_path) if plan.needs_reference else None
-        self.critic = create("critic", CriticRole, c, spec, c.critic.path or self.model_path,
-                             *learner) if plan.needs_critic else None
-        self.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
-        getattr(self.placement, "ready", lambda: None)()  # a placement that starts roles concurrently
-        self.env_runner = make_env_runner(c, self.pm, self.prompts.columns, self.tokenizer)
-        if c.train.max_staleness:
-            from .async_rollouts import LockedEngine
+        """Start every role, then the weight sync, then the algorithm's parts."""
+        from .setup import build_algorithm, create_roles
 
-            self.engine = LockedEngine(self.engine, self.engine_lock)
+        create_roles(self)
         self.reset_sync()
-        self.estimator = resolve(plan.estimator.compute)
-        self.kl_estimator = resolve(plan.kl.compute)
-        self.kl_control = make_controller(c.algo.kl)
-        self.objective = Objective(
-            policy_loss=resolve(plan.policy_loss.compute),
-            options=c.algo.policy_loss,
-            kl_estimator=self.kl_estimator if self.reference is not None else None,
-            norm_length=c.algo.policy_loss.norm_length,
-        )
-        self.value_objective = ValueObjective(c.critic.value_clip)
-        self.shaper = RewardShaper(c.reward, c.generation.max_new_tokens)
-        self.sampler = PromptSampler(len(self.prompts), c.train.seed, c.data.shuffle)
-        self.sampling = SamplingParams(
-            n=c.generation.n_samples_per_prompt,
-            max_new_tokens=c.generation.max_new_tokens,
-            temperature=c.generation.temperature,
-            top_p=c.generation.top_p,
-            top_k=c.generation.top_k,
-        )
+        build_algorithm(self)
 
     @property
     def parity_tol(self) -> float:
@@ -143,6 +90,7 @@ class Trainer:
     def reset_sync(self) -> None:
         """A fresh weight-sync object (at set-up, and after roles were restarted: it sets up anew)."""
         self.sync = resolve(self.plan.sync.factory)(self.config)
+        self.sync_setup: dict[str, Any] = {}
         attach = getattr(self.sync, "attach", None)
         if callable(attach):
             self.sync_setup = dict(attach(self.actor, self.engine) or {})
@@ -195,7 +143,7 @@ class Trainer:
         rollout = self.generate(step)
         raw, measured = list(rollout.raw_scores), rollout.metrics
         if not c.reward.dynamic_filtering:
-            return rollout, {"reward/mean": _mean(raw), **measured}
+            return rollout, {"reward/mean": statistics.fmean(raw or [0.0]), **measured}
         want, kept, n_kept, rounds = c.train.prompts_per_step, [], 0, 1
         while True:
             groups = keep_groups(rollout.scores, rollout.group_size, c.reward.filter_range)
@@ -207,7 +155,8 @@ class Trainer:
             rollout = self.generate(step, rounds)
             raw += rollout.raw_scores
             rounds += 1
-        metrics = {"reward/mean": _mean(raw), "filter/rounds": rounds, "filter/kept_groups": min(n_kept, want) / want,
+        metrics = {"reward/mean": statistics.fmean(raw or [0.0]), "filter/rounds": rounds,
+                   "filter/kept_groups": min(n_kept, want) / want,
                    **measured}
         if not kept:
             return rollout, metrics  # nothing had signal: the update is a no-op for group estimators
@@ -297,6 +246,8 @@ class Trainer:
         sync_info = dict(self.sync.sync(self.actor, self.engine, step) or {})
         sync_info.setdefault("method", c.sync.method)
         sync_info["seconds"] = time.perf_counter() - start
+        if self.sync_setup:  # the first sync after attach() reports what attach did
+            sync_info["setup"], self.sync_setup = self.sync_setup, {}
         self.engine_version = step + 1
         if c.sync.verify:
             sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe, self.parity_tol)
@@ -347,6 +298,3 @@ class Trainer:
         if self.placement is not None:
             self.placement.shutdown()
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0

@@ -8,6 +8,7 @@ out by the out-of-memory killer, minutes in.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ REMEDIES = {
                         "(--ray.actor_workers), or train adapters only (--lora.rank 16)",
     "fp32 master weights": "shard them over more ranks (--ray.actor_workers)",
     "gradients": "shard them (--deepspeed.zero_stage 2 or 3 over more ranks) or --lora.rank 16",
+    "offloaded gradients": "shard them over more ranks (--ray.actor_workers) or --lora.rank 16",
     "weights": "--model.dtype bfloat16, or ZeRO-3 (--deepspeed.zero_stage 3) over more ranks",
     "activations": "a smaller micro batch (--learner.micro_batch_size, --learner.max_tokens_per_micro_batch) or "
                    "--learner.gradient_checkpointing true",
@@ -222,7 +224,7 @@ def _role_need(c: Config, plan: Plan, shape: ModelShape, role: str, ranks: int, 
         fn = plan.learner.memory
     elif role == "generation":
         fn = plan.engine.memory
-        inputs = _replace(inputs, sequences=-(-batch // max(1, plan.engine_workers)))
+        inputs = dataclasses.replace(inputs, sequences=-(-batch // max(1, plan.engine_workers)))
     elif role == "reference":
         fn = reference_memory
     else:
@@ -270,7 +272,9 @@ def _inputs(c: Config, shape: ModelShape, role: str, ranks: int, batch: int, pro
     if role == "critic":
         logits = 0
     trainable = _trainable(c, shape, role)
-    options = dict(vars(c.extra["deepspeed"])) if "deepspeed" in c.extra else {}
+    backend = plan.engine if role == "generation" else plan.learner if role in ("actor", "critic") else None
+    section = c.extra.get(backend.name) if backend is not None else None  # the backend's own settings
+    options = dict(vars(section)) if section is not None else {}
     return MemoryInputs(c, shape, role, ranks, trainable, tokens, logits, batch, prompt, completion, options)
 
 
@@ -283,12 +287,6 @@ def _trainable(c: Config, shape: ModelShape, role: str) -> int:
     per_layer = rank * (2 * shape.hidden + shape.q_dim + 2 * (shape.hidden + shape.kv_dim) + shape.q_dim
                         + shape.hidden + 3 * (shape.hidden + shape.intermediate))
     return per_layer * shape.layers
-
-
-def _replace(inputs: MemoryInputs, **changes: Any) -> MemoryInputs:
-    import dataclasses
-
-    return dataclasses.replace(inputs, **changes)
 
 
 def show(plan: MemoryPlan, console: Any) -> None:

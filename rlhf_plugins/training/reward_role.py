@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.spec import PluginSpec, get_manager
+from ..core.manager import get_manager
+from ..core.spec import PluginSpec
 from ..dispatch import dispatch
 from ..errors import RewardError, UsageError
 from ..types import RewardFunction

@@ -18,7 +18,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._lazy import resolve
-from ..core.spec import PluginSpec, get_manager
+from ..core.manager import get_manager
+from ..core.spec import PluginSpec
 from ..dispatch import dispatch
 from ..errors import PluginError, UsageError
 from ..protocols import OPTIONAL, BackendContext, GenerationEngine, Learner, RankContext, missing_methods

@@ -5,14 +5,11 @@ One rule for failures: before the first step completes, a failed new run leaves 
 (the run directory is removed); once a step has completed, the run is kept -- metrics, the latest
 checkpoint (plus one of the failing step when it failed before changing any weights) -- and the
 error says how to resume. SIGINT / SIGTERM finish the current step, write a checkpoint and stop
-with 130 / 143; a second SIGINT stops at once. A finished run holds ``summary.json``.
+with 130 / 143 (:mod:`.stopping`). A finished run holds ``summary.json``.
 """
 from __future__ import annotations
 
-import logging
 import shutil
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +24,7 @@ from . import checkpoint
 from .heldout import make_evaluator, run_eval
 from .out_of_memory import OutOfMemory, explain, is_out_of_memory
 from .runlog import is_eval_row, make_run_dir, quiet_libraries
-
-logger = logging.getLogger("rlhf_plugins")
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+from .stopping import STATUS, StopRequests, resume_hint, save_failed_step, write_status
 
 
 def check_lengths(config: Config, plan: Plan, prompts: Any, budget_key: str = "generation.max_new_tokens",
@@ -88,53 +83,6 @@ def eval_due(config: Config, done: int) -> bool:
     return done == config.train.steps or bool(every and done % every == 0)
 
 
-#: seconds a step may still take after SIGINT / SIGTERM before the run stops at once
-STOP_GRACE = 10.0
-
-
-class StopRequests:
-    """SIGINT / SIGTERM ask the loop to stop after the current step (main thread only); a step that
-    has not finished :data:`STOP_GRACE` seconds later (a stuck reward, a hung call) is interrupted, so
-    ``ray job stop`` or a scheduler's SIGTERM ends the run within seconds, its status written."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._deadline: threading.Timer | None = None
-
-    def __enter__(self) -> StopRequests:
-        if threading.current_thread() is threading.main_thread():
-            for sig in EXIT_CODES:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.signum = signum
-        self.console.print(f"rlhf: {signal.Signals(signum).name} received: finishing this step, then saving a "
-                           f"checkpoint (Ctrl-C again stops at once; so does a step still running in "
-                           f"{STOP_GRACE:g} s)", highlight=False)
-        import _thread
-
-        self._deadline = threading.Timer(STOP_GRACE, _thread.interrupt_main, args=(signal.SIGINT,))
-        self._deadline.daemon = True
-        self._deadline.start()
-
-
-def resume_hint(run_dir: Path) -> str:
-    return f"resume with: rlhf train --resume {run_dir}"
-
-
 def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Console,
                  rows: list[dict[str, Any]] | None = None, resume: tuple[Path, Path] | None = None) -> Path:
     """Train into a new run directory, or continue ``resume = (run directory, checkpoint folder)``."""
@@ -142,141 +90,183 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
 
     from ..models.tiny_model import default_model_path
     from .loop import Trainer
-    from .runlog import MetricsLog, StepProgress, TaskProgress
-    from .state import write_json
 
     quiet_libraries()
     model_path = config.model.path or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     prompts, held = load_data(config, plan, tokenizer, rows)
     mplan = plan_memory(config, plan, console, max(len(p) for p in prompts.prompt_ids))
-    t = config.train
-    if resume is None:
-        run_dir = make_run_dir(t.output_dir, t.run_name, config.algo.advantage.estimator)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
-    else:
-        run_dir = resume[0]
-        for name in ("summary.json", STATUS):  # the run goes on: no longer finished, failed or interrupted
-            (run_dir / name).unlink(missing_ok=True)
+    run_dir = open_run_dir(config, resume)
     console.print(
         f"run directory: [bold]{escape(str(run_dir))}[/]  prompts: {len(prompts)}  model: {escape(model_path)}",
         soft_wrap=True,
     )
     trainer = Trainer(config, pm, plan, prompts, tokenizer, model_path)
     trainer.memory_plan = mplan
-    log: MetricsLog | None = None
-    start = 0
-    try:
-        stop = StopRequests(console)
-        with stop:
-            trainer.setup()
-            for where, what in trainer.placement.describe().items():
-                console.print(f"  {escape(where)}: {escape(what)}")
-            if resume is not None:
-                start = trainer.load_checkpoint(resume[1])
-                console.print(f"resumed from {escape(str(resume[1]))} after step {start}")
-            log = MetricsLog(run_dir, start)
-            trainer.history = [r for r in log.kept if "reward/mean" in r]
-            trainer.eval_history = [r for r in log.kept if is_eval_row(r)]
-            recoverable = callable(getattr(trainer.placement, "recover", None)) and \
-                getattr(trainer.placement, "max_restarts", 0) > 0
-            if recoverable and not checkpoint.complete(run_dir):
-                trainer.save_checkpoint(run_dir, t.keep_checkpoints)  # a state to go back to after a fault
-            pm.notify("rlhf_before_train", config=config, run_dir=run_dir)
-            if held is not None:
-                trainer.evaluator = make_evaluator(config, pm, tokenizer, trainer.engine, trainer.reward, held,
-                                                   trainer.env_runner)
-                if start == 0:
-                    with TaskProgress(console if t.progress else None, "eval", "prompts") as bar:
-                        run_eval(trainer, run_dir, log, console, bar)
-            restarts, step = 0, start
-            with StepProgress(t.steps, console, enabled=t.progress, start=start) as progress:
-                while step < t.steps:
-                    try:
-                        metrics = trainer.step(step)
-                        if restarts:
-                            metrics["fault/restarts"] = float(restarts)
-                        log.log(step, metrics)
-                        pm.notify("rlhf_after_step", step=step, metrics=metrics)
-                        progress.update(step + 1, metrics)
-                        done = step = step + 1
-                        if held is not None and eval_due(config, done):
-                            run_eval(trainer, run_dir, log, console, lambda d, n: progress.phase(f"eval {d}/{n}"))
-                            progress.phase("")
-                        if stop.signum is not None:
-                            trainer.save_checkpoint(run_dir, t.keep_checkpoints)
-                            raise Interrupted(f"interrupted at step {done}; {resume_hint(run_dir)}",
-                                              EXIT_CODES[stop.signum])
-                        if t.save_every and done % t.save_every == 0 and done < t.steps:
-                            trainer.save_checkpoint(run_dir, t.keep_checkpoints)
-                    except RoleFailed as exc:
-                        if not recoverable:
-                            raise
-                        restarts += 1
-                        step = recover(trainer, run_dir, log, console, exc)
-            if start < t.steps or not checkpoint.complete(run_dir):
-                trainer.save_checkpoint(run_dir, t.keep_checkpoints)
+    return TrainingRun(trainer, run_dir, console, held, resume).execute()
+
+
+def open_run_dir(config: Config, resume: tuple[Path, Path] | None) -> Path:
+    """A new run directory holding the run's config, or the resumed one, no longer marked as ended."""
+    t = config.train
+    if resume is None:
+        run_dir = make_run_dir(t.output_dir, t.run_name, config.algo.advantage.estimator)
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+        return run_dir
+    for name in ("summary.json", STATUS):  # the run goes on: no longer finished, failed or interrupted
+        (resume[0] / name).unlink(missing_ok=True)
+    return resume[0]
+
+
+class TrainingRun:
+    """One run from its roles' start to its summary: the trainer, its run directory and metrics log,
+    held-out evaluation, checkpoints, restarts after a role failure, and how a failure ends it."""
+
+    def __init__(self, trainer: Any, run_dir: Path, console: Console, held: Any,
+                 resume: tuple[Path, Path] | None) -> None:
+        self.trainer, self.run_dir, self.console, self.held, self.resume = trainer, run_dir, console, held, resume
+        self.config, self.pm = trainer.config, trainer.pm
+        self.stop = StopRequests(console)
+        self.log: Any = None
+        self.recoverable = False
+
+    def execute(self) -> Path:
+        t = self.config.train
+        try:
+            with self.stop:
+                start = self.start()
+                self.train(start)
+                if start < t.steps or not checkpoint.complete(self.run_dir):
+                    self.trainer.save_checkpoint(self.run_dir, t.keep_checkpoints)
+            return self.finish()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            if self.log is not None:
+                self.log.close()
+            self.trainer.shutdown()
+
+    def start(self) -> int:
+        """Start every role, load the checkpoint to resume from, evaluate the starting policy; the
+        step to begin with."""
+        from .runlog import MetricsLog, TaskProgress
+
+        trainer, run_dir, t = self.trainer, self.run_dir, self.config.train
+        trainer.setup()
+        for where, what in trainer.placement.describe().items():
+            self.console.print(f"  {escape(where)}: {escape(what)}")
+        start = 0
+        if self.resume is not None:
+            start = trainer.load_checkpoint(self.resume[1])
+            self.console.print(f"resumed from {escape(str(self.resume[1]))} after step {start}")
+        self.log = MetricsLog(run_dir, start)
+        trainer.history = [r for r in self.log.kept if "reward/mean" in r]
+        trainer.eval_history = [r for r in self.log.kept if is_eval_row(r)]
+        self.recoverable = callable(getattr(trainer.placement, "recover", None)) and \
+            getattr(trainer.placement, "max_restarts", 0) > 0
+        if self.recoverable and not checkpoint.complete(run_dir):
+            trainer.save_checkpoint(run_dir, t.keep_checkpoints)  # a state to go back to after a fault
+        self.pm.notify("rlhf_before_train", config=self.config, run_dir=run_dir)
+        if self.held is not None:
+            trainer.evaluator = make_evaluator(self.config, self.pm, trainer.tokenizer, trainer.engine,
+                                               trainer.reward, self.held, trainer.env_runner)
+            if start == 0:
+                with TaskProgress(self.console if t.progress else None, "eval", "prompts") as bar:
+                    run_eval(trainer, run_dir, self.log, self.console, bar)
+        return start
+
+    def train(self, start: int) -> None:
+        """Steps until ``train.steps``; after a role failure (placements that restart roles) the
+        run goes back to its latest checkpoint and goes on."""
+        from .runlog import StepProgress
+
+        t = self.config.train
+        restarts, step = 0, start
+        with StepProgress(t.steps, self.console, enabled=t.progress, start=start) as progress:
+            while step < t.steps:
+                try:
+                    self.one_step(step, restarts, progress)
+                    step += 1
+                except RoleFailed as exc:
+                    if not self.recoverable:
+                        raise
+                    restarts += 1
+                    step = recover(self.trainer, self.run_dir, self.log, self.console, exc)
+
+    def one_step(self, step: int, restarts: int, progress: Any) -> None:
+        """A step, its metrics and hooks, then what is due after it: evaluation, a stop request, a checkpoint."""
+        trainer, run_dir, t = self.trainer, self.run_dir, self.config.train
+        metrics = trainer.step(step)
+        if restarts:
+            metrics["fault/restarts"] = float(restarts)
+        self.log.log(step, metrics)
+        self.pm.notify("rlhf_after_step", step=step, metrics=metrics)
+        progress.update(step + 1, metrics)
+        done = step + 1
+        if self.held is not None and eval_due(self.config, done):
+            run_eval(trainer, run_dir, self.log, self.console, lambda d, n: progress.phase(f"eval {d}/{n}"))
+            progress.phase("")
+        if self.stop.signum is not None:
+            trainer.save_checkpoint(run_dir, t.keep_checkpoints)
+            raise Interrupted(f"interrupted at step {done}; {resume_hint(run_dir)}", self.stop.exit_code)
+        if t.save_every and done % t.save_every == 0 and done < t.steps:
+            trainer.save_checkpoint(run_dir, t.keep_checkpoints)
+
+    def finish(self) -> Path:
+        """Save the final policy, write and print the summary."""
+        from .state import print_summary, write_json
+
+        t, run_dir = self.config.train, self.run_dir
         final = run_dir / "final"
         if t.save_final:
-            trainer.save_final(final)
-        summary = trainer.summary()
+            self.trainer.save_final(final)
+        summary = self.trainer.summary()
         summary["final_model"] = str(final) if t.save_final else None
         write_json(run_dir / "summary.json", summary)
-        console.print(
-            f"mean reward: first 10% of steps {summary['reward_first_10pct']:.3f} -> last 10% "
-            f"{summary['reward_last_10pct']:.3f} ({summary['reward_gain']:+.3f}); "
-            f"{summary['seconds_per_step']:.2f} s/step; policy saved to {summary['final_model']}",
-            highlight=False, soft_wrap=True,
-        )
-        if "eval_first" in summary:
-            first, last = summary["eval_first"], summary["eval_last"]
-            changes = "  ".join(f"{k.removeprefix('eval/')} {first.get(k, float('nan')):.3f} -> {v:.3f}"
-                                for k, v in last.items() if k.startswith("eval/"))
-            console.print(f"held-out, step {first['step']} -> {last['step']}: {changes}", highlight=False,
-                          soft_wrap=True)
-        if "best" in summary:
-            b = summary["best"]
-            console.print(f"best {b['metric']} {b['value']:.3f} after {b['step']} steps, kept in {run_dir / 'best'}",
-                          highlight=False, soft_wrap=True)
-        pm.notify("rlhf_after_train", run_dir=run_dir, metrics=summary)
+        print_summary(self.console, summary, run_dir)
+        self.pm.notify("rlhf_after_train", run_dir=run_dir, metrics=summary)
         return run_dir
-    except BaseException as exc:
-        failed_step = trainer.step_count if trainer.phase != "idle" else None
-        pm.notify("rlhf_on_error", step=failed_step, error=exc)
-        if log is not None:
-            log.close()
-            log = None
+
+    def fail(self, exc: BaseException) -> None:
+        """Record how the run ended and keep what is worth keeping; raises the error to show, or
+        returns for the caller to re-raise ``exc`` itself."""
+        trainer, run_dir, keep = self.trainer, self.run_dir, self.config.train.keep_checkpoints
+        self.pm.notify("rlhf_on_error", step=trainer.step_count if trainer.phase != "idle" else None, error=exc)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
         steps_done = trainer.step_count
         if isinstance(exc, Interrupted):
-            _write_status(run_dir, "interrupted", steps_done, str(exc))
-            raise
+            write_status(run_dir, "interrupted", steps_done, str(exc))
+            return
         if not isinstance(exc, KeyboardInterrupt) and is_out_of_memory(exc):
-            oom = explain(exc, mplan, trainer.history, plan.placement.same_process)
-            _write_status(run_dir, "failed", steps_done, str(oom))  # the run directory is kept to say so
-            if steps_done:
-                _save_what_can_be_saved(trainer, run_dir, t.keep_checkpoints)
-            raise OutOfMemory(f"{oom}; status in {run_dir / STATUS}", oom.role, oom.peak_gb) from exc
-        if steps_done == 0 and resume is None:
+            self.fail_out_of_memory(exc)
+        if steps_done == 0 and self.resume is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing of value was made
-            raise
-        _save_what_can_be_saved(trainer, run_dir, t.keep_checkpoints)
+            return
+        save_failed_step(trainer, run_dir, keep)
         interrupted = isinstance(exc, KeyboardInterrupt)
-        _write_status(run_dir, "interrupted" if interrupted else "failed", steps_done,
-                      "KeyboardInterrupt" if interrupted else f"{type(exc).__name__}: {exc}".splitlines()[0])
+        write_status(run_dir, "interrupted" if interrupted else "failed", steps_done,
+                     "KeyboardInterrupt" if interrupted else f"{type(exc).__name__}: {exc}".splitlines()[0])
         if isinstance(exc, UsageError):
             raise type(exc)(f"{exc}; the run is kept in {run_dir} (last complete step {steps_done}); after the fix, "
                             f"{resume_hint(run_dir)}") from exc
-        if isinstance(exc, KeyboardInterrupt):
+        if interrupted:
             when = f"during step {steps_done + 1}" if trainer.phase != "idle" else f"after step {steps_done}"
             found = checkpoint.complete(run_dir)
             since = f" (from the checkpoint of step {found[-1][0]})" if found else ""
-            code = EXIT_CODES.get(stop.signum, 130)  # a SIGTERM whose step never finished: 143
-            raise Interrupted(f"interrupted {when}; {resume_hint(run_dir)}{since}", code) from None
-        raise
-    finally:
-        if log is not None:
-            log.close()
-        trainer.shutdown()
+            raise Interrupted(f"interrupted {when}; {resume_hint(run_dir)}{since}", self.stop.exit_code) from None
+
+    def fail_out_of_memory(self, exc: BaseException) -> None:
+        """One line naming the role that ran out, its peak and what to change; the run directory is
+        kept to say so."""
+        trainer, run_dir = self.trainer, self.run_dir
+        oom = explain(exc, trainer.memory_plan, trainer.history, trainer.plan.placement.same_process)
+        write_status(run_dir, "failed", trainer.step_count, str(oom))
+        if trainer.step_count:
+            save_failed_step(trainer, run_dir, self.config.train.keep_checkpoints)
+        raise OutOfMemory(f"{oom}; status in {run_dir / STATUS}", oom.role, oom.peak_gb) from exc
 
 
 def recover(trainer: Any, run_dir: Path, log: Any, console: Console, exc: BaseException) -> int:
@@ -291,28 +281,3 @@ def recover(trainer: Any, run_dir: Path, log: Any, console: Console, exc: BaseEx
     console.print(f"rlhf: {escape(str(exc))}; restarted {', '.join(roles) or 'nothing'} and went back to "
                   f"step {start}", highlight=False)
     return start
-
-
-#: how a run that did not finish ended: {"status": "failed" | "interrupted", "steps_done", "message"}
-STATUS = "status.json"
-
-
-def _write_status(run_dir: Path, status: str, steps_done: int, message: str) -> None:
-    from .state import write_json
-
-    try:
-        write_json(run_dir / STATUS, {"status": status, "steps_done": steps_done, "message": message})
-    except OSError as exc:  # the original error matters more
-        logger.warning("could not record the run's status: %s", exc)
-
-
-def _save_what_can_be_saved(trainer: Any, run_dir: Path, keep: int) -> None:
-    """A step that failed before changing any weights leaves an exact state: checkpoint it."""
-    if trainer.phase != "rollout" or trainer.snapshot is None:
-        return
-    if any(step == trainer.snapshot["step"] for step, _ in checkpoint.complete(run_dir)):
-        return
-    try:
-        trainer.save_checkpoint(run_dir, keep, snapshot=trainer.snapshot)
-    except Exception as exc:  # the original error matters more
-        logger.warning("could not checkpoint the failed step: %s", exc)

@@ -6,6 +6,8 @@ rank), ``trainer.pt`` (step, prompt sampler position, KL controller, reward norm
 driver's python / numpy / torch random states) and ``plugins.json`` (what each plugin's
 ``rlhf_state_dict`` returned). Generation needs no state: the engine's sampling seed is derived
 from the run seed and the step, and its weights come from the actor by a sync after loading.
+
+Also the run's summary (``summary.json``) and how it is printed at the end.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch
 from . import checkpoint
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from .loop import Trainer
 
 
@@ -146,3 +150,23 @@ def summary(trainer: Any) -> dict[str, Any]:
         out["best"] = trainer.best
     out["memory"] = memory_summary(trainer.history, getattr(trainer, "memory_plan", None))
     return out
+
+
+def print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:
+    """The closing lines of a run: reward first -> last, held-out first -> last, the best kept."""
+    console.print(
+        f"mean reward: first 10% of steps {summary['reward_first_10pct']:.3f} -> last 10% "
+        f"{summary['reward_last_10pct']:.3f} ({summary['reward_gain']:+.3f}); "
+        f"{summary['seconds_per_step']:.2f} s/step; policy saved to {summary['final_model']}",
+        highlight=False, soft_wrap=True,
+    )
+    if "eval_first" in summary:
+        first, last = summary["eval_first"], summary["eval_last"]
+        changes = "  ".join(f"{k.removeprefix('eval/')} {first.get(k, float('nan')):.3f} -> {v:.3f}"
+                            for k, v in last.items() if k.startswith("eval/"))
+        console.print(f"held-out, step {first['step']} -> {last['step']}: {changes}", highlight=False,
+                      soft_wrap=True)
+    if "best" in summary:
+        b = summary["best"]
+        console.print(f"best {b['metric']} {b['value']:.3f} after {b['step']} steps, kept in {run_dir / 'best'}",
+                      highlight=False, soft_wrap=True)

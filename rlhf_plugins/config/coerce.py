@@ -1,0 +1,173 @@
+"""Checking a config value against the schema's type hints: the conversions a YAML file or a
+command-line flag needs (``"1e-3"`` to a number, ``"yes"`` to true, ``a,b`` to a list), and one
+line for anything else -- the key, what it expects, what it got, or for an unknown key the closest
+known one (and what an OpenRLHF flag is called here)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+from ..errors import ConfigError
+
+BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
+def _deepest(key: str, value: Any) -> str:
+    """The dotted key of the first leaf under an unknown section (``actor.adam.lr``, not ``actor``),
+    when that is a flag of OpenRLHF's: its hint names the whole flag."""
+    from .openrlhf_flags import lookup
+
+    if isinstance(value, dict):
+        for sub, inner in value.items():
+            path = _deepest(f"{key}.{sub}", inner)
+            if lookup(path):
+                return path
+    return key
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    """One line for a key the schema lacks: what an OpenRLHF flag is here, else the one key with the
+    same last part, else a close spelling (never a key of another meaning: 'seed' is not 'deepspeed')."""
+    from .openrlhf_flags import hint as openrlhf_hint
+
+    theirs = openrlhf_hint(key)
+    if theirs:
+        return f"unknown config key '{key}': {theirs}"
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if "." in key else []
+    if not close:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        names = {f.name for f in dataclasses.fields(cls)}
+        _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+    return _HINTS[cls]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_name(arg)}"
+    if tp is type(None):
+        return "null"
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
+    """``value`` as the type ``tp`` of the config key ``path`` (``known``: every key, for hints)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        return _coerce_union(value, tp, path, known)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{path}' must be one of {_type_name(tp)}; got {value!r}")
+        return value
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif not isinstance(value, list):
+            value = [value]
+        return [_coerce(v, arg, f"{path}[{i}]", known) for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict):
+        return dict(value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _coerce_section(value, tp, path, known)
+    if tp in (bool, int, float, str):
+        return _coerce_scalar(value, tp, path)
+    if origin is None and isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise _expects(tp, path, value)
+
+
+def _expects(tp: Any, path: str, value: Any) -> ConfigError:
+    return ConfigError(f"config key '{path}' expects {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_union(value: Any, tp: Any, path: str, known: list[str]) -> Any:
+    """The first member of ``X | Y | None`` that takes the value."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, path, known)
+        except ConfigError:
+            continue
+    raise _expects(tp, path, value)
+
+
+def _coerce_section(value: Any, tp: type, path: str, known: list[str]) -> Any:
+    """A config section (a dataclass) from a mapping; an unknown key is named with a hint."""
+    if isinstance(value, tp):
+        return value
+    if value is None:
+        return tp()
+    if not isinstance(value, dict):
+        raise _expects(tp, path, value)
+    hints = _hints(tp)
+    kwargs = {}
+    for k, v in value.items():
+        sub = f"{path}.{k}" if path else k
+        if k not in hints:
+            raise ConfigError(_unknown(sub, known))
+        kwargs[k] = _coerce(v, hints[k], sub, known)
+    return tp(**kwargs)
+
+
+def _coerce_scalar(value: Any, tp: type, path: str) -> Any:
+    """bool from true/false words, int from a whole float, float from a string ("1e-3": YAML reads
+    it as one), str from a number; nothing else converts."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.strip().lower()]
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if number:
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str) or number:  # str
+        return value if isinstance(value, str) else str(value)
+    raise _expects(tp, path, value)

@@ -1,0 +1,285 @@
+"""A TRL user's ``GRPOConfig`` (the object, or a ``trl grpo --config`` YAML) as our config.
+
+Every field of TRL's config is accounted for: mapped to one of ours (``DIRECT``, or derived by
+hand), ignored with a reason (``IGNORED_WHY``, trainer bookkeeping), or -- when it changes
+training and we have no equivalent (``UNSUPPORTED``) -- an error naming it, unless left at TRL's
+default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+#: GRPOConfig field -> (our dotted key, converter)
+DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "learning_rate": ("learner.lr", float),
+    "num_generations": ("generation.n_samples_per_prompt", int),
+    "max_completion_length": ("generation.max_new_tokens", int),
+    "temperature": ("generation.temperature", float),
+    "top_p": ("generation.top_p", float),
+    "top_k": ("generation.top_k", lambda v: int(v or 0)),
+    "beta": ("algo.kl.coef", float),
+    "epsilon": ("algo.policy_loss.clip_low", float),
+    "num_iterations": ("learner.epochs", int),
+    "max_grad_norm": ("learner.max_grad_norm", float),
+    "weight_decay": ("learner.weight_decay", float),
+    "adam_epsilon": ("learner.eps", float),
+    "seed": ("train.seed", int),
+    "entropy_coef": ("algo.policy_loss.entropy_coef", float),
+    "gradient_checkpointing": ("learner.gradient_checkpointing", bool),
+    "reward_weights": ("reward.weights", lambda v: [float(x) for x in v] if v else []),
+    "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization", float),
+    "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size", int),
+    "vllm_max_model_length": ("vllm.max_model_len", lambda v: None if v is None else int(v)),
+    "vllm_enable_sleep_mode": ("vllm.sleep", bool),
+    "shuffle_dataset": ("data.shuffle", bool),
+}
+#: fields handled by hand below
+DERIVED = {
+    "epsilon_high", "loss_type", "scale_rewards", "importance_sampling_level", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+    "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations",
+}
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+              "adam": "adam", "sgd": "sgd"}
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+              "cosine_with_min_lr": "cosine"}
+LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+              "dr_grpo": "seq-mean-token-sum-norm"}
+SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
+                       "sequence_truncate": "seq_mask_tis"}
+#: fields that change training and that we cannot honour (an error unless left at TRL's default)
+UNSUPPORTED = {
+    "sync_ref_model": "the reference model stays the initial policy",
+    "top_entropy_quantile": "no entropy-quantile token masking",
+    "mask_truncated_completions": "truncated completions stay in the loss (see reward.stop_penalty)",
+    "repetition_penalty": "no repetition penalty in sampling",
+    "min_p": "no min-p sampling",
+    "multi_objective_aggregation": "rewards are combined as a weighted sum",
+    "off_policy_mask_threshold": "no off-policy masking by threshold",
+    "use_adaptive_entropy": "no adaptive entropy coefficient",
+    "use_bias_correction_kl": "no bias-corrected KL",
+    "delta": "no two-sided (delta) clipping",
+}
+#: fields that change nothing in training here, and why (one note lists those a config sets)
+IGNORED_WHY = {
+    "num_train_epochs": "rlhf-plugins counts rollout steps: set max_steps",
+    "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
+    "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
+    "pad_to_multiple_of": "padding to a multiple does not change the loss",
+    "use_cache": "the learner never caches; generation always does",
+    "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
+    "ds3_gather_for_generation": "weights reach the engine by weight sync",
+    "trust_remote_code": "set --model.trust_remote_code",
+}
+#: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
+BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
+                        "ddp_", "fsdp", "trackio", "include_", "skip_memory", "num_completions_to_print",
+                        "per_device_eval", "torch_empty_cache", "tf32", "full_determinism", "data_seed",
+                        "prediction_loss_only", "remove_unused_columns", "label_names", "length_column_name",
+                        "load_best_model", "metric_for_best", "greater_is_better", "ignore_data_skip",
+                        "resume_from_checkpoint", "restore_callback", "overwrite_output_dir", "do_", "debug",
+                        "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
+                        "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
+                        "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
+
+
+def grpo_defaults() -> dict[str, Any]:
+    from trl import GRPOConfig
+
+    out = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    from ..config.loading import set_dotted
+
+    set_dotted(tree, dotted, value)
+
+
+def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """TRL GRPOConfig fields (missing ones take TRL's defaults) -> (our raw config, notes)."""
+    defaults = grpo_defaults()
+    changed = _check_fields(fields, defaults)
+    f = {**defaults, **fields}
+    raw: dict[str, Any] = {}
+    # TRL's prompt formats: a plain string is tokenized as it is ("standard"), a list of messages is
+    # rendered with the chat template ("conversational")
+    _set(raw, "data.template_strings", False)
+    notes: list[str] = []
+    for name, (key, conv) in DIRECT.items():
+        if name in f and (name in changed or not name.startswith("vllm_")):
+            try:
+                _set(raw, key, conv(f[name]))
+            except (TypeError, ValueError):
+                expected = getattr(conv, "__name__", "a value")
+                raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
+    _algorithm(f, raw, notes)
+    _batch_shape(f, raw)
+    _run_settings(f, raw)
+    notes += _leftovers(f, changed)
+    return raw, notes
+
+
+def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
+    """The fields a config changes from TRL's defaults; an unknown field, or a changed one we cannot
+    honour, is an error."""
+    unknown = [k for k in fields if k not in defaults]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(defaults), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"'{unknown[0]}' is not a field of trl.GRPOConfig{hint}")
+    changed = {k for k in fields if fields[k] != defaults.get(k)}
+    for name, why in UNSUPPORTED.items():
+        if name in changed:
+            raise ConfigError(f"TRL field '{name}' ({fields[name]!r}) has no equivalent in rlhf-plugins: {why}; "
+                              "remove it from the TRL config")
+    return changed
+
+
+def _algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
+    """Clipping, KL estimator, loss aggregation, sequence-level ratios, reward scaling, sampling correction."""
+    _set(raw, "algo.policy_loss.clip_high", float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"]))
+    _set(raw, "algo.kl.estimator", "k3")
+    loss = f["loss_type"]
+    if loss not in LOSS_TYPES:
+        raise ConfigError(f"TRL loss_type '{loss}' has no equivalent; choose one of: {', '.join(LOSS_TYPES)}")
+    _set(raw, "algo.policy_loss.aggregation", LOSS_TYPES[loss])
+    if f["importance_sampling_level"] == "sequence":
+        _set(raw, "algo.policy_loss.name", "gspo")
+    scale = f["scale_rewards"]
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "reinforce_baseline"}.get(str(scale))
+    if estimator is None:
+        raise ConfigError(f"TRL scale_rewards '{scale}' has no equivalent; use group, batch or none")
+    if scale == "batch":
+        notes.append("scale_rewards 'batch' maps to reinforce_baseline (group-mean baseline, batch normalisation)")
+    _set(raw, "algo.advantage.estimator", estimator)
+    if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
+        _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[f["vllm_importance_sampling_mode"]])
+        if f["vllm_importance_sampling_cap"] is not None:
+            _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
+
+
+def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """TRL counts completions; we count prompts per rollout and samples per update."""
+    per_device = int(f["per_device_train_batch_size"])
+    gas = int(f["gradient_accumulation_steps"])
+    per_gen = int(f["steps_per_generation"] or gas)
+    completions = int(f["generation_batch_size"] or per_device * per_gen)
+    n = int(f["num_generations"])
+    if completions % n:
+        raise ConfigError(f"TRL generation batch ({completions} completions) is not a multiple of num_generations "
+                          f"({n})")
+    _set(raw, "train.prompts_per_step", completions // n)
+    _set(raw, "learner.micro_batch_size", per_device)
+    _set(raw, "learner.mini_batch_size", per_device * gas if per_device * gas < completions else 0)
+    updates_per_rollout = int(f["num_iterations"]) * max(1, per_gen // gas)
+    if int(f["max_steps"]) > 0:
+        _set(raw, "train.steps", math.ceil(int(f["max_steps"]) / updates_per_rollout))
+
+
+def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Precision, output folder and name, optimizer and schedule, tool rounds, the vLLM engine."""
+    if f.get("bf16"):
+        _set(raw, "model.dtype", "bfloat16")
+    elif f.get("fp16"):
+        _set(raw, "model.dtype", "float16")
+    if f.get("output_dir"):
+        _set(raw, "train.output_dir", str(f["output_dir"]))
+    if f.get("run_name"):
+        _set(raw, "train.run_name", str(f["run_name"]))
+    _optimizer(f, raw)
+    if f.get("max_tool_calling_iterations") is not None:  # rounds of tool calls: one more model turn
+        _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
+    if f["use_vllm"]:
+        _set(raw, "generation.backend", "vllm")
+
+
+def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
+    """Notes on the changed fields nothing above used: ignored with a reason, or bookkeeping; any
+    other changes training and is an error."""
+    notes, bookkeeping = [], []
+    for name in sorted(changed - (set(DIRECT) | DERIVED | set(UNSUPPORTED))):
+        if name in IGNORED_WHY:
+            notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
+        elif name.startswith(BOOKKEEPING_PREFIXES):
+            bookkeeping.append(name)
+        else:
+            raise ConfigError(f"TRL field '{name}' ({f[name]!r}) changes training and has no equivalent in "
+                              "rlhf-plugins; remove it from the TRL config")
+    if bookkeeping:
+        notes.append(f"TRL fields {', '.join(bookkeeping)} are trainer bookkeeping (logging, saving, evaluation, "
+                     "devices) that rlhf-plugins does its own way; ignored")
+    return notes
+
+
+def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Optimizer and schedule, as TRL's Trainer would run them (its default decays linearly)."""
+    # a GRPOConfig object holds enums (SchedulerType.CONSTANT); YAML holds their values
+    optim, schedule = (str(getattr(f[k], "value", f[k])) for k in ("optim", "lr_scheduler_type"))
+    if optim not in OPTIMIZERS:
+        raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
+    if schedule not in SCHEDULERS:
+        raise ConfigError(f"TRL lr_scheduler_type '{schedule}' has no equivalent; choose one of: "
+                          f"{', '.join(SCHEDULERS)}")
+    _set(raw, "learner.optimizer", OPTIMIZERS[optim])
+    _set(raw, "learner.betas", [float(f["adam_beta1"]), float(f["adam_beta2"])])
+    _set(raw, "learner.lr_scheduler", SCHEDULERS[schedule])
+    kwargs = f.get("lr_scheduler_kwargs") or {}
+    if schedule == "cosine_with_min_lr":
+        ratio = kwargs.get("min_lr_rate")
+        if ratio is None and kwargs.get("min_lr") is not None:
+            ratio = float(kwargs["min_lr"]) / float(f["learning_rate"])
+        _set(raw, "learner.min_lr_ratio", float(ratio or 0.0))
+    warmup = float(f.get("warmup_steps") or 0)
+    if 0 < warmup < 1:  # transformers 5 reads a warmup_steps below 1 as a ratio
+        _set(raw, "learner.warmup_ratio", warmup)
+    else:
+        _set(raw, "learner.warmup_steps", int(warmup))
+
+
+def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
+    """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
+    from ..config.loading import load_yaml
+
+    data = load_yaml(path)
+    plugins: list[str] = []
+    script: dict[str, Any] = {}
+    for key in ("model_name_or_path", "dataset_name", "reward_funcs", "dataset_train_split", "dataset_config"):
+        if key in data:
+            script[key] = data.pop(key)
+    raw, notes = from_grpo_fields(data)
+    if script.get("model_name_or_path"):
+        _set(raw, "model.path", str(script["model_name_or_path"]))
+    if script.get("dataset_name"):
+        _set(raw, "data.path", str(script["dataset_name"]))
+    funcs = script.get("reward_funcs") or []
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    names = []
+    for spec in funcs:
+        module, _, func = str(spec).rpartition(".")
+        if not module:
+            raise ConfigError(f"TRL reward_funcs entry '{spec}' must be 'module.function'")
+        plugins.append(module)
+        names.append(func)
+    if names:
+        _set(raw, "reward.functions", names)
+    for key in ("dataset_train_split", "dataset_config"):
+        if key in script:
+            notes.append(f"TRL field '{key}' is ignored: dataset_name is read as a local file or folder")
+    return raw, notes, plugins

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The oldest versions setup.cfg admits, checked: builds .venv-compat with uv's lowest-direct
+# resolution (every direct requirement of the core install at its declared floor: torch,
+# transformers, tokenizers, datasets, ...), prints what it got, trains the README's default run
+# and runs the tests of the model code (engine, caches, packing, learners, every estimator).
+# A floor that fails here is raised in setup.cfg; the range it passes is in the README.
+#
+#   scripts/compat.sh            # the floors
+#   COMPAT_RESOLUTION=highest scripts/compat.sh   # the newest releases, the other end
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${COMPAT_VENV:-.venv-compat}"
+PY="${PYTHON:-python3}"
+RESOLUTION="${COMPAT_RESOLUTION:-lowest-direct}"
+export RLHF_CACHE_DIR="${RLHF_CACHE_DIR:-$PWD/.cache/rlhf-compat}"
+export RLHF_DISABLE_PLUGIN_AUTOLOAD=1
+
+UV="$(command -v uv || true)"
+if [ -z "$UV" ]; then
+  [ -x .cache/uv-venv/bin/uv ] || { "$PY" -m venv .cache/uv-venv && .cache/uv-venv/bin/pip install --quiet uv; }
+  UV=.cache/uv-venv/bin/uv
+fi
+rm -rf "$VENV"
+"$UV" venv --quiet -p "$PY" "$VENV"
+"$UV" pip install --quiet -p "$VENV/bin/python" --resolution "$RESOLUTION" -e ".[test,peft]"
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+print("compat environment:", ", ".join(f"{p} {md.version(p)}" for p in
+      ("torch", "transformers", "tokenizers", "datasets", "safetensors", "pluggy", "huggingface-hub")))
+EOF
+start=$(date +%s)
+(cd "$(mktemp -d)" && "$OLDPWD/$VENV/bin/rlhf" train --train.progress false)
+echo "default run: $(( $(date +%s) - start )) s"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_modeling.py tests/test_packing.py \
+  tests/test_logits_chunks.py tests/test_algorithms.py "tests/test_algo_runs.py::test_every_estimator_runs" \
+  "tests/test_train.py::test_default_run_learns" -k "not deepspeed"
