@@ -223,6 +223,13 @@ def _files() -> list:
         return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
             f"dataset '{t}/d.jsonl' has no 'prompt' column (columns: question, label); set --data.prompt_key"
 
+    @case("data-malformed-jsonl")
+    def _(t):
+        write(t / "d.jsonl", '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": \n')
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+            f"dataset file '{t}/d.jsonl' line 2 is not valid JSON (Expecting value, column 29); each line must be " \
+            "one JSON object"
+
     @case("data-csv")
     def _(t):
         write(t / "d.csv", "prompt,label\n1+1=,2\n")

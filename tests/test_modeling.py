@@ -496,3 +496,22 @@ def test_unexpected_transformers_internals_fall_back_with_one_line(tiny_model, m
     monkeypatch.undo()  # generation needs transformers' real cache layer back; the probe's answer is kept
     engine, samples = _engine_and_samples(tiny_model)
     assert not engine.shared_prefix and len(samples) == 12 and all(samples.completion_ids)
+
+
+def test_temperature_zero_is_greedy_decoding_with_the_models_own_logprobs(tiny_model):
+    """As in vLLM: temperature 0 takes the most likely token every step (the same tokens as top-k 1)
+    and reports its log-prob under the untempered distribution -- not a division by zero."""
+    from rlhf_plugins import SamplingParams
+
+    engine, _ = _engine_and_samples(tiny_model)
+    prompts = [[1, 4, 23, 16, 24, 34, 5], [1, 4, 22, 16, 27, 34, 5]]
+    greedy = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=5, temperature=0.0))
+    top1 = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=5, top_k=1, seed=1))
+    assert greedy.completion_ids == top1.completion_ids
+    for prompt, completion, logps in zip(prompts, greedy.completion_ids, greedy.logprobs):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0, len(prompt) - 1:-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(logps), expected, rtol=0, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), torch.tensor(completion))

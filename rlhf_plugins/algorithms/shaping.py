@@ -57,7 +57,7 @@ class RewardShaper:
     def __call__(self, scores: list[float], lengths: list[int], finish_reasons: list[str]) -> list[float]:
         c = self.cfg
         out = [
-            s + self.overlong(n) - (c.stop_penalty if reason != "stop" else 0.0)
+            s + self.overlong(n) - ((c.stop_penalty or 0.0) if reason != "stop" else 0.0)
             for s, n, reason in zip(scores, lengths, finish_reasons)
         ]
         if c.normalize:

@@ -48,12 +48,13 @@ def given_keys(raw: dict[str, Any], prefix: str = "") -> set[str]:
 def apply_scale_defaults(config: Any, raw: dict[str, Any]) -> str | None:
     """Set the real-model defaults the run leaves unset when its model is large (the embedded model on
     its own task: its stop penalty); return the note to print (None when nothing changed)."""
-    given = given_keys(raw)
+    if config.reward.stop_penalty is None:
+        embedded = (not config.model.path and not config.env.name
+                    and config.data.path in (None, "builtin:addition-train"))
+        config.reward.stop_penalty = EMBEDDED_TASK_STOP_PENALTY if embedded else 0.0
     if not config.model.path:
-        if (config.data.path in (None, "builtin:addition-train") and not config.env.name
-                and "reward.stop_penalty" not in given):
-            config.reward.stop_penalty = EMBEDDED_TASK_STOP_PENALTY
         return None
+    given = given_keys(raw)
     missing = {k: v for k, v in REAL_MODEL_DEFAULTS.items() if k not in given}
     if "learner.warmup_steps" in given:
         missing.pop("learner.warmup_ratio", None)

@@ -94,8 +94,9 @@ class RewardConfig:
     remote_retries: int = setting(3, ge=1)
     #: seconds any reward call may take (a function, a model, one request to a server); 0: no limit
     timeout: float = setting(300.0, ge=0)
-    #: subtracted from the score of a completion that hit max_new_tokens without stopping
-    stop_penalty: float = setting(0.0)
+    #: subtracted from the score of a completion that hit max_new_tokens without stopping (unset: 1 on
+    #: the embedded model's own task, 0 otherwise)
+    stop_penalty: float | None = None
     #: DAPO soft overlong penalty: the last N tokens before max_new_tokens cost up to ``overlong_penalty``
     overlong_buffer: int = setting(0, ge=0)
     #: the largest overlong penalty (reached at max_new_tokens)

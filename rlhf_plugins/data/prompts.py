@@ -129,13 +129,33 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         if not f.endswith(".parquet") and not _utf8(f):
             raise DataError(f"dataset file '{f}' is not UTF-8 text; convert it (e.g. iconv -t UTF-8)")
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: our one line says why
     try:
         return datasets.load_dataset(builder, data_files=files, split="train").to_list()
     except Exception as exc:
         if all(_blank(f) for f in files):
             return []
-        raise DataError(f"dataset '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        where = next(filter(None, map(_bad_json_line, files)), "") if builder == "json" else ""
+        raise DataError(where or f"dataset '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) \
+            from exc
+
+
+def _bad_json_line(file: str) -> str:
+    """For a JSON-lines file that ``datasets`` could not read: its first malformed line, named."""
+    import json
+
+    if not file.endswith((".jsonl", ".ndjson")):
+        return ""
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                row = json.loads(line.rstrip("\r\n")) if line.strip() else {}
+            except ValueError as exc:
+                return (f"dataset file '{file}' line {number} is not valid JSON ({exc.msg}, column {exc.colno}); "
+                        "each line must be one JSON object")
+            if not isinstance(row, dict):
+                return f"dataset file '{file}' line {number} is a JSON {type(row).__name__}, not an object"
+    return ""
 
 
 def _blank(path: str) -> bool:

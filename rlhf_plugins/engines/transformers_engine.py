@@ -180,8 +180,12 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 def sample_token(last_logits: torch.Tensor, params: SamplingParams,
                  uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row at the sampling temperature (top-k / top-p filtered when asked), drawn by
-    inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered distribution."""
+    inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered distribution.
+    Temperature 0 is greedy decoding, as in vLLM (log-probs then of the untempered distribution)."""
     logits = last_logits.float()
+    if params.temperature <= 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     if params.temperature != 1.0:
         logits = logits / params.temperature
     logprobs_all = torch.log_softmax(logits, dim=-1)
