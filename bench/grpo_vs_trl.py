@@ -67,12 +67,13 @@ def run_ours(args: argparse.Namespace, model_path: str) -> dict[str, float]:
         # CPU), as TRL's vLLM path runs
         "vllm": {"dtype": args.our_vllm_dtype, "max_model_len": 512 if args.data else 256},
         "algo": {"kl": {"coef": args.beta}, "advantage": {"estimator": "group_norm"}},
+        "reward": {"stop_penalty": 0.0},  # TRL's reward: exact match alone (the default task charges 1)
         "generation": {"n_samples_per_prompt": args.group, "max_new_tokens": args.max_new_tokens,
                        "backend": "vllm" if args.vllm else "transformers"},
     }
     if args.data:
         raw["data"] = {"path": args.data}
-        raw["reward"] = {"functions": ["exact_match"]}
+        raw["reward"] = {**raw["reward"], "functions": ["exact_match"]}
         raw["eval"] = {"enabled": False}
     trainer = warm_trainer(raw, model_path, args.warmup)
     tokens = 0.0
