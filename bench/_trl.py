@@ -87,3 +87,20 @@ def reload_weights_sync(trainer: Any) -> None:
         vg.llm.reset_prefix_cache()
 
     vg.sync_weights = sync_weights
+
+
+def long_sums(tok: Any, rows: int, prompt_tokens: int, out: Path) -> str:
+    """``out/sums.jsonl``: ``rows`` prompts "Add 12 + 57 + ... =" of about ``prompt_tokens`` tokens each,
+    labelled with their sums (the realistic shapes' data); returns its path."""
+    import json
+    import random
+
+    rng, lines = random.Random(0), []
+    for _ in range(rows):
+        numbers = [rng.randint(10, 99)]
+        while len(tok(" + ".join(map(str, numbers)))["input_ids"]) < prompt_tokens - 16:
+            numbers.append(rng.randint(10, 99))
+        lines.append(json.dumps({"prompt": "Add " + " + ".join(map(str, numbers)) + " =", "label": str(sum(numbers))}))
+    data = out / "sums.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    return str(data)

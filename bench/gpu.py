@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
-from _trl import step_clock, warm_trainer
+from _trl import long_sums, step_clock, warm_trainer
 
 SETUP = {"prompts": 8, "group": 8, "prompt_tokens": 128, "new_tokens": 256, "lr": 1e-6, "beta": 0.001, "rows": 64}
 
@@ -64,15 +63,7 @@ def setup(out: Path, layers: int | None) -> tuple[str, str]:
             layer.self_attn.o_proj.weight[0] = 0.0
             layer.mlp.down_proj.weight[0] = 0.0
     model.save_pretrained(path)
-    rng, rows = random.Random(0), []
-    for _ in range(SETUP["rows"]):
-        numbers = [rng.randint(10, 99)]
-        while len(tok(" + ".join(map(str, numbers)))["input_ids"]) < SETUP["prompt_tokens"] - 16:
-            numbers.append(rng.randint(10, 99))
-        rows.append({"prompt": "Add " + " + ".join(map(str, numbers)) + " =", "label": str(sum(numbers))})
-    data = out / "sums.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path), str(data)
+    return str(path), long_sums(tok, SETUP["rows"], SETUP["prompt_tokens"], out)
 
 
 def peak_gpu_gb() -> float:

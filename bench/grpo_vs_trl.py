@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
-from _trl import common_flags, reload_weights_sync, step_clock, warm_trainer
+from _trl import common_flags, long_sums, reload_weights_sync, step_clock, warm_trainer
 
 
 def parse() -> argparse.Namespace:
@@ -181,7 +181,6 @@ def realistic_setup(out: Path) -> tuple[str, str, int]:
     residual feature held constant -- the embedding sets it, no layer writes it -- read only by EOS
     with a large negative weight), so every completion runs to the budget on both sides; prompts of
     about ``prompt_tokens`` tokens (long sums). Returns (model path, data path, non-embedding params)."""
-    import random
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -205,16 +204,9 @@ def realistic_setup(out: Path) -> tuple[str, str, int]:
         model.lm_head.weight[tok.eos_token_id, 0] = -50.0
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
-    rng, rows = random.Random(0), []
-    for _ in range(r["rows"]):
-        numbers = [rng.randint(10, 99)]
-        while len(tok(" + ".join(map(str, numbers)))["input_ids"]) < r["prompt_tokens"] - 16:
-            numbers.append(rng.randint(10, 99))
-        rows.append({"prompt": "Add " + " + ".join(map(str, numbers)) + " =", "label": str(sum(numbers))})
-    data = out / "sums.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = long_sums(tok, r["rows"], r["prompt_tokens"], out)
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    return str(out / "model"), str(data), params
+    return str(out / "model"), data, params
 
 
 def matmul_flops() -> float:

@@ -148,13 +148,27 @@ def test_the_checker_sees_a_comparison():
 
 def test_ruff_finds_nothing():
     """The lint rules of pyproject.toml ([tool.ruff]) hold for the package, tests, benchmarks and examples."""
+    proc = _ruff("check", "--show-files", "rlhf_plugins", "tests", "bench", "examples", "scripts")
+    checked = {Path(line).relative_to(ROOT).parts[0] for line in proc.stdout.splitlines() if line.endswith(".py")}
+    assert {"rlhf_plugins", "tests", "bench", "examples"} <= checked, checked  # every Python tree is looked at
+    proc = _ruff("check", "rlhf_plugins", "tests", "bench", "examples", "scripts")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_the_ruff_rules_see_an_unused_import_and_a_long_line(tmp_path):
+    """The check above can fail: the project's rule set flags what it is configured to flag."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\n\nX = " + "1 + " * 40 + "1\n")
+    proc = _ruff("check", "--config", str(ROOT / "pyproject.toml"), "--no-cache", str(bad))
+    assert proc.returncode == 1 and "F401" in proc.stdout and "E501" in proc.stdout, proc.stdout
+
+
+def _ruff(*args: str):
     import shutil
     import subprocess
 
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    proc = subprocess.run([ruff, "check", "rlhf_plugins", "tests", "bench", "examples", "scripts"], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    return subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
 
 
 #: STYLE.md: a module of about 300 lines is one idea; a function longer than a screen hides several

@@ -144,7 +144,7 @@ def _bad_json_line(file: str) -> str:
     """For a JSON-lines file that ``datasets`` could not read: its first malformed line, named."""
     import json
 
-    if not file.endswith((".jsonl", ".ndjson")):
+    if not file.endswith(".jsonl"):
         return ""
     with open(file, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
