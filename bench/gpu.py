@@ -158,6 +158,28 @@ def train_fraction(ours: dict[str, Any], model: str, steps: int, peak: float) ->
     return flops * steps / max(ours["train_seconds"], 1e-9) / peak
 
 
+def write(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The JSON so far (rewritten after each side, so a run cut short keeps what it measured)."""
+    if args.json:
+        args.json.write_text(json.dumps({"setup": {**SETUP, **vars(args), "json": None}, "results": results}, indent=2,
+                                        default=str))
+
+
+def run_side(args: argparse.Namespace, side: str, model: str, data: str, tmp: Path) -> dict[str, Any]:
+    """One side in a process of its own; a side that fails is recorded with its exit status."""
+    out = tmp / f"{side}.json"
+    done = subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data, "--out", str(out),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                           "--new-tokens", str(args.new_tokens)])
+    if done.returncode:
+        print(f"{side:>5}: failed (exit {done.returncode})", flush=True)
+        return {"error": f"exit {done.returncode}"}
+    r = json.loads(out.read_text())
+    print(f"{side:>5}: {r['steps_per_s']:.3f} steps/s  {r['tokens_per_s']:.0f} generated tokens/s  "
+          f"completions {r['completion_length']:.0f} tokens  peak GPU {r['peak_gpu_gb']:.1f} GB", flush=True)
+    return r
+
+
 def main() -> None:
     args = parse()
     if args.only:
@@ -169,24 +191,21 @@ def main() -> None:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model, data = setup(Path(tmp), args.layers)
-        for side in ("ours", "trl"):
-            out = Path(tmp) / f"{side}.json"
-            subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data, "--out", str(out),
-                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                            "--new-tokens", str(args.new_tokens)], check=True)
-            results[side] = r = json.loads(out.read_text())
-            print(f"{side:>5}: {r['steps_per_s']:.3f} steps/s  {r['tokens_per_s']:.0f} generated tokens/s  "
-                  f"completions {r['completion_length']:.0f} tokens  peak GPU {r['peak_gpu_gb']:.1f} GB", flush=True)
         peak = matmul_peak(args.device)
         results["matmul_tflops"] = peak / 1e12
-        results["train_fraction_of_matmul"] = train_fraction(results["ours"], model, args.steps, peak)
-    results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
-    print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x tokens/s "
-          f"(target >= 2x); training at {results['train_fraction_of_matmul']:.2f} of the bf16 matmul peak "
-          f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4)")
-    if args.json:
-        args.json.write_text(json.dumps({"setup": {**SETUP, **vars(args), "json": None}, "results": results}, indent=2,
-                                        default=str))
+        results["ours"] = run_side(args, "ours", model, data, Path(tmp))
+        if "error" not in results["ours"]:
+            results["train_fraction_of_matmul"] = train_fraction(results["ours"], model, args.steps, peak)
+            print(f"training at {results['train_fraction_of_matmul']:.2f} of the bf16 matmul peak "
+                  f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4)", flush=True)
+        write(args, results)
+        results["trl"] = run_side(args, "trl", model, data, Path(tmp))
+    if "error" not in results["ours"] and "error" not in results["trl"]:
+        results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
+        print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x "
+              "tokens/s (target >= 2x)")
+    write(args, results)
+    sys.exit(1 if any("error" in results[side] for side in ("ours", "trl")) else 0)
 
 
 if __name__ == "__main__":

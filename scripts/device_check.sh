@@ -33,11 +33,17 @@ for name in ("transformers", "peft", "accelerate", "deepspeed", "trl", "datasets
     except m.PackageNotFoundError:
         print(f"  {name} missing")
 PYEOF
-timeout 330 "$PY" -m pytest -q -m gpu tests/gpu -rA --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider
+# one deadline for the whole check (the device tool's call limit is set above it): the tests get at
+# most 300 s (150 s each, so one hang cannot take the rest), the benchmark what is left but 20 s
+DEADLINE=$(( start + ${DEVICE_CHECK_SECONDS:-500} ))
+timeout 300 "$PY" -m pytest -q -m gpu tests/gpu -rA --timeout 150 --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider
 tests=$?
 bench=skipped
+left=$(( DEADLINE - $(date +%s) - 20 ))
 if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-    timeout 240 "$PY" bench/gpu.py --json "$OUT/gpu_bench.json" && bench=ok || bench="failed ($?)"
+    echo "bench/gpu.py: $left s left"
+    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --json "$OUT/gpu_bench.json" && bench=ok \
+        || bench="failed ($?)"
 else
     echo "no CUDA here: bench/gpu.py not run"
 fi
