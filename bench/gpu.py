@@ -86,11 +86,27 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         tokens += m["completion/length"] * SETUP["prompts"] * SETUP["group"]
     elapsed = time.perf_counter() - start
     timed = trainer.history[args.warmup:]
+    if os.environ.get("BENCH_PROFILE") and args.device == "cuda":
+        profile_step(trainer, args.warmup + args.steps)
     trainer.shutdown()
     return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "peak_gpu_gb": peak_gpu_gb(),
             "completion_length": sum(m["completion/length"] for m in timed) / len(timed),
             "train_seconds": sum(m["time/train"] for m in timed),
             "phase_seconds": {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "prepare", "train", "sync")}}
+
+
+def profile_step(trainer: Any, step: int) -> None:
+    """One more step under torch's profiler (BENCH_PROFILE=1): the kernels that took the GPU's time,
+    to see where training falls short of the matmul peak (not part of the timed steps)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        m = trainer.step(step)
+        torch.cuda.synchronize()
+    print("profiled step:", {k: round(v, 3) for k, v in m.items() if k.startswith("time/")}, flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+          flush=True)
 
 
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:

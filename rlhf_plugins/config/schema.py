@@ -70,6 +70,9 @@ class GenerationConfig:
     #: with train.max_staleness >= 1 and a reference model: generate a rollout in this many parts (whole
     #: prompt groups); the reference model scores each part while the engine generates the next
     rollout_parts: int = setting(2, ge=1)
+    #: transformers engine on a GPU: capture a decode step as a CUDA graph and replay it for every
+    #: token (one launch per token instead of hundreds); false decodes eagerly
+    cuda_graphs: bool = True
 
 
 @dataclass

@@ -7,7 +7,7 @@ when every sample has finished. The KV cache reserves room for prompt + budget
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from ..models.forward import position_ids
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
+from .static_decode import StaticDecode
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -61,6 +62,8 @@ class TransformersEngine:
                                     device=self.device)
         #: decode steps read each prompt's keys and values once for all its samples (cascade attention)
         self.shared_prefix = attention.enable(self.model)
+        #: on a GPU, decode steps of one fixed shape replayed as a CUDA graph (:mod:`.static_decode`)
+        self.cuda_graphs = ctx.config.generation.cuda_graphs and self.device.type == "cuda"
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
@@ -84,13 +87,37 @@ class TransformersEngine:
             pos = pos.repeat_interleave(n, dim=0)
         mask = torch.ones((U * n, P + params.max_new_tokens), dtype=attention.dtype, device=device)
         mask[:, :P] = attention
-        return self._decode(out, mask, pos[:, -1:] + 1, params, cache if shared else None)
+        next_pos = pos[:, -1:] + 1
+        if cache is not None and (self.cuda_graphs or self.fixed_shapes):
+            step = StaticDecode(self.model, out.past_key_values, mask, next_pos, params.max_new_tokens, shared,
+                                graph=self.cuda_graphs).step
+        else:
+            step = self._growing_step(out.past_key_values, mask, next_pos, P, cache if shared else None)
+        return self._decode(out.logits[:, -1, :], params, step)
 
-    def _decode(self, out: Any, mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
-                shared: Any) -> Samples:
-        """Sample token by token from the prefilled ``out`` until every sample stopped or the budget
-        is spent; ``shared``: the shared-prefix cache (its cascade masks the prompts), or None."""
-        B, device, P = mask.shape[0], self.device, mask.shape[1] - params.max_new_tokens
+    #: fixed-shape decode steps also without CUDA graphs (tests compare them with the growing cache)
+    fixed_shapes = False
+
+    def _growing_step(self, past: Any, mask: torch.Tensor, next_pos: torch.Tensor, prompt_width: int,
+                      shared: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """Decode steps over a cache that grows by one position a step; ``shared``: the shared-prefix
+        cache (its cascade masks the prompts), or None."""
+        state = {"past": past, "pos": next_pos}
+
+        def step(token: torch.Tensor, t: int) -> torch.Tensor:
+            out = self.model(input_ids=token[:, None],
+                             attention_mask=None if shared is not None else mask[:, : prompt_width + t + 1],
+                             position_ids=state["pos"], past_key_values=state["past"], use_cache=True,
+                             **({"shared_prefix": shared} if shared is not None else {}))
+            state["past"], state["pos"] = out.past_key_values, state["pos"] + 1
+            return out.logits[:, -1, :]
+        return step
+
+    def _decode(self, logits: torch.Tensor, params: SamplingParams,
+                step: Callable[[torch.Tensor, int], torch.Tensor]) -> Samples:
+        """Sample token by token from the prefill's last ``logits``, feeding each token to ``step``,
+        until every sample stopped or the budget is spent."""
+        B, device = logits.shape[0], self.device
         tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((B, params.max_new_tokens), device=device)
         lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
@@ -99,7 +126,7 @@ class TransformersEngine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         uniforms = torch.rand((params.max_new_tokens, B), generator=gen).to(device)
         for t in range(params.max_new_tokens):
-            token, logp = sample_token(out.logits[:, -1, :], params, uniforms[t])
+            token, logp = sample_token(logits, params, uniforms[t])
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens[:, t] = token
             logps[:, t] = logp.masked_fill(done, 0.0)
@@ -108,15 +135,7 @@ class TransformersEngine:
             done = done | finished_now
             if bool(done.all()) or t + 1 == params.max_new_tokens:
                 break
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=None if shared is not None else mask[:, : P + t + 1],
-                position_ids=next_pos,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-                **({"shared_prefix": shared} if shared is not None else {}),
-            )
-            next_pos = next_pos + 1
+            logits = step(token, t)
         return to_samples(tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu(), params.n)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:

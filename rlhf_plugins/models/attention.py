@@ -71,7 +71,8 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     if shared_prefix is not None:
         layer = shared_prefix.layers[module.layer_idx]
         return kv_cache.cascade_attention(query, layer.prefix_keys, layer.prefix_values, key, value,
-                                          shared_prefix.prompt_mask, layer.group, scale), None
+                                          shared_prefix.prompt_mask, layer.group, scale,
+                                          getattr(shared_prefix, "own_mask", None)), None
     if packed_samples is not None and query.shape[-2] == key.shape[-2] and getattr(module, "is_causal", True):
         return per_sample_attention(query, key, value, packed_samples, scale, dropout), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -34,6 +34,8 @@ class ReservedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        #: fixed-shape decoding (:func:`fix_shapes`): the position the next token is written at
+        self.write_at: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -49,6 +51,8 @@ class ReservedLayer(DynamicLayer):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.write_at is not None:
+            return _write_at(self, key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise ValueError(f"KV cache reserved for {self.capacity} positions, asked for {end}")
@@ -77,6 +81,28 @@ class ReservedLayer(DynamicLayer):
         raise NotImplementedError("the reserved KV cache is not cropped (the sampling loop never asks)")
 
 
+def fix_shapes(cache: DynamicCache, write_at: torch.Tensor, filled: int) -> None:
+    """Fixed-shape decoding over a reserved or shared-prefix cache whose first ``filled`` reserved
+    positions hold keys: from now on each layer writes a step's keys and values at position
+    ``write_at`` (a one-element device tensor the caller advances) and hands attention its whole
+    reserved storage, the positions not yet written zeroed (attention masks them: ``-inf`` scores
+    times zero values, never NaN garbage). Every decode step then has the same shapes and the same
+    tensors, as a CUDA graph's replay needs."""
+    for layer in cache.layers:
+        if not isinstance(layer, (ReservedLayer, SharedPrefixLayer)):
+            raise TypeError(f"fixed-shape decoding needs reserved cache layers, not {type(layer).__name__}")
+        layer._keys[:, :, filled:].zero_()
+        layer._values[:, :, filled:].zero_()
+        layer.keys, layer.values, layer.write_at = layer._keys, layer._values, write_at
+
+
+def _write_at(layer: ReservedLayer | SharedPrefixLayer, key_states: torch.Tensor,
+              value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    layer._keys.index_copy_(2, layer.write_at, key_states)
+    layer._values.index_copy_(2, layer.write_at, value_states)
+    return layer._keys, layer._values
+
+
 # --- shared-prefix (cascade) attention for the decode steps ---------------------------------------
 #: prompts narrower than this decode faster with SDPA over the repeated prefix (measured per layer and
 #: step, 16 prompts x 8 samples: 12-token prompts 313 us SDPA vs 422 us cascade, 40 tokens 450 vs 409)
@@ -100,6 +126,7 @@ class SharedPrefixLayer(DynamicLayer):
     def __init__(self, budget: int) -> None:
         super().__init__()
         self.budget, self.group, self.prefix_length, self.length = budget, 1, 0, 0
+        self.write_at: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +136,8 @@ class SharedPrefixLayer(DynamicLayer):
             self.prefix_keys, self.prefix_values = key_states.contiguous(), value_states.contiguous()
             self.keys, self.values, self.prefix_length = key_states, value_states, key_states.shape[-2]
             return key_states, value_states
+        if self.write_at is not None:
+            return _write_at(self, key_states, value_states)
         end = self.length + key_states.shape[-2]
         if self.group == 1 or end > self.budget:
             raise ValueError(f"shared-prefix KV cache: {end} decoded positions of {self.budget} reserved, "
@@ -138,10 +167,12 @@ class SharedPrefixLayer(DynamicLayer):
 
 
 def cascade_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, own_k: torch.Tensor,
-                      own_v: torch.Tensor, prompt_mask: torch.Tensor, group: int, scaling: float) -> torch.Tensor:
+                      own_v: torch.Tensor, prompt_mask: torch.Tensor, group: int, scaling: float,
+                      own_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sample (``q``: ``[B, H, 1, d]``, samples grouped by prompt,
     ``group`` each) over its prompt's keys (``[B / group, H_kv, P, d]``, ``prompt_mask`` 1 on real
-    tokens) and its own (``[B, H_kv, T, d]``), as ``[B, 1, H, d]`` (the attention functions' layout)."""
+    tokens) and its own (``[B, H_kv, T, d]``; ``own_mask`` ``[B, T]``, when given, True where written),
+    as ``[B, 1, H, d]`` (the attention functions' layout)."""
     B, H, L, d = q.shape
     U, Hkv, P, _ = prefix_k.shape
     rep, T = H // Hkv, own_k.shape[-2]
@@ -153,6 +184,8 @@ def cascade_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.T
     scores_p.masked_fill_(~prompt_mask[:, None, None, :], float("-inf"))
     scores_p = scores_p.view(U, Hkv, group, rep, P).transpose(1, 2).reshape(B, H, P)
     scores_o = torch.matmul(q.reshape(B, Hkv, rep, d), own_k.transpose(-1, -2)).mul_(scaling).view(B, H, T)
+    if own_mask is not None:
+        scores_o.masked_fill_(~own_mask[:, None, :], float("-inf"))
     probs = torch.softmax(torch.cat([scores_p, scores_o], dim=-1), dim=-1,
                           dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     probs_p = probs[..., :P].reshape(U, group, Hkv, rep, P).transpose(1, 2).reshape(U, Hkv, group * rep, P)

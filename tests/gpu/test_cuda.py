@@ -224,3 +224,40 @@ def test_a_qwen_0_5b_shape_runs_and_its_gpu_peak_is_near_its_analytic_need(tmp_p
     report("qwen0.5b_analytic_gb", analytic)
     report("qwen0.5b_seconds_per_step", [round(r["time/step"], 2) for r in rows])
     assert peak <= 1.3 * analytic + 0.5, (peak, analytic)
+
+
+def test_decode_steps_replayed_as_a_cuda_graph_sample_what_eager_steps_sample(report, monkeypatch):
+    """The transformers engine on the GPU, float32: decode steps captured once per call and replayed
+    as a CUDA graph give the tokens and log-probs of eager steps over the growing cache (ragged
+    prompts, shared and per-sample prefixes, early stops); the capture happened; ms per token of each."""
+    import time
+
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.engines import static_decode
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.testing import backend_context
+
+    captured = []
+    capture = static_decode.StaticDecode._capture
+    monkeypatch.setattr(static_decode.StaticDecode, "_capture", lambda self: captured.append(capture(self)) or captured[-1])
+    config, pm, _ = prepare({}, autoload=False)
+    engine = TransformersEngine(backend_context(config, "generation", default_model_path(), pm))
+    assert engine.device.type == DEVICE and engine.cuda_graphs == (DEVICE == "cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 17, 33)]
+    cases = ((4, 40), (4, 3), (1, 12))
+    runs, ms = {}, {}
+    for graphs in (True, False):
+        engine.cuda_graphs = engine.fixed_shapes = graphs and DEVICE == "cuda"
+        start = time.perf_counter()
+        runs[graphs] = [engine.generate(prompts, SamplingParams(n=n, max_new_tokens=b, temperature=1.3, seed=11))
+                        for n, b in cases]
+        tokens = sum(max(map(len, r.completion_ids)) for r in runs[graphs])
+        ms[graphs] = 1000 * (time.perf_counter() - start) / tokens
+    report("decode_ms_per_token_graph_vs_eager", [round(ms[True], 3), round(ms[False], 3)])
+    assert len(captured) == (3 if DEVICE == "cuda" else 0) and all(c is not None for c in captured)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.completion_ids == b.completion_ids and a.finish_reasons == b.finish_reasons
+        for x, y in zip(a.logprobs, b.logprobs):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-4)
