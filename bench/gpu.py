@@ -36,6 +36,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="reduce the model's depth (checking on a CPU)")
     p.add_argument("--new-tokens", type=int, default=SETUP["new_tokens"])
     p.add_argument("--json", type=Path)
+    p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated)")
+    p.add_argument("--logits-mb", type=float, default=None, help="our learner.logits_memory_mb (default: ours)")
     p.add_argument("--only", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -77,7 +79,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
            "reward": {"functions": ["exact_match"]}, "eval": {"enabled": False},
            "train": {"prompts_per_step": SETUP["prompts"], "steps": args.warmup + args.steps},
            "generation": {"n_samples_per_prompt": SETUP["group"], "max_new_tokens": args.new_tokens},
-           "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False},
+           "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False,
+                       **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {})},
            "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
     trainer = warm_trainer(raw, args.model, args.warmup)
     start, tokens = time.perf_counter(), 0.0
@@ -86,7 +89,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         tokens += m["completion/length"] * SETUP["prompts"] * SETUP["group"]
     elapsed = time.perf_counter() - start
     timed = trainer.history[args.warmup:]
-    if os.environ.get("BENCH_PROFILE") and args.device == "cuda":
+    if os.environ.get("BENCH_PROFILE"):
         profile_step(trainer, args.warmup + args.steps)
     trainer.shutdown()
     return {"steps_per_s": args.steps / elapsed, "tokens_per_s": tokens / elapsed, "peak_gpu_gb": peak_gpu_gb(),
@@ -96,16 +99,29 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile_step(trainer: Any, step: int) -> None:
-    """One more step under torch's profiler (BENCH_PROFILE=1): the kernels that took the GPU's time,
-    to see where training falls short of the matmul peak (not part of the timed steps)."""
+    """One more step with its update (the learner's train call) under torch's profiler
+    (BENCH_PROFILE=1): the kernels that took the GPU's time, to see where training falls short of
+    the matmul peak (not part of the timed steps)."""
     import torch
 
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        m = trainer.step(step)
-        torch.cuda.synchronize()
+    learner = trainer.actor.learner
+    train = learner.train
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if torch.cuda.is_available() else [])
+    prof = torch.profiler.profile(activities=activities)
+
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        with prof:
+            out = train(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return out
+
+    learner.train = profiled
+    m = trainer.step(step)
+    learner.train = train
     print("profiled step:", {k: round(v, 3) for k, v in m.items() if k.startswith("time/")}, flush=True)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60),
           flush=True)
 
 
@@ -186,7 +202,8 @@ def run_side(args: argparse.Namespace, side: str, model: str, data: str, tmp: Pa
     out = tmp / f"{side}.json"
     done = subprocess.run([sys.executable, __file__, "--only", side, "--model", model, "--data", data, "--out", str(out),
                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                           "--new-tokens", str(args.new_tokens)])
+                           "--new-tokens", str(args.new_tokens)]
+                          + (["--logits-mb", str(args.logits_mb)] if args.logits_mb else []))
     if done.returncode:
         print(f"{side:>5}: failed (exit {done.returncode})", flush=True)
         return {"error": f"exit {done.returncode}"}
@@ -209,13 +226,14 @@ def main() -> None:
         model, data = setup(Path(tmp), args.layers)
         peak = matmul_peak(args.device)
         results["matmul_tflops"] = peak / 1e12
-        results["ours"] = run_side(args, "ours", model, data, Path(tmp))
+        sides = args.sides.split(",")
+        results["ours"] = run_side(args, "ours", model, data, Path(tmp)) if "ours" in sides else {"error": "not run"}
         if "error" not in results["ours"]:
             results["train_fraction_of_matmul"] = train_fraction(results["ours"], model, args.steps, peak)
             print(f"training at {results['train_fraction_of_matmul']:.2f} of the bf16 matmul peak "
                   f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4)", flush=True)
         write(args, results)
-        results["trl"] = run_side(args, "trl", model, data, Path(tmp))
+        results["trl"] = run_side(args, "trl", model, data, Path(tmp)) if "trl" in sides else {"error": "not run"}
     if "error" not in results["ours"] and "error" not in results["trl"]:
         results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
         print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x "
