@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,29 @@ def speedups_supported() -> bool:
     from rlhf_plugins.models import speedups
 
     return speedups.supported()
+
+
+#: a plugin that SIGKILLs its own process where KILL_AT says (step N after the step, or ckpt N
+#: inside the checkpoint write of step N); without KILL_AT it does nothing, so a resume runs clean
+KILLER = textwrap.dedent("""
+    import os, signal
+    from rlhf_plugins import hookimpl
+    WHERE = os.environ.get("KILL_AT", "")
+    STEPS = [0]
+
+    @hookimpl
+    def rlhf_after_step(step, metrics):
+        STEPS[0] = step + 1
+        if WHERE == f"step {step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @hookimpl
+    def rlhf_state_dict():
+        if WHERE == f"ckpt {STEPS[0]}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"steps_seen": STEPS[0]}
+
+    @hookimpl
+    def rlhf_load_state_dict(state):
+        STEPS[0] = state["steps_seen"]
+""")

@@ -13,37 +13,13 @@ from pathlib import Path
 import pytest
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import clean_env, metrics_of, run_subprocess
+from tests.helpers import KILLER, clean_env, metrics_of, run_subprocess
 
 RUN = ["--train.steps", "8", "--train.save_every", "2", "--train.prompts_per_step", "4",
        "--generation.n_samples_per_prompt", "4", "--train.progress", "false", "--learner.epochs", "2",
        "--learner.mini_batch_size", "8", "--reward.normalize", "true", "--algo.kl.controller", "adaptive",
        "--eval.enabled", "false"]
 
-#: a plugin that SIGKILLs its own process where KILL_AT says (step N after the step, or ckpt N
-#: inside the checkpoint write of step N); without KILL_AT it does nothing, so a resume runs clean
-KILLER = textwrap.dedent("""
-    import os, signal
-    from rlhf_plugins import hookimpl
-    WHERE = os.environ.get("KILL_AT", "")
-    STEPS = [0]
-
-    @hookimpl
-    def rlhf_after_step(step, metrics):
-        STEPS[0] = step + 1
-        if WHERE == f"step {step}":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    @hookimpl
-    def rlhf_state_dict():
-        if WHERE == f"ckpt {STEPS[0]}":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return {"steps_seen": STEPS[0]}
-
-    @hookimpl
-    def rlhf_load_state_dict(state):
-        STEPS[0] = state["steps_seen"]
-""")
 
 
 def comparable(rows: list[dict]) -> list[dict]:

@@ -16,6 +16,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf_plugins.builtin_plugins.kl_estimators",
     "rlhf_plugins.builtin_plugins.learner_torch",
     "rlhf_plugins.builtin_plugins.learner_deepspeed",
+    "rlhf_plugins.builtin_plugins.learner_fsdp",
     "rlhf_plugins.builtin_plugins.sync_inprocess",
     "rlhf_plugins.builtin_plugins.sync_broadcast",
     "rlhf_plugins.builtin_plugins.sync_adapter",

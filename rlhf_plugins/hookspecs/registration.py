@@ -139,7 +139,7 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
 
         @hookimpl
         def rlhf_learner_backends():
-            yield LearnerBackend("fsdp", factory=FSDPLearner, requires=("torch",), multi_rank=True)
+            yield LearnerBackend("megatron", factory=MegatronLearner, requires=("megatron",), multi_rank=True)
     """
 
 

@@ -97,14 +97,16 @@ class Learner:
     def _lr(self) -> float:
         raise NotImplementedError
 
+    #: the no-gradient mode of ``logprobs`` (FSDP2's gathers cannot run under inference mode)
+    no_grad: Callable[[], Any] = staticmethod(torch.inference_mode)
+
     # --- shared -----------------------------------------------------------------------
-    @torch.inference_mode()
     def logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The model's per-token output without gradient: log-probs, or values for a critic."""
         module = self._module()
         module.eval()
         batch = to_device(batch, self.device)
-        with self._compute():
+        with self.no_grad(), self._compute():
             out = in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
                                   self.cfg.max_tokens_per_micro_batch)
         return out.float().cpu()

@@ -14,7 +14,6 @@ tensor (``GatheredParameters``) for weight sync and saving.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,20 +107,16 @@ def share_master_weights(optimizer: Any) -> int:
 
 
 def init_distributed() -> None:
-    """Join the process group of the role's ranks (the placement set MASTER_ADDR, RANK, ...),
-    or, alone under local placement, create a world of one (DeepSpeed keeps reading
-    LOCAL_RANK, so the variables stay set in this process)."""
+    """Join the process group of the role's ranks (:func:`.sharded.rank_environment`)."""
     import deepspeed
     import torch.distributed as dist
 
+    from .sharded import process_group_backend, rank_environment
+
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        from ..sync.groups import free_address
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    rank_environment()
+    deepspeed.init_distributed(dist_backend=process_group_backend(), verbose=False)
 
 
 class DeepSpeedLearner(Learner):
@@ -219,29 +214,14 @@ class DeepSpeedLearner(Learner):
         """A ``save_pretrained`` folder written by rank 0. Under ZeRO-3 the weights are gathered one
         tensor at a time and written shard by shard, so no rank ever holds the whole model."""
         from ..models.folder import save_pretrained
-        from ..models.lora import peft_info
+        from .sharded import save_gathered
 
         if self.stage != 3:
             if self.rank == 0:
                 save_pretrained(self.model, path)
             return
-        if peft_info(self.model) is not None:  # the adapter alone: gather the trained tensors only
-            state = {name: t.cpu() for name, t in self._gathered(trainable_only=True)}
-            if self.rank == 0:
-                save_pretrained(self.model, path, state_dict=state)
-            return
-        from ..models.folder import ShardWriter
-
         sizes = {n: int(getattr(p, "ds_numel", p.numel())) * p.element_size() for n, p in self.model.named_parameters()}
-        writer = ShardWriter(path, sizes) if self.rank == 0 else None
-        for name, tensor in self.raw_named_weights():  # collective: every rank gathers
-            if writer is not None:
-                writer.add(name, tensor.cpu())
-        if writer is not None:
-            writer.close()
-            self.model.config.save_pretrained(path)
-            if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(path)
+        save_gathered(self.model, path, self.rank, lambda trainable: self._gathered(trainable_only=trainable), sizes)
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed's own checkpoint (every rank writes its ZeRO partitions of the fp32 master

@@ -175,6 +175,22 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
+def fsdp_learner_memory(m: MemoryInputs) -> dict[str, int]:
+    """FSDP2 over ``ranks``: float32 weight, gradient and optimizer-state shards (in CPU memory with
+    ``offload_params``), plus one decoder layer gathered in the compute dtype and the next prefetched
+    (the root's embeddings and head while they compute)."""
+    n, b = max(1, m.ranks), m.dtype_bytes
+    P, T = m.shape.parameters, m.trainable
+    return {k: v for k, v in {
+        "weights": P * 4 // n,
+        "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b,
+        "gradients": T * 4 // n,
+        "optimizer states": T * 4 * optimizer_elements(m.config) // n,
+        "activations": activations(m),
+        "logits chunk": m.logits_bytes,
+    }.items() if v}
+
+
 def zero_bucket_elements(shape: ModelShape) -> int:
     """DeepSpeed's reduce and all-gather buckets sized from the model: its largest decoder layer (at
     least hidden^2, transformers' "auto"), never DeepSpeed's default of 5e8 elements (2 GB of float32

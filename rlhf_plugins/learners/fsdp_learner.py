@@ -1,0 +1,154 @@
+"""The FSDP2 learner: PyTorch's own sharded data parallelism (``torch.distributed.fsdp.fully_shard``),
+what verl, torchtitan and TRL-through-accelerate users train with.
+
+One instance per data-parallel rank (a Ray actor of the role group, NCCL on GPUs, gloo on CPUs), or
+a single process under local placement. Each decoder layer is its own FSDP unit and the root holds
+the rest (embeddings, final norm, head): a rank keeps 1/N of the float32 weights, gradients and
+optimizer states, and gathers one layer at a time for its forward and backward (the next one
+prefetched). 16-bit runs keep float32 shards and compute in the 16-bit dtype (FSDP2's mixed
+precision policy; gradients reduced in float32). Gradient accumulation and the loss weights are
+the shared loop's (:mod:`.base`); FSDP2 averages gradients over ranks as DeepSpeed does.
+
+Weights for sync and export are gathered one tensor at a time (``DTensor.full_tensor``, collective);
+checkpoints are ``torch.distributed.checkpoint`` folders in which every rank writes its own shards.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..protocols import BackendContext
+from .base import Learner, make_optimizer, make_scheduler
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The modules to shard one by one: those of the classes transformers marks as not to be split
+    (``_no_split_modules``: the decoder layers), found in the model or the model it wraps."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def init_process_group() -> None:
+    import torch.distributed as dist
+
+    from .sharded import process_group_backend, rank_environment
+
+    if not dist.is_initialized():
+        rank_environment()
+        dist.init_process_group(backend=process_group_backend())
+
+
+class FSDPLearner(Learner):
+    no_grad = staticmethod(torch.no_grad)
+
+    def __init__(self, ctx: BackendContext) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from ..models.device import role_device
+
+        config = ctx.config
+        init_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._init_learner(config, ctx.role, seed_offset=self.rank)
+        o = config.section("fsdp")
+        self.device = role_device()
+        model = ctx.load_model()
+        dtype = next(model.parameters()).dtype
+        model = model.float()  # float32 shards; the 16-bit dtype is the compute dtype
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not o.offload_params:
+            model = model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        shard = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward,
+                     mp_policy=MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+                                                    reduce_dtype=torch.float32),
+                     offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if o.offload_params
+                     else OffloadPolicy())
+        for layer in decoder_layers(model):
+            fully_shard(layer, **shard)
+        self.model = fully_shard(model, **shard)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(params, self.cfg, self.lr)
+        self.scheduler = make_scheduler(self.optimizer, config)
+
+    # --- the update loop's parts -------------------------------------------------------
+    def _module(self) -> Any:
+        return self.model
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _step(self) -> float:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(_full(norm))
+
+    def _lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # --- weights ---------------------------------------------------------------------
+    def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors, gathered one at a time (every rank iterates; each receives the full tensor)."""
+        return self._gathered()
+
+    def _gathered(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        for name, tensor in self.model.state_dict().items():
+            if not trainable_only or name in trainable:
+                yield name, _full(tensor).detach()
+
+    def save(self, path: str) -> None:
+        """A ``save_pretrained`` folder written by rank 0, tensor by tensor (no rank holds the model)."""
+        from .sharded import save_gathered
+
+        sizes = {n: t.numel() * t.element_size() for n, t in self.model.state_dict().items()}
+        save_gathered(self.model, path, self.rank, lambda trainable: self._gathered(trainable), sizes)
+
+    def save_checkpoint(self, path: str) -> None:
+        """A ``torch.distributed.checkpoint`` folder of the sharded weights and optimizer states
+        (every rank writes its shards; collective), the schedule, and each rank's counters and
+        random state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=str(folder / "fsdp"))
+        torch.save(self.scheduler.state_dict(), folder / f"scheduler-rank{self.rank}.pt")  # every node has one
+        self._save_progress(folder / f"learner-rank{self.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from ..errors import UsageError
+
+        folder = Path(path)
+        if not (folder / "fsdp").is_dir():
+            raise UsageError(f"no FSDP checkpoint under '{folder}' (expected its 'fsdp' folder): was it saved "
+                             "with --learner.backend fsdp?")
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        state = {"model": weights, "optimizer": optimizer}
+        dcp.load(state, checkpoint_id=str(folder / "fsdp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(torch.load(folder / f"scheduler-rank{self.rank}.pt", weights_only=True))
+        self._load_progress(folder / f"learner-rank{self.rank}.pt")
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    """A DTensor's full value (collective), or the tensor itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor

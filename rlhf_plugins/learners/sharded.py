@@ -1,0 +1,48 @@
+"""What the sharded learners (DeepSpeed ZeRO-3, FSDP2) share: joining the role's process group, and
+writing the full model from tensors gathered one at a time, so that no rank holds the whole model."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def rank_environment() -> None:
+    """The variables a process group is created from: set by the placement for a role's ranks
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK); alone under local placement, a world of
+    one on a free loopback port (the variables stay set: DeepSpeed keeps reading LOCAL_RANK)."""
+    if "RANK" not in os.environ:
+        from ..sync.groups import free_address
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def process_group_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def save_gathered(model: Any, path: str, rank: int, gathered: Callable[[bool], Iterator[tuple[str, torch.Tensor]]],
+                  sizes: dict[str, int]) -> None:
+    """A ``save_pretrained`` folder written by rank 0 from ``gathered(trainable_only)``, a collective
+    iteration every rank runs (each tensor gathered in turn): shard by shard for a whole model
+    (``sizes``: name -> bytes, in iteration order), the adapter alone under LoRA."""
+    from ..models.folder import ShardWriter, save_pretrained
+    from ..models.lora import peft_info
+
+    if peft_info(model) is not None:  # the adapter alone: gather the trained tensors only
+        state = {name: t.cpu() for name, t in gathered(True)}
+        if rank == 0:
+            save_pretrained(model, path, state_dict=state)
+        return
+    writer = ShardWriter(path, sizes) if rank == 0 else None
+    for name, tensor in gathered(False):
+        if writer is not None:
+            writer.add(name, tensor.cpu())
+    if writer is not None:
+        writer.close()
+        model.config.save_pretrained(path)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(path)

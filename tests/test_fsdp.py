@@ -1,0 +1,230 @@
+"""The FSDP2 learner (``--learner.backend fsdp``) against the torch learner on the same batch: one
+rank in this process, two ranks as Ray actors (gloo); LoRA, the critic, checkpoints with exact resume
+and the full-model export."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf_plugins.algorithms import policy_losses
+from rlhf_plugins.algorithms.objective import Objective
+from rlhf_plugins.api import prepare
+from rlhf_plugins.testing import backend_context
+from tests.helpers import random_batch
+
+LR = 1e-4
+
+
+def the_batch(seed: int = 5) -> dict:
+    batch = random_batch(group=4, prompts=4, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    return batch
+
+
+def learner(backend: str, tiny_model: str, role: str = "actor", **raw):
+    from rlhf_plugins.learners.fsdp_learner import FSDPLearner
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+
+    base = {"learner": {"lr": LR, "backend": backend}, "train": {"prompts_per_step": 4},
+            "generation": {"n_samples_per_prompt": 4}}
+    config, pm, _ = prepare({**base, **raw}, autoload=False)
+    torch.manual_seed(0)  # LoRA's adapter initialisation
+    cls = FSDPLearner if backend == "fsdp" else TorchLearner
+    return cls(backend_context(config, role, tiny_model, pm)), config
+
+
+def objective_of(config):
+    return Objective(policy_losses.ppo, config.algo.policy_loss)
+
+
+def assert_same_update(got, expected, after, after_torch, before, tol=1e-6):
+    assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    moved = max(float((after_torch[k] - before[k]).abs().max()) for k in before)
+    worst = max(float((after[k] - after_torch[k]).abs().max()) for k in before)
+    assert moved > 0.5 * LR and worst < tol, (moved, worst)
+
+
+@pytest.fixture(scope="module")
+def reference_update(tiny_model):
+    """The torch learner's update on the batch: metrics, weights before and after."""
+    local, config = learner("torch", tiny_model)
+    before = {k: v.clone() for k, v in local.named_weights()}
+    metrics = local.train(the_batch(), objective_of(config))
+    return metrics, before, {k: v.clone() for k, v in local.named_weights()}
+
+
+def test_one_rank_matches_the_torch_learner(tiny_model, reference_update):
+    """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step."""
+    expected, before, after_torch = reference_update
+    fsdp, config = learner("fsdp", tiny_model)
+    from torch.distributed.tensor import DTensor
+
+    assert all(isinstance(p, DTensor) for p in fsdp.model.parameters())  # really sharded
+    gathered = dict(fsdp.named_weights())
+    assert gathered.keys() == before.keys() and all(torch.equal(gathered[k], before[k]) for k in before)
+    got = fsdp.train(the_batch(), objective_of(config))
+    assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
+
+
+def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, tiny_model, reference_update):
+    """Two Ray actors (gloo), each with half the batch and half of every tensor: the same update as
+    one torch learner on the whole batch."""
+    from rlhf_plugins import PlacementContext
+    from rlhf_plugins.placement.ray_placement import RayPlacement
+    from rlhf_plugins.training.roles import PolicyRole
+
+    expected, before, after_torch = reference_update
+    config, pm, plan = prepare({"placement": {"strategy": "ray"}, "learner": {"backend": "fsdp", "lr": LR},
+                                "ray": {"actor_workers": 2}, "train": {"prompts_per_step": 4},
+                                "generation": {"n_samples_per_prompt": 4}}, autoload=False)
+    placement = RayPlacement(PlacementContext(config, ("actor",), plugin_spec=pm.spec))
+    try:
+        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
+        shards = group.run(lambda ctx: sum(p.to_local().numel() for p in ctx.backend.model.parameters()))
+        got = group.train(the_batch(), objective_of(config))
+        after = dict(group.named_weights())
+    finally:
+        placement.shutdown()
+    total = sum(v.numel() for k, v in before.items() if k != "lm_head.weight")
+    assert len(shards) == 2 and max(shards) < 0.6 * total  # each rank holds about half
+    assert_same_update(got, expected, after, after_torch, before, tol=1e-6)
+
+
+def test_checkpoint_resume_gives_the_same_next_update(tiny_model, tmp_path):
+    """Two updates, a checkpoint (torch.distributed.checkpoint), a fresh learner loads it: its next
+    update equals the uninterrupted learner's, metrics and weights exactly."""
+    first, config = learner("fsdp", tiny_model)
+    objective = objective_of(config)
+    for seed in (1, 2):
+        first.train(the_batch(seed), objective)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "fsdp" / ".metadata").is_file()
+    expected = first.train(the_batch(3), objective)
+    second, _ = learner("fsdp", tiny_model)
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    assert second.updates == 2
+    got = second.train(the_batch(3), objective)
+    assert got == expected
+    a, b = dict(first.named_weights()), dict(second.named_weights())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_export_loads_in_transformers_with_the_trained_weights(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    fsdp, config = learner("fsdp", tiny_model)
+    fsdp.train(the_batch(), objective_of(config))
+    fsdp.save(str(tmp_path / "export"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    trained = dict(fsdp.named_weights())
+    assert all(torch.equal(t, trained[n]) for n, t in loaded.state_dict().items())
+
+
+def test_lora_trains_the_sharded_adapters_only_as_the_torch_learner_does(tiny_model):
+    lora = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
+    runs = {}
+    for backend in ("torch", "fsdp"):
+        one, config = learner(backend, tiny_model, **lora)
+        before = {n: t.clone() for n, t in one.raw_named_weights()}
+        metrics = one.train(the_batch(), objective_of(config))
+        runs[backend] = metrics, before, dict(one.raw_named_weights())
+    (m_t, before_t, after_t), (m_f, before_f, after_f) = runs["torch"], runs["fsdp"]
+    assert before_f.keys() == before_t.keys() and all(torch.equal(before_f[k], before_t[k]) for k in before_t)
+    changed = {k for k in after_f if not torch.equal(after_f[k], before_f[k])}
+    assert changed and all("lora_" in k for k in changed)  # the base stays frozen
+    assert m_f["loss/policy"] == pytest.approx(m_t["loss/policy"], abs=1e-6)
+    assert max(float((after_f[k] - after_t[k]).abs().max()) for k in after_t) < 1e-6
+
+
+def test_the_critic_trains_on_fsdp_as_on_torch(tiny_model):
+    """The value head's model sharded like the policy: values, then one value-loss update."""
+    from rlhf_plugins.algorithms.value import ValueObjective
+
+    batch = the_batch()
+    batch["returns"] = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for backend in ("torch", "fsdp"):
+        critic, config = learner(backend, tiny_model, role="critic", algo={"advantage": {"estimator": "gae"}})
+        values = critic.logprobs(batch)
+        batch["values"] = values
+        out[backend] = values, critic.train(batch, ValueObjective(config.critic.value_clip))
+    torch.testing.assert_close(out["fsdp"][0], out["torch"][0], rtol=0, atol=1e-6)
+    assert out["fsdp"][1]["critic/loss"] == pytest.approx(out["torch"][1]["critic/loss"], abs=1e-6)
+    assert out["fsdp"][1]["grad_norm"] == pytest.approx(out["torch"][1]["grad_norm"], rel=1e-5)
+
+
+SHORT = ["--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4", "--train.progress", "false",
+         "--train.save_every", "2", "--eval.enabled", "false", "--learner.backend", "fsdp"]
+
+
+def train(cwd, *args, env=None):
+    from tests.helpers import run_subprocess
+
+    return run_subprocess("train", *args, cwd=cwd, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
+
+
+def test_kill_9_then_resume_gives_the_same_metrics_step_for_step(tmp_path, tiny_model):
+    """`rlhf train --learner.backend fsdp` SIGKILLed one step past its step-2 checkpoint, resumed:
+    the same metrics as the uninterrupted run, step for step, and the final export loads."""
+    from rlhf_plugins.training.runlog import MEASURED
+    from tests.helpers import KILLER, metrics_of
+
+    (tmp_path / "killer.py").write_text(KILLER)
+    whole = train(tmp_path, "--plugin", "killer.py", *SHORT, "--train.steps", "5", "--train.run_name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = train(tmp_path, "--plugin", "killer.py", *SHORT, "--train.steps", "5", "--train.run_name", "killed",
+                   env={"KILL_AT": "step 2"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    run = tmp_path / "runs" / "killed"
+    assert list((run / "checkpoints" / "step-000002" / "actor" / "fsdp").glob("*.distcp"))
+    resumed = train(tmp_path, "--resume", str(run))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]  # noqa: E731
+    assert strip(metrics_of(run)) == strip(metrics_of(tmp_path / "runs" / "whole"))
+    assert [r["step"] for r in metrics_of(run)] == list(range(5))
+    assert (run / "final" / "config.json").is_file()
+
+
+#: records each weight sync's engine/learner log-prob gap (--sync.verify) into parity.jsonl
+PARITY = """
+import json
+from rlhf_plugins import hookimpl
+
+@hookimpl
+def rlhf_after_weight_sync(step, info):
+    with open("parity.jsonl", "a") as f:
+        f.write(json.dumps(info["parity_max_abs_diff"]) + "\\n")
+"""
+
+
+def test_rlhf_train_on_ray_with_two_fsdp_ranks_resumes_its_sharded_checkpoint(tmp_path, tiny_model):
+    """Two FSDP ranks as Ray actors, broadcast sync to the engine checked every step (--sync.verify);
+    each rank writes its shards of the step-2 checkpoint; a copy resumed from it makes steps 2-3 as
+    the whole run made them."""
+    import shutil
+
+    from tests.helpers import metrics_of
+
+    (tmp_path / "parity.py").write_text(PARITY)
+    ray = ["--placement.strategy", "ray", "--ray.local_num_gpus", "4", "--ray.actor_workers", "2",
+           "--sync.verify", "true"]
+    whole = train(tmp_path, *SHORT, *ray, "--plugin", "parity.py", "--train.steps", "4", "--train.run_name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    runs = tmp_path / "runs"
+    shutil.copytree(runs / "whole", runs / "part")
+    ckpt = runs / "part" / "checkpoints" / "step-000002"
+    assert {p.name for p in (ckpt / "actor").glob("*rank*.pt")} >= {"learner-rank0.pt", "learner-rank1.pt"}
+    assert len(list((ckpt / "actor" / "fsdp").glob("*.distcp"))) == 2  # one file of shards per rank
+    resumed = train(tmp_path, "--resume", str(ckpt))
+    assert resumed.returncode == 0 and "after step 2" in resumed.stdout, resumed.stderr[-3000:]
+    part, full = metrics_of(runs / "part"), metrics_of(runs / "whole")
+    assert [r["step"] for r in part] == [0, 1, 2, 3]
+    for a, b in zip(part[2:], full[2:]):
+        for k in ("loss/policy", "reward/mean", "kl", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), k
+    gaps = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
+    assert len(gaps) >= 4 and all(g < 1e-4 for g in gaps[:4])  # the whole run's four syncs
