@@ -37,9 +37,10 @@ PATHS = {
     "lora": ["--lora.rank", "16"],
     "zero3-offload": [*ZERO3, "--deepspeed.offload_optimizer", "true"],
     "zero3-resume": ZERO3,
-    # the sharded learners side by side at two ranks (transformers engine, broadcast sync)
-    "zero3-ray2": [*RAY, *ZERO3, "--ray.actor_workers", "2"],
-    "fsdp-ray2": [*RAY, "--learner.backend", "fsdp", "--ray.actor_workers", "2"],
+    # the sharded learners side by side at two ranks (transformers engine, broadcast sync; no reference
+    # model: with it the float32 0.5B layout fills this 24 GB machine and Ray's memory monitor kills a rank)
+    "zero3-ray2": [*RAY, *ZERO3, "--ray.actor_workers", "2", "--algo.kl.coef", "0"],
+    "fsdp-ray2": [*RAY, "--learner.backend", "fsdp", "--ray.actor_workers", "2", "--algo.kl.coef", "0"],
 }
 WORKLOAD = ["--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4",
             "--generation.max_new_tokens", "32", "--data.max_prompt_tokens", "64", "--eval.enabled", "false",

@@ -28,9 +28,9 @@ def learner(backend: str, tiny_model: str, role: str = "actor", **raw):
     from rlhf_plugins.learners.fsdp_learner import FSDPLearner
     from rlhf_plugins.learners.torch_learner import TorchLearner
 
-    base = {"learner": {"lr": LR, "backend": backend}, "train": {"prompts_per_step": 4},
-            "generation": {"n_samples_per_prompt": 4}}
-    config, pm, _ = prepare({**base, **raw}, autoload=False)
+    base = {"train": {"prompts_per_step": 4}, "generation": {"n_samples_per_prompt": 4}}
+    learner_options = {"lr": LR, "backend": backend, **raw.pop("learner", {})}
+    config, pm, _ = prepare({**base, **raw, "learner": learner_options}, autoload=False)
     torch.manual_seed(0)  # LoRA's adapter initialisation
     cls = FSDPLearner if backend == "fsdp" else TorchLearner
     return cls(backend_context(config, role, tiny_model, pm)), config
@@ -57,10 +57,17 @@ def reference_update(tiny_model):
     return metrics, before, {k: v.clone() for k, v in local.named_weights()}
 
 
-def test_one_rank_matches_the_torch_learner(tiny_model, reference_update):
-    """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step."""
+@pytest.mark.parametrize("logits_mb", [None, 0.02], ids=["whole-logits", "logits-in-chunks"])
+def test_one_rank_matches_the_torch_learner(tiny_model, reference_update, logits_mb):
+    """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
+    also with the output head applied over chunks of tokens outside the model's own forward (what a
+    real vocabulary triggers), where the root's gathered head must last through the recomputation."""
+    from rlhf_plugins.models.logits import chunking
+
     expected, before, after_torch = reference_update
-    fsdp, config = learner("fsdp", tiny_model)
+    fsdp, config = learner("fsdp", tiny_model, **({"learner": {"logits_memory_mb": logits_mb}} if logits_mb else {}))
+    n_tokens = int(the_batch()["sequences"].numel())
+    assert (chunking(fsdp.model, n_tokens, config.learner.logits_memory_mb) is not None) == bool(logits_mb)
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(p, DTensor) for p in fsdp.model.parameters())  # really sharded

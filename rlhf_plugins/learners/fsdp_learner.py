@@ -33,6 +33,24 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+class LearnerForward(torch.nn.Module):
+    """The learner's whole forward -- the model, then the output head over chunks of tokens
+    (:mod:`rlhf_plugins.models.logits`) -- as one module, the FSDP root: the root's tensors
+    (embeddings, final norm, head) stay gathered through all of it, and through the chunks'
+    recomputation in backward, instead of being resharded when the model's own forward returns."""
+
+    def __init__(self, model: torch.nn.Module, forward: Any) -> None:
+        super().__init__()
+        self.model, self.forward_fn = model, forward
+
+    def forward(self, batch: dict[str, Any], temperature: float, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.forward_fn(self.model, batch, temperature, **kwargs)
+
+
+def _call(module: Any, batch: dict[str, Any], temperature: float, **kwargs: Any) -> dict[str, torch.Tensor]:
+    return module(batch, temperature, **kwargs)
+
+
 def init_process_group() -> None:
     import torch.distributed as dist
 
@@ -67,21 +85,25 @@ class FSDPLearner(Learner):
         if not o.offload_params:
             model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        shard = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward,
-                     mp_policy=MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
-                                                    reduce_dtype=torch.float32),
-                     offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if o.offload_params
-                     else OffloadPolicy())
+        compute = None if dtype == torch.float32 else dtype
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if o.offload_params else OffloadPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer, **shard)
-        self.model = fully_shard(model, **shard)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=o.reshard_after_forward, offload_policy=offload,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
+        # the root takes the batch as it is (its floating tensors are not inputs to cast)
+        self.root = fully_shard(LearnerForward(model, self.forward), mesh=mesh, offload_policy=offload,
+                                reshard_after_forward=o.reshard_after_forward,
+                                mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                                               cast_forward_inputs=False))
+        self.forward = _call
+        self.model = model
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr)
         self.scheduler = make_scheduler(self.optimizer, config)
 
     # --- the update loop's parts -------------------------------------------------------
     def _module(self) -> Any:
-        return self.model
+        return self.root
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
