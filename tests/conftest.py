@@ -2,10 +2,23 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from rlhf_plugins.cli import main
+
+#: the modules that take longest (minutes of Ray / vLLM / DeepSpeed runs in subprocesses), collected
+#: first: under the README's `pytest -n 2 --dist loadfile` the two workers start on them and finish
+#: together instead of one worker running the longest module alone at the end
+LONGEST_FIRST = ("test_faults_and_resume_at_scale", "test_vllm", "test_trl_peft", "test_ray_training", "test_fsdp",
+                 "test_algo_runs", "test_pipeline", "test_checkpoints", "test_environments")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(LONGEST_FIRST)))  # stable for the rest
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

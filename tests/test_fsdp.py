@@ -48,26 +48,32 @@ def assert_same_update(got, expected, after, after_torch, before, tol=1e-6):
     assert moved > 0.5 * LR and worst < tol, (moved, worst)
 
 
-@pytest.fixture(scope="module")
-def reference_update(tiny_model):
+def torch_update(tiny_model, **raw):
     """The torch learner's update on the batch: metrics, weights before and after."""
-    local, config = learner("torch", tiny_model)
+    local, config = learner("torch", tiny_model, **raw)
     before = {k: v.clone() for k, v in local.named_weights()}
     metrics = local.train(the_batch(), objective_of(config))
     return metrics, before, {k: v.clone() for k, v in local.named_weights()}
 
 
-@pytest.mark.parametrize("logits_mb", [None, 0.02], ids=["whole-logits", "logits-in-chunks"])
-def test_one_rank_matches_the_torch_learner(tiny_model, reference_update, logits_mb):
+@pytest.fixture(scope="module")
+def reference_update(tiny_model):
+    return torch_update(tiny_model)
+
+
+@pytest.mark.parametrize("options", [{}, {"logits_memory_mb": 0.02}, {"max_tokens_per_micro_batch": 48}],
+                         ids=["whole-logits", "logits-in-chunks", "packed-micro-batches"])
+def test_one_rank_matches_the_torch_learner(tiny_model, options):
     """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
     also with the output head applied over chunks of tokens outside the model's own forward (what a
-    real vocabulary triggers), where the root's gathered head must last through the recomputation."""
+    real vocabulary triggers: the root's gathered head must last through the recomputation), and
+    with packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss)."""
     from rlhf_plugins.models.logits import chunking
 
-    expected, before, after_torch = reference_update
-    fsdp, config = learner("fsdp", tiny_model, **({"learner": {"logits_memory_mb": logits_mb}} if logits_mb else {}))
+    expected, before, after_torch = torch_update(tiny_model, learner=dict(options))
+    fsdp, config = learner("fsdp", tiny_model, learner=dict(options))
     n_tokens = int(the_batch()["sequences"].numel())
-    assert (chunking(fsdp.model, n_tokens, config.learner.logits_memory_mb) is not None) == bool(logits_mb)
+    assert (chunking(fsdp.model, n_tokens, config.learner.logits_memory_mb) is not None) == ("logits_memory_mb" in options)
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(p, DTensor) for p in fsdp.model.parameters())  # really sharded
@@ -235,3 +241,17 @@ def test_rlhf_train_on_ray_with_two_fsdp_ranks_resumes_its_sharded_checkpoint(tm
             assert a[k] == pytest.approx(b[k], abs=1e-6), k
     gaps = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
     assert len(gaps) >= 4 and all(g < 1e-4 for g in gaps[:4])  # the whole run's four syncs
+
+
+def test_fsdp_memory_items_by_hand():
+    """Two ranks, float32, AdamW: a rank holds half of the weights, gradients and both Adam states,
+    plus two gathered layers (the one computing, the next prefetched) -- the largest unit here is a
+    400-element tensor."""
+    from rlhf_plugins.config.schema import Config
+    from rlhf_plugins.models.memory import MemoryInputs, ModelShape, fsdp_learner_memory
+
+    shape = ModelShape(parameters=1000, layer_parameters=300, largest_tensor=400, vocab=50, hidden=8,
+                       intermediate=16, layers=2, q_dim=8, kv_dim=4, tied=True)
+    items = fsdp_learner_memory(MemoryInputs(Config(), shape, "actor", ranks=2, trainable=1000, micro_tokens=0,
+                                             logits_bytes=0))
+    assert items == {"weights": 2000, "gathered layers": 3200, "gradients": 2000, "optimizer states": 4000}
