@@ -2,7 +2,7 @@
 # The prepared check for a lent GPU machine (run through the device tool from the repository root):
 # installs the carried wheelhouse (scripts/gpu_wheelhouse.sh, carried as .whl), prints versions and
 # nvidia-smi, runs the GPU tests (tests/gpu, marker gpu) and bench/gpu.py, and writes device_check.log,
-# gpu_tests.xml, gpu_bench.json and device_check.json under $OUT. 251-287 s on an H200 (2026-11-26) -- under 8 min,
+# gpu_tests.xml, gpu_bench.json and device_check.json under $OUT. 251-287 s on an H200 (2026-11-25) -- under 8 min,
 # so a failed first try leaves device time for one rerun. Without CUDA (checking it here) the tests
 # are skipped and the benchmark is not run.
 set -uo pipefail
