@@ -134,7 +134,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
     if args.partial_only:
         partial = partial_rollouts(args)
         ray.shutdown()

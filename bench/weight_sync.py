@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict] = {}
     deep = build_model(tmp / "rlhf-bench-deep", hidden=64, layers=48, heads=2)
     for name, mb in (("per-parameter", 0.0), ("bucketed 64 MB", 64.0)):

@@ -139,7 +139,7 @@ def start_local_ray() -> None:
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
 
 
 def speedups_supported() -> bool:

@@ -80,3 +80,15 @@ def test_actor_group_across_nodes_trains_a_step(two_nodes, tiny_model):
         assert any(not torch.equal(before[k], after[k]) for k in before)
     finally:
         p.shutdown()
+
+
+def test_a_run_starts_its_own_local_cluster_while_another_runs_on_this_machine(two_nodes, tmp_path):
+    """Ray's ray.init() without an address joins the cluster last started on this machine (here the
+    two-node test cluster, which records itself in /tmp/ray/ray_current_cluster) and then refuses the
+    resources asked for; `rlhf train` without --ray.address asks for a local cluster of its own."""
+    from tests.helpers import run_subprocess, short_run
+
+    proc = run_subprocess("train", "--placement.strategy", "ray", "--ray.local_num_gpus", "4",
+                          *short_run("--train.steps", "1"), cwd=tmp_path, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(ray.nodes()) == 2 and ray.cluster_resources().get("GPU") == 4  # the test cluster, untouched

@@ -230,3 +230,4 @@ def test_asynchronous_training_on_ray_syncs_engine_actors_between_rollouts(local
     # the correction sees the behaviour policy: no gap on the fresh first rollout, a gap on the stale ones
     assert rows[0]["mismatch/abs_log_ratio"] < 1e-4 and all(r["mismatch/abs_log_ratio"] > 1e-6 for r in rows[1:])
     assert all("mismatch/ratio_mean" in r for r in rows)
+

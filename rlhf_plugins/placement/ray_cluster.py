@@ -74,7 +74,10 @@ def connect(opts: Any) -> bool:
         ray.init(address=address, log_to_driver=opts.log_to_driver, logging_level=logging.ERROR)
         return False
     num_cpus = opts.local_num_cpus or max(8, os.cpu_count() or 1)
+    # "local": a new cluster of our own -- without it Ray joins whatever cluster another process of this
+    # machine last started (its /tmp/ray/ray_current_cluster), and refuses the resources asked for
     ray.init(
+        address="local",
         _node_ip_address="127.0.0.1",
         num_cpus=num_cpus,
         num_gpus=opts.local_num_gpus,
