@@ -9,10 +9,12 @@ import pytest
 from rlhf_plugins.cli import main
 
 #: the modules that take longest (minutes of Ray / vLLM / DeepSpeed runs in subprocesses), collected
-#: first: under the README's `pytest -n 2 --dist loadfile` the two workers start on them and finish
-#: together instead of one worker running the longest module alone at the end
-LONGEST_FIRST = ("test_faults_and_resume_at_scale", "test_vllm", "test_trl_peft", "test_ray_training", "test_fsdp",
-                 "test_algo_runs", "test_pipeline", "test_checkpoints", "test_environments")
+#: first: under the README's `pytest -n 2 --dist loadfile --no-loadscope-reorder` the two workers start on
+#: them and finish together instead of one worker running the longest module alone at the end
+LONGEST_FIRST = ("test_faults_and_resume_at_scale", "test_vllm", "test_trl_peft", "test_ray_training", "test_checkpoints",
+                 "test_fsdp", "test_pipeline", "test_algo_runs", "test_environments", "test_async",
+                 "test_third_party_backends", "test_real_shape", "test_trl_environments", "test_stages",
+                 "test_rough_edges", "test_train", "test_ray_multinode")
 
 
 def pytest_collection_modifyitems(config, items):
