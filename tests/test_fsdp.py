@@ -255,3 +255,30 @@ def test_fsdp_memory_items_by_hand():
     items = fsdp_learner_memory(MemoryInputs(Config(), shape, "actor", ranks=2, trainable=1000, micro_tokens=0,
                                              logits_bytes=0))
     assert items == {"weights": 2000, "gathered layers": 3200, "gradients": 2000, "optimizer states": 4000}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_sharded_critic_exports_what_the_critic_loader_reads(tiny_model, tmp_path, lora):
+    """The critic's export from gathered tensors: the backbone under its own names and the trained
+    value head in its own file (whole model: ValueModel.from_pretrained gets every trained tensor back;
+    LoRA: the adapter and the head)."""
+    from safetensors.torch import load_file
+
+    from rlhf_plugins.algorithms.value import ValueObjective
+    from rlhf_plugins.models.value_model import HEAD_FILE, ValueModel
+
+    batch = the_batch()
+    batch["returns"] = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(9))
+    extra = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    critic, config = learner("fsdp", tiny_model, role="critic", algo={"advantage": {"estimator": "gae"}}, **extra)
+    batch["values"] = critic.logprobs(batch)
+    critic.train(batch, ValueObjective(config.critic.value_clip))
+    critic.save(str(tmp_path / "critic"))
+    trained = dict(critic.raw_named_weights())
+    head = load_file(str(tmp_path / "critic" / HEAD_FILE))
+    assert torch.equal(head["weight"], trained["value_head.weight"]) and head["weight"].abs().sum() > 0
+    if lora:
+        assert (tmp_path / "critic" / "adapter_config.json").is_file()
+        return
+    loaded = ValueModel.from_pretrained(str(tmp_path / "critic")).state_dict()
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)

@@ -37,12 +37,26 @@ def save_gathered(model: Any, path: str, rank: int, gathered: Callable[[bool], I
         if rank == 0:
             save_pretrained(model, path, state_dict=state)
         return
-    writer = ShardWriter(path, sizes) if rank == 0 else None
+    # a critic (ValueModel): the backbone's tensors under its own names, the head in its own file
+    backbone = "backbone." if hasattr(model, "value_head") and hasattr(model, "backbone") else ""
+    writer = ShardWriter(path, {n.removeprefix(backbone): s for n, s in sizes.items() if n.startswith(backbone)}) \
+        if rank == 0 else None
+    head: dict[str, torch.Tensor] = {}
     for name, tensor in gathered(False):
-        if writer is not None:
-            writer.add(name, tensor.cpu())
+        if writer is None:
+            continue
+        if name.startswith(backbone):
+            writer.add(name.removeprefix(backbone), tensor.cpu())
+        else:
+            head[name.removeprefix("value_head.")] = tensor.cpu()
     if writer is not None:
         writer.close()
         model.config.save_pretrained(path)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(path)
+        if backbone:
+            from safetensors.torch import save_file
+
+            from ..models.value_model import HEAD_FILE
+
+            save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, HEAD_FILE))

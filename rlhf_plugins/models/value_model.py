@@ -85,8 +85,17 @@ class ValueModel(torch.nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         return ValueOutput(self.value_head(hidden), out.past_key_values if use_cache else None)
 
-    def save_pretrained(self, path: str | Path, **kwargs: Any) -> None:
+    def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs: Any) -> None:
+        """The backbone's folder plus ``value_head.safetensors``; ``state_dict`` (names of this model,
+        e.g. tensors a sharded learner gathered) replaces the model's own tensors."""
         from safetensors.torch import save_file
 
-        self.backbone.save_pretrained(path, **kwargs)
-        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(path) / HEAD_FILE))
+        if state_dict is None:
+            self.backbone.save_pretrained(path, **kwargs)
+            head = self.value_head.state_dict()
+        else:
+            own = {k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")}
+            self.backbone.save_pretrained(path, state_dict=own, **kwargs)
+            head = {k.removeprefix("value_head."): v for k, v in state_dict.items() if k.startswith("value_head.")}
+        save_file({k: v.contiguous() for k, v in head.items()}, str(Path(path) / HEAD_FILE))
