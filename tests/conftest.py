@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(LONGEST_FIRST)))  # stable for the rest
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: one intra-op thread each, in the worker and the runs it starts (two
+    # workers' 2-thread torch pools on 2 cores made a 16 s test take 145 s when they met)
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
