@@ -142,6 +142,16 @@ def start_local_ray() -> None:
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
 
 
+def assert_same_samples(got: Any, want: Any, atol: float) -> None:
+    """Two engines' ``Samples`` agree: the same tokens and finish reasons, log-probs within ``atol``."""
+    import torch
+
+    assert got.completion_ids == want.completion_ids
+    assert got.finish_reasons == want.finish_reasons
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
+
+
 def speedups_supported() -> bool:
     """Whether this transformers runs the package's own KV caches and attention (else its own:
     transformers 4.x, see ``rlhf_plugins.models.speedups``); tests of that machinery need them."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhf_plugins.models.forward import group_permutation, policy_forward, split_batch
-from tests.helpers import random_batch, speedups_supported
+from tests.helpers import assert_same_samples, random_batch, speedups_supported
 
 #: tests of the package's own KV caches and attention, which transformers 4.x does not run
 needs_speedups = pytest.mark.skipif(not speedups_supported(), reason="this transformers runs its own cache and "
@@ -129,10 +129,7 @@ def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_m
     engine.generate(short, SamplingParams(n=4, max_new_tokens=8, seed=11))
     assert calls == []
     for cascade, plain in zip(runs[True], runs[False]):
-        assert cascade.completion_ids == plain.completion_ids
-        assert cascade.finish_reasons == plain.finish_reasons
-        for a, b in zip(cascade.logprobs, plain.logprobs):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+        assert_same_samples(cascade, plain, atol=1e-5)
     assert "stop" in runs[True][0].finish_reasons and "length" in runs[True][1].finish_reasons
     assert max(map(len, runs[True][0].completion_ids)) > 2  # decoding went on past the short budget
 
@@ -473,9 +470,7 @@ def test_the_speedups_switch_runs_transformers_own_cache_and_attention(tiny_mode
     monkeypatch.setenv(fresh_probe.ENV, "0")
     engine, plain = _engine_and_samples(tiny_model)
     assert not engine.shared_prefix and engine.model.config._attn_implementation == "sdpa" and made == []
-    assert plain.completion_ids == fast.completion_ids and plain.finish_reasons == fast.finish_reasons
-    for a, b in zip(plain.logprobs, fast.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert_same_samples(plain, fast, atol=1e-5)
 
 
 @needs_speedups

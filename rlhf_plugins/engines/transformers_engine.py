@@ -46,6 +46,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 class TransformersEngine:
     """Engine of the ``transformers`` generation backend."""
 
+    #: fixed-shape decode steps also without CUDA graphs (tests compare them with the growing cache)
+    fixed_shapes = False
+
     def __init__(self, ctx: BackendContext) -> None:
         from transformers import AutoTokenizer
 
@@ -94,9 +97,6 @@ class TransformersEngine:
         else:
             step = self._growing_step(out.past_key_values, mask, next_pos, P, cache if shared else None)
         return self._decode(out.logits[:, -1, :], params, step)
-
-    #: fixed-shape decode steps also without CUDA graphs (tests compare them with the growing cache)
-    fixed_shapes = False
 
     def _growing_step(self, past: Any, mask: torch.Tensor, next_pos: torch.Tensor, prompt_width: int,
                       shared: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:

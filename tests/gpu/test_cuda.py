@@ -12,7 +12,7 @@ import torch
 
 from rlhf_plugins.api import prepare
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import random_batch
+from tests.helpers import assert_same_samples, random_batch
 
 #: "cpu" runs these bodies on the CPU (to check the tests themselves without a GPU); CUDA-only checks
 #: (NCCL, CUDA IPC) then expect their CPU twins (gloo, shared memory)
@@ -258,6 +258,4 @@ def test_decode_steps_replayed_as_a_cuda_graph_sample_what_eager_steps_sample(re
     report("decode_ms_per_token_graph_vs_eager", [round(ms[True], 3), round(ms[False], 3)])
     assert len(captured) == (3 if DEVICE == "cuda" else 0) and all(c is not None for c in captured)
     for a, b in zip(runs[True], runs[False]):
-        assert a.completion_ids == b.completion_ids and a.finish_reasons == b.finish_reasons
-        for x, y in zip(a.logprobs, b.logprobs):
-            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-4)
+        assert_same_samples(a, b, atol=1e-4)
