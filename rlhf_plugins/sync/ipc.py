@@ -6,11 +6,19 @@ buffer's handle (opened once per model worker). A worker that can alias the buff
 ``share_weights``: the transformers engine) points its parameters at it -- zero copies on the
 receiving side, later syncs move nothing; others (vLLM repacks weights for its CPU kernels) load
 from the buffer at the commit. Needs the engine on the learner's node and device.
+
+CPU buffers are files of our own in shared memory (``/dev/shm/rlhf-ipc-<pid>-...``), unlinked as soon as
+every engine has mapped them (the mappings live on), so a run that ends -- however it ends -- leaves
+none behind; a sender also removes the files of senders that died before unlinking theirs.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import tempfile
+import uuid
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,24 +30,55 @@ KEY = "ipc_sync"
 
 
 def ipc_handle(tensor: torch.Tensor) -> bytes:
-    """Bytes another process on this host turns back into the same memory."""
-    if tensor.is_cuda:  # pragma: no cover - GPU branch
-        from torch.multiprocessing.reductions import reduce_tensor
+    """Bytes another process on this host turns back into the same GPU memory."""
+    from torch.multiprocessing.reductions import reduce_tensor
 
-        return pickle.dumps(("cuda", reduce_tensor(tensor)))
-    from multiprocessing.reduction import ForkingPickler
+    return pickle.dumps(("cuda", reduce_tensor(tensor)))
 
-    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions
 
-    return pickle.dumps(("cpu", bytes(ForkingPickler.dumps(tensor))))
+def shared_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def shared_cpu_buffer(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bytes, Path]:
+    """A CPU tensor backed by a new shared-memory file, the handle that maps it elsewhere, and the file."""
+    path = shared_dir() / f"rlhf-ipc-{os.getpid()}-{uuid.uuid4().hex}"
+    tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    return tensor, pickle.dumps(("file", str(path), numel, str(dtype).removeprefix("torch."))), path
 
 
 def open_handle(handle: bytes) -> torch.Tensor:
-    kind, payload = pickle.loads(handle)
+    kind, *payload = pickle.loads(handle)
     if kind == "cuda":  # pragma: no cover - GPU branch
-        rebuild, args = payload
+        rebuild, args = payload[0]
         return rebuild(*with_this_device(rebuild, args))
-    return pickle.loads(payload)
+    path, numel, dtype = payload
+    return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
+
+
+def remove_orphans(directory: Path | None = None) -> list[Path]:
+    """Unlink the buffer files of senders that are no longer running (killed before they unlinked)."""
+    removed = []
+    for path in (directory or shared_dir()).glob("rlhf-ipc-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            try:
+                path.unlink()
+            except OSError:  # another user's file, or removed meanwhile
+                continue
+            removed.append(path)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def with_this_device(rebuild: Any, args: tuple) -> list:
@@ -60,18 +99,21 @@ class IPCSender:
     """Lives in the learner's rank 0: the shared buffers and their handles."""
 
     def __init__(self) -> None:
-        torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles by name, openable by any process
         self.buffers: list[tuple[Bucket, torch.Tensor, bytes]] = []
+        self.linked: list[Path] = []  # files not yet mapped by every engine
+        remove_orphans()
 
     def _buffer(self, index: int, bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, bytes]:
         if index < len(self.buffers):
             old, buf, handle = self.buffers[index]
             if old.names == bucket.names and old.shapes == bucket.shapes and old.dtype == bucket.dtype:
                 return buf, handle
-        buf = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
-        if buf.device.type == "cpu":
-            buf.share_memory_()
-        handle = ipc_handle(buf)
+        if device.type == "cpu":
+            buf, handle, path = shared_cpu_buffer(bucket.numel, bucket.torch_dtype)
+            self.linked.append(path)
+        else:  # pragma: no cover - GPU branch
+            buf = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
+            handle = ipc_handle(buf)
         entry = (bucket, buf, handle)
         if index < len(self.buffers):
             self.buffers[index] = entry
@@ -79,7 +121,22 @@ class IPCSender:
             self.buffers.append(entry)
         return buf, handle
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], engines: list[Any], size: int) -> dict[str, Any]:
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], engines: list[Any], size: int,
+             fresh: bool = False) -> dict[str, Any]:
+        """Fill the buffers and hand them to ``engines``; ``fresh`` (new engines, e.g. restarted ones)
+        makes new buffers, since the files of the old ones are gone once mapped."""
+        if fresh:
+            self.buffers = []
+        try:
+            return self._send(named, engines, size)
+        finally:
+            self.unlink()
+
+    def unlink(self) -> None:
+        while self.linked:
+            self.linked.pop().unlink(missing_ok=True)
+
+    def _send(self, named: Iterable[tuple[str, torch.Tensor]], engines: list[Any], size: int) -> dict[str, Any]:
         futures, tensors, nbytes = [], 0, 0
         for index, (bucket, parts) in enumerate(buckets(named, size)):
             buf, handle = self._buffer(index, bucket, parts[0].device)
@@ -113,7 +170,7 @@ def _receive(ctx: RankContext, bucket: Bucket, handle: bytes, index: int) -> int
     return sum(on_model_workers(ctx.backend, _worker_receive, bucket, handle, index))
 
 
-def _send(ctx: RankContext, engines: list[Any], size: int) -> dict[str, Any]:
+def _send(ctx: RankContext, engines: list[Any], size: int, fresh: bool) -> dict[str, Any]:
     """Every learner rank iterates the weights (ZeRO-3 gathers are collective); rank 0 writes
     them into the shared buffers."""
     named = ctx.backend.named_weights()
@@ -124,7 +181,7 @@ def _send(ctx: RankContext, engines: list[Any], size: int) -> dict[str, Any]:
     sender = ctx.state.get(KEY)
     if sender is None:
         sender = ctx.state[KEY] = IPCSender()
-    return sender.send(named, engines, size)
+    return sender.send(named, engines, size, fresh)
 
 
 class IPCSync:
@@ -133,7 +190,8 @@ class IPCSync:
         self.engines: list[Any] | None = None
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:
-        if self.engines is None:
+        fresh = self.engines is None
+        if fresh:
             check_names(actor.weight_shapes(), engine.weight_shapes())
             self.engines = engine.endpoints()
-        return actor.run(_send, self.engines, self.bucket_bytes)[0]
+        return actor.run(_send, self.engines, self.bucket_bytes, fresh)[0]
