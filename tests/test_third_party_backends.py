@@ -59,9 +59,12 @@ def _saved_backends(run) -> tuple[str, str, str]:
 
 
 @pytest.mark.integration
-def test_the_third_party_backends_learn_the_default_task(installed, tmp_path):
-    proc = run_subprocess("train", *FLAGS, cwd=tmp_path, env=installed, timeout=900)
+def test_the_third_party_backends_learn_the_default_task_and_leave_no_sync_file(installed, tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = run_subprocess("train", *FLAGS, cwd=tmp_path, env={**installed, "TMPDIR": str(temp)}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(temp.glob("rlhf-file-sync-*"))  # each sync's file is removed after the engine read it
     (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
     # the engine samples every rollout: the reward rises only if the file sync reaches it

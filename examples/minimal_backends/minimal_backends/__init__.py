@@ -169,15 +169,18 @@ def _read(ctx: RankContext, path: str) -> int:
 
 
 class FileSync:
-    """The actor's rank 0 writes the weights to one safetensors file; every engine reads it."""
+    """The actor's rank 0 writes the weights to one safetensors file; every engine reads it. The
+    file lives in a temporary folder for the one sync (removed after it, whatever happens)."""
 
     def __init__(self, config: Any) -> None:
-        self.path = os.path.join(tempfile.mkdtemp(prefix="rlhf-file-sync-"), "weights.safetensors")
+        self.config = config
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:
-        written = actor.run(_write, self.path)[0]
-        read = engine.run(_read, self.path)
-        return {"tensors": written, "rpcs": 1 + len(read), "bytes": os.path.getsize(self.path)}
+        with tempfile.TemporaryDirectory(prefix="rlhf-file-sync-") as folder:
+            path = os.path.join(folder, "weights.safetensors")
+            written = actor.run(_write, path)[0]
+            read = engine.run(_read, path)
+            return {"tensors": written, "rpcs": 1 + len(read), "bytes": os.path.getsize(path)}
 
 
 @hookimpl
