@@ -32,6 +32,8 @@ PATHS = {
     "local": [],
     "local-vllm": ["--generation.backend", "vllm"],
     "seeds": [*RAY, *ZERO3, "--ray.actor_workers", "2", "--generation.backend", "vllm"],
+    # the same layout in bfloat16 (weights, engine and reference; float32 master weights and Adam states)
+    "seeds-bf16": [*RAY, *ZERO3, "--ray.actor_workers", "2", "--generation.backend", "vllm", "--model.dtype", "bfloat16"],
     "colocate-all-ipc": [*RAY, "--ray.colocate", "all", "--sync.method", "ipc"],
     "hybrid": [*RAY, "--ray.colocate", "hybrid"],
     "lora": ["--lora.rank", "16"],

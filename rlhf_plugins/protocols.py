@@ -62,7 +62,9 @@ class GenerationEngine(Protocol):
     ``GenerationBackend``); ``model_workers(fn, *args)`` when the weights live in other processes
     (tensor-parallel workers): run ``fn(worker, *args)`` in each, ``worker`` being a
     :class:`ModelWorker`, and return the results in worker order; ``share_weights(named)`` to point
-    the model at shared tensors without a copy (IPC sync), returning whether it did.
+    the model at shared tensors without a copy (IPC sync), returning whether it did;
+    ``load_weights_part(named)`` / ``finish_weights()`` to load a bucketed sync as it arrives (a layer
+    may span two calls; ``finish_weights`` after the last), so a sync stages buckets, not the model.
     """
 
     def weight_shapes(self) -> WeightShapes: ...
@@ -84,7 +86,8 @@ class ModelWorker(Protocol):
     #: per-process state that survives between calls
     state: dict[str, Any]
 
-    # optional (``OPTIONAL["model_worker"]``): ``share_weights(named) -> bool``, see :func:`share_weights`
+    # optional (``OPTIONAL["model_worker"]``): ``share_weights(named) -> bool``, see :func:`share_weights`;
+    # ``load_weights_part(named)`` and ``finish_weights()``, as on :class:`GenerationEngine`
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]: ...
 
@@ -228,6 +231,8 @@ OPTIONAL: dict[str, dict[str, str]] = {
         "load_adapter": "adapter sync (GenerationBackend(supports_adapter=True))",
         "model_workers": "weights held in other processes (tensor-parallel workers)",
         "share_weights": "zero-copy IPC sync",
+        "load_weights_part": "a bucketed sync loaded as it arrives (bounded staging; with finish_weights)",
+        "finish_weights": "the end of a sync loaded part by part (load_weights_part)",
     },
     "learner": {
         "adapter_state": "adapter sync (LoRA on the actor)",
@@ -243,6 +248,8 @@ OPTIONAL: dict[str, dict[str, str]] = {
     },
     "model_worker": {
         "share_weights": "zero-copy IPC sync: alias shared tensors instead of copying them",
+        "load_weights_part": "a bucketed sync loaded as it arrives (bounded staging; with finish_weights)",
+        "finish_weights": "the end of a sync loaded part by part (load_weights_part)",
     },
     "sync": {
         "attach": "work done once when the roles are up and after a restart (inprocess: share parameters)",
@@ -259,9 +266,10 @@ class _EngineWorker:
     def load_weights(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         return self.engine.load_weights(named)
 
-    def share_weights(self, named: Iterable[tuple[str, Any]]) -> bool:
-        share = getattr(self.engine, "share_weights", None)
-        return bool(share(named)) if callable(share) else False
+    def __getattr__(self, name: str) -> Any:  # the engine's optional worker methods, where it has them
+        if name in OPTIONAL["model_worker"]:
+            return getattr(self.engine, name)
+        raise AttributeError(name)
 
 
 _WORKER_STATE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()

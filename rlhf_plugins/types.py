@@ -84,7 +84,9 @@ class GenerationBackend(Component):
 
     Capabilities: ``supports_adapter`` (the engine has ``load_adapter``: LoRA adapters can be
     synced alone); ``supports_shared_weights`` (the engine has ``share_weights``: its parameters can
-    be the learner's own tensors); ``workers(config)`` how many engines the run wants (default 1);
+    be the learner's own tensors); ``streams_weights`` (the engine has ``load_weights_part`` and
+    ``finish_weights``: a bucketed sync loads as it arrives, staging buckets rather than a copy of
+    the model); ``workers(config)`` how many engines the run wants (default 1);
     ``max_length(config)`` the longest prompt + completion the engine will take (``None``: no
     limit), named by the config key ``max_length_key`` -- checked against the data before start.
     ``memory(inputs: MemoryInputs) -> {item: bytes}`` the engine's analytic need per engine (an item
@@ -95,6 +97,7 @@ class GenerationBackend(Component):
     factory: Callable[..., Any]
     supports_adapter: bool = field(default=False, kw_only=True)
     supports_shared_weights: bool = field(default=False, kw_only=True)
+    streams_weights: bool = field(default=False, kw_only=True)
     workers: Callable[[Any], int] | None = field(default=None, kw_only=True)
     max_length: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
     max_length_key: str = field(default="", kw_only=True)
@@ -213,7 +216,8 @@ class WeightSyncMethod(Component):
     ``shares_weights(config)``: with this config the engine reads the learner's own parameters
     (when the engine and learner allow it), so the process holds one copy of the weights.
     ``staging``: the roles (``"generation"``, ``"actor"``) that hold a whole extra copy of the weights
-    during a sync (received buckets kept until they load in one pass; shared buffers), for the memory plan.
+    during a sync (received buckets kept until they load in one pass; shared buffers), for the memory
+    plan; an engine that ``streams_weights`` holds about two buckets and one layer instead.
     """
 
     area: ClassVar[str] = "weight sync method"

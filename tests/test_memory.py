@@ -203,7 +203,8 @@ def test_out_of_memory_is_one_line_naming_the_role_its_need_and_the_flags(tmp_pa
 def test_zero3_memory_items_by_hand(offload):
     """ZeRO-3 over 2 ranks, float32, AdamW: each rank holds half of the weights, gradients and the two
     Adam states; float32 weights are their own master unless the optimizer is offloaded, which then
-    keeps a float32 master and a gradient partition of its own."""
+    keeps a float32 master and a gradient partition of its own. In the backward the gathered embedding
+    has a full gradient and the collective a buffer for it."""
     from rlhf_plugins.config.schema import Config
     from rlhf_plugins.models.memory import MemoryInputs, deepspeed_learner_memory
 
@@ -213,6 +214,32 @@ def test_zero3_memory_items_by_hand(offload):
                      options={"zero_stage": 3, "offload_optimizer": offload})
     items = deepspeed_learner_memory(m)
     assert items["weights"] == 2000 and items["gathered tensor"] == 1600
+    assert items["gathered tensor's gradient"] == 3200  # the embedding's full gradient and the reduce-scatter's buffer
     assert items["gradients"] == 2000 and items["optimizer states"] == 4000
     assert items.get("fp32 master weights", 0) == (2000 if offload else 0)
     assert items.get("offloaded gradients", 0) == (2000 if offload else 0)
+
+
+def test_an_engine_that_loads_a_sync_as_it_arrives_stages_buckets_not_the_model(reduced, monkeypatch):
+    """Broadcast sync into an engine with load_weights_part: the bucket in flight (a tensor larger than
+    a bucket travels alone), the earlier bucket a layer began in, and that layer; an engine without it
+    keeps every bucket of the sync: a whole copy of its weights."""
+    import dataclasses
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.models.memory import streamed_staging
+    from rlhf_plugins.training.memory_plan import memory_plan
+
+    shape = ModelShape(parameters=1000, layer_parameters=300, largest_tensor=400, vocab=50, hidden=8,
+                       intermediate=16, layers=2, q_dim=8, kv_dim=4, tied=True)
+    assert streamed_staging(shape, whole=4000, bucket=800) == 1600 + 800 + 1200
+    assert streamed_staging(shape, whole=4000, bucket=2000) == 4000  # never more than the whole copy
+    raw = {"model": {"path": reduced}, "placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4},
+           "sync": {"method": "broadcast", "bucket_mb": 1}}
+    config, _, plan = prepare(raw, autoload=False)
+    assert plan.engine.streams_weights
+    real = ModelShape.of_folder(reduced)
+    parts = memory_plan(config, plan).roles["generation"].parts
+    assert parts["sync staging"] == streamed_staging(real, parts["weights"], 2**20) < parts["weights"]
+    whole = memory_plan(config, dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, streams_weights=False)))
+    assert whole.roles["generation"].parts["sync staging"] == parts["weights"]

@@ -17,5 +17,6 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         requires=("transformers",),
         supports_adapter=True,
         supports_shared_weights=True,
+        streams_weights=True,
         memory=Lazy("rlhf_plugins.models.memory:transformers_engine_memory"),
     )

@@ -131,6 +131,7 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         requires=("vllm",),
         extra="vllm",
         supports_adapter=True,
+        streams_weights=True,  # vLLM's layerwise in-place reload, fed bucket by bucket
         workers=_num_engines,
         max_length=_max_model_len,
         max_length_key="vllm.max_model_len",

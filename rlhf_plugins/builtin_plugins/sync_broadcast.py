@@ -16,7 +16,7 @@ def rlhf_weight_sync_methods() -> Iterable[WeightSyncMethod]:
         factory=Lazy("rlhf_plugins.sync.broadcast:BroadcastSync"),
         description="buckets of weights over a process group (NCCL on GPU, gloo on CPU); one call per bucket",
         same_process=False,
-        staging=("generation",),  # an engine keeps every bucket of a sync until it loads them in one pass
+        staging=("generation",),  # received buckets: all of them, or about two where the engine streams
     )
     yield WeightSyncMethod(
         "ipc",

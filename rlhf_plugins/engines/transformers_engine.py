@@ -141,6 +141,12 @@ class TransformersEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         return load_named_weights(self.model, named_tensors)
 
+    #: a sync's buckets are copied in as they arrive: nothing here needs a layer's tensors together
+    load_weights_part = load_weights
+
+    def finish_weights(self) -> dict[str, Any]:
+        return {}
+
     def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
         """LoRA adapter sync: wrap the model with PEFT once, then load the adapter's tensors."""
         from peft import get_peft_model, set_peft_model_state_dict

@@ -27,6 +27,7 @@ import torch
 from ..errors import UsageError
 from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
+from .vllm_worker import VLLMModelWorker, load, on_worker
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -180,7 +181,7 @@ class VLLMEngine:
         if worker is not None:
             out = [fn(VLLMModelWorker(worker), *args)]
         else:  # pragma: no cover - workers in other processes (tensor parallel on GPU)
-            out = self.llm.collective_rpc(_on_worker, args=(fn, *args))
+            out = self.llm.collective_rpc(on_worker, args=(fn, *args))
         self.llm.reset_prefix_cache()
         return out
 
@@ -190,7 +191,7 @@ class VLLMEngine:
             raise UsageError("in-process weight sync needs the vLLM worker in this process; use --sync.method "
                              "broadcast")
         named = list(named_tensors)
-        return self.model_workers(_load, named)[0]
+        return self.model_workers(load, named)[0]
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """The checkpoint names and shapes vLLM's loader accepts (read from the model folder)."""
@@ -249,26 +250,3 @@ class VLLMEngine:
 
 
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32"}
-
-
-class VLLMModelWorker:
-    """A vLLM worker as a :class:`rlhf_plugins.ModelWorker`: weights load through vLLM's in-place
-    ``reload_weights`` (it fuses and repacks per layer, so give it whole layers at once)."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.rank = int(getattr(worker, "rank", 0))
-        self.state = worker.__dict__.setdefault("_rlhf_state", {})
-
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        named = list(named)
-        self.worker.reload_weights(weights_iterator=iter(named))
-        return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
-
-
-def _on_worker(worker: Any, fn: Any, *args: Any) -> Any:  # pragma: no cover - runs in vLLM's workers
-    return fn(VLLMModelWorker(worker), *args)
-
-
-def _load(worker: VLLMModelWorker, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    return worker.load_weights(named)

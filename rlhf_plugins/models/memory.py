@@ -158,8 +158,11 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
     stage, n, b = m.options.get("zero_stage", 0), max(1, m.ranks), m.dtype_bytes
     P, T = m.shape.parameters, m.trainable
     out = {"weights": P * b // n if stage == 3 else P * b}
-    if stage == 3:
-        out["gathered tensor"] = max(m.shape.layer_parameters, m.shape.largest_tensor) * b
+    if stage == 3:  # one layer or the embedding gathered; over several ranks, in the backward, also its full
+        # gradient and the reduce-scatter's buffer (a 0.6B rank of two: 3.7x the embedding above steady)
+        gathered = max(m.shape.layer_parameters, m.shape.largest_tensor) * b
+        out["gathered tensor"] = gathered
+        out["gathered tensor's gradient"] = 2 * gathered if n > 1 and T == P else 0
     # ZeRO keeps an fp32 master partition; under ZeRO-3 float32 weights are their own master (the
     # learner shares them: deepspeed_learner.share_master_weights), unless the optimizer is offloaded
     shared = stage == 3 and b == 4 and not m.options.get("offload_optimizer")
@@ -196,6 +199,14 @@ def zero_bucket_elements(shape: ModelShape) -> int:
     least hidden^2, transformers' "auto"), never DeepSpeed's default of 5e8 elements (2 GB of float32
     per bucket, allocated at start whatever the model)."""
     return int(min(5e8, max(shape.hidden**2, shape.layer_parameters)))
+
+
+def streamed_staging(shape: ModelShape, whole: int, bucket: int) -> int:
+    """What an engine that loads a sync as it arrives holds of it (``whole``: the weights in its
+    dtype): the bucket in flight (a tensor larger than a bucket travels alone), an earlier bucket
+    the layer under way began in, and that layer's tensors."""
+    size = whole / max(shape.parameters, 1)
+    return int(min(whole, max(bucket, shape.largest_tensor * size) + bucket + shape.layer_parameters * size))
 
 
 def kv_cache_bytes(m: MemoryInputs, block: int = 1) -> int:

@@ -3,9 +3,10 @@
 This module owns both ends. Rank 0 of the actor packs weights (same dtype) into flat buckets of
 about ``sync.bucket_mb``; per bucket it makes *one* call per engine (the bucket's names, shapes
 and offsets) and *one* broadcast over a process group spanning itself and every worker of every
-engine (NCCL on GPU, gloo on CPU). Each engine worker keeps what it received and loads it all in
-one ``load_weights`` at the end (vLLM processes weights layer by layer and needs a layer's tensors
-together). A per-parameter scheme (one call and one broadcast per tensor, ``--sync.bucket_mb 0``)
+engine (NCCL on GPU, gloo on CPU). A worker that loads part by part (``load_weights_part``: vLLM's
+layerwise reload, the transformers engine) loads each bucket as it arrives, holding about two buckets
+and one layer; others keep every bucket and load them in one ``load_weights`` at the end. A
+per-parameter scheme (one call and one broadcast per tensor, ``--sync.bucket_mb 0``)
 pays the round trip hundreds of times per sync; see ``bench/weight_sync.py``.
 """
 from __future__ import annotations
@@ -99,13 +100,25 @@ def pending(worker: ModelWorker) -> list[tuple[str, torch.Tensor]]:
     return worker.state.setdefault("pending_weights", [])
 
 
+def receive(worker: ModelWorker, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Hand a worker part of a sync: loaded now where it loads part by part, else kept for the commit."""
+    part = getattr(worker, "load_weights_part", None)
+    if callable(part):
+        part(named)
+        worker.state["streamed"] = True
+    else:
+        pending(worker).extend(named)
+
+
 def commit_worker(worker: ModelWorker) -> int:
-    """Load everything received since the last commit at once."""
+    """Load everything received since the last commit at once (finish a sync loaded part by part)."""
     received = pending(worker)
     if received:
         worker.load_weights(list(received))
     count = len(received)
     received.clear()
+    if worker.state.pop("streamed", False):
+        worker.finish_weights()
     return count
 
 
@@ -156,7 +169,7 @@ def _worker_receive(worker: ModelWorker, bucket: Bucket) -> int:
     group = worker.state[KEY]
     flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=group.device)
     group.broadcast(flat, src=0)
-    pending(worker).extend(bucket.unpack(flat))
+    receive(worker, list(bucket.unpack(flat)))
     return len(bucket.names)
 
 

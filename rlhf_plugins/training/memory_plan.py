@@ -17,41 +17,21 @@ from ..config.schema import Config
 from ..config.validate import Plan
 from ..errors import ConfigError
 from ..models.logits import BYTES_PER_LOGIT, chunk_tokens
-from ..models.memory import DTYPE_BYTES, GIB, MemoryInputs, ModelShape, gib, reference_memory
+from ..models.memory import DTYPE_BYTES, GIB, MemoryInputs, ModelShape, gib, reference_memory, streamed_staging
+from .remedies import REMEDIES
 
 #: resident memory of a process that imported torch and transformers, before any model (measured:
 #: bench/scale.py); an engine's own libraries come as its memory model's ``imports`` item
 PROCESS_IMPORTS = int(0.45 * GIB)
 #: Ray's own processes on a node (GCS, raylet, dashboard agent; STACK.md)
 RAY_NODE = int(1.3 * GIB)
-#: what to change for each kind of memory, named in refusals and advice
-REMEDIES = {
-    "optimizer states": "shard them: --learner.backend deepspeed --deepspeed.zero_stage 3 over more ranks "
-                        "(--ray.actor_workers), or train adapters only (--lora.rank 16)",
-    "fp32 master weights": "shard them over more ranks (--ray.actor_workers)",
-    "gradients": "shard them (--deepspeed.zero_stage 2 or 3 over more ranks) or --lora.rank 16",
-    "offloaded gradients": "shard them over more ranks (--ray.actor_workers) or --lora.rank 16",
-    "weights": "--model.dtype bfloat16, or ZeRO-3 (--deepspeed.zero_stage 3) over more ranks",
-    "activations": "a smaller micro batch (--learner.micro_batch_size, --learner.max_tokens_per_micro_batch) or "
-                   "--learner.gradient_checkpointing true",
-    "logits chunk": "a smaller --learner.logits_memory_mb",
-    "KV cache (reserved)": "--vllm.kv_cache_mb, a shorter --data.max_prompt_tokens or --generation.max_new_tokens",
-    "KV cache": "fewer sequences per step (--train.prompts_per_step, --generation.n_samples_per_prompt), a shorter "
-                "--generation.max_new_tokens or --vllm.kv_cache_mb",
-    "decode logits": "fewer sequences per step (--train.prompts_per_step)",
-    "sync staging": "a weight sync that stages nothing: --ray.colocate hybrid (in-process), or LoRA adapters alone "
-                    "(--lora.rank 16 --sync.method adapter)",
-    "gathered tensor": "more ranks do not help here: --model.dtype bfloat16",
-    "reduce bucket": "DeepSpeed's buckets are sized from the model; a smaller model or more nodes",
-}
 
 
 #: above this share of the node's memory the plan's minimum is likely not enough in practice
 TIGHT = 0.8
 logger = logging.getLogger("rlhf_plugins")
 
-#: items a role holds only while it works (a forward, a backward, a generation call): roles that share a
-#: process and take turns need the largest of their working sets, not their sum
+#: items held only while a role works (forward, backward, generation): roles taking turns need the largest
 TRANSIENT = frozenset({"activations", "logits chunk", "KV cache", "decode logits"})
 
 
@@ -140,7 +120,7 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Refuse a layout whose minimum exceeds the node's memory, naming what to change; warn when it
-        leaves less than a fifth of it (processes hold more than their minimum: 1.1-1.45x measured)."""
+        leaves less than a fifth (processes hold more than their minimum: 1.1-1.45x measured)."""
         if self.node_bytes is None:
             return
         if self.total <= self.node_bytes:
@@ -182,7 +162,7 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
         parts["weights (the actor's, shared)"] = parts.pop("weights", 0) * 0
     for role in plan.sync.staging:  # a whole extra copy of the weights while a sync is under way
         if role in needs and needs[role].known:
-            needs[role].parts["sync staging"] = _sync_copy(c, shape, needs[role])
+            needs[role].parts["sync staging"] = _sync_copy(c, plan, shape, needs[role], role)
     processes = [ProcessNeed(roles, n, [needs[r] for r in roles],
                              _imports(c, roles) + sum(needs[r].imports for r in roles),
                              concurrent=c.train.max_staleness > 0) for roles, n in groups]
@@ -198,9 +178,11 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     return MemoryPlan(processes, node, fixed if node is not None else 0, workload, remedies)
 
 
-def _sync_copy(c: Config, shape: ModelShape, need: RoleNeed) -> int:
-    """A whole copy of the weights in the dtype the role holds them in."""
-    return need.parts.get("weights") or shape.parameters * DTYPE_BYTES[c.model.dtype]
+def _sync_copy(c: Config, plan: Plan, shape: ModelShape, need: RoleNeed, role: str) -> int:
+    """A copy of the weights in the role's dtype (less where the engine loads a sync as it arrives)."""
+    whole = need.parts.get("weights") or shape.parameters * DTYPE_BYTES[c.model.dtype]
+    streams = role == "generation" and plan.engine.streams_weights
+    return streamed_staging(shape, whole, int(c.sync.bucket_mb * 2**20)) if streams else whole
 
 
 def shares_weights(config: Config, plan: Plan) -> bool:

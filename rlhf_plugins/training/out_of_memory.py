@@ -87,7 +87,7 @@ def measured_peak(exc: BaseException, role: str | None, history: list[dict[str, 
 
 def explain(exc: BaseException, plan: Any, history: list[dict[str, float]], local: bool) -> OutOfMemory:
     """The one-line error for ``exc`` (known to be out of memory), from the run's memory plan."""
-    from .memory_plan import REMEDIES
+    from .remedies import REMEDIES
 
     role = role_of(exc)
     peak = measured_peak(exc, role, history, local)

@@ -1,0 +1,71 @@
+"""A vLLM worker (the process holding the model, or one tensor-parallel shard of it) as a
+:class:`rlhf_plugins.ModelWorker`, the view of it that weight-sync methods use.
+
+Weights load through vLLM's in-place reload, which moves each layer's kernel tensors aside, collects
+the layer's checkpoint tensors (q, k and v become one fused tensor; CPU kernels repack), and
+processes the layer once all of them are there. ``load_weights`` is one whole reload;
+``load_weights_part`` opens a reload at the first part of a sync and feeds each part in as it
+arrives (a layer may straddle two parts: vLLM keeps its first half until the rest comes), and
+``finish_weights`` closes it -- so a bucketed sync holds about two buckets and one layer, never a
+second copy of the model.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+READING = "vllm_reload_open"
+
+
+class VLLMModelWorker:
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rank = int(getattr(worker, "rank", 0))
+        self.state = worker.__dict__.setdefault("_rlhf_state", {})
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        named = list(named)
+        self.worker.reload_weights(weights_iterator=iter(named))
+        return _moved(named)
+
+    def load_weights_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        named = list(named)
+        model = self.worker.model_runner.get_model()
+        with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+            if not self.state.get(READING):
+                initialize_layerwise_reload(model)
+                self.state[READING] = True
+            model.load_weights(iter(named))
+        return _moved(named)
+
+    def finish_weights(self) -> dict[str, Any]:
+        """Process what is left (layers vLLM defers, e.g. attention) and drop state derived from the
+        old weights, as vLLM's own ``reload_weights`` does after loading."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        if not self.state.pop(READING, False):
+            return {}
+        runner = self.worker.model_runner
+        with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(runner.get_model(), self.worker.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(runner, reset, lambda: None)()
+        return {}
+
+
+def _moved(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+
+def on_worker(worker: Any, fn: Any, *args: Any) -> Any:  # pragma: no cover - runs in vLLM's workers
+    return fn(VLLMModelWorker(worker), *args)
+
+
+def load(worker: VLLMModelWorker, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    return worker.load_weights(named)
