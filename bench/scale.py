@@ -43,6 +43,9 @@ PATHS = {
     # model: with it the float32 0.5B layout fills this 24 GB machine and Ray's memory monitor kills a rank)
     "zero3-ray2": [*RAY, *ZERO3, "--ray.actor_workers", "2", "--algo.kl.coef", "0"],
     "fsdp-ray2": [*RAY, "--learner.backend", "fsdp", "--ray.actor_workers", "2", "--algo.kl.coef", "0"],
+    # FSDP2 with the reference model sharded over two ranks of its own (KL against it, as the seeds run)
+    "fsdp-ray2-ref": [*RAY, "--ray.local_num_gpus", "6", "--learner.backend", "fsdp", "--ray.actor_workers", "2",
+                      "--ray.reference_workers", "2", "--algo.kl.coef", "0.01"],
 }
 WORKLOAD = ["--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4",
             "--generation.max_new_tokens", "32", "--data.max_prompt_tokens", "64", "--eval.enabled", "false",

@@ -90,7 +90,9 @@ class GenerationBackend(Component):
     ``max_length(config)`` the longest prompt + completion the engine will take (``None``: no
     limit), named by the config key ``max_length_key`` -- checked against the data before start.
     ``memory(inputs: MemoryInputs) -> {item: bytes}`` the engine's analytic need per engine (an item
-    named ``imports`` is the fixed cost of its libraries, shown apart).
+    named ``imports`` is the fixed cost of its libraries, shown apart). ``starts_empty(config)``:
+    the engine starts without the checkpoint's weights under this config, so the loop syncs the
+    learner's weights into it before the first generation.
     """
 
     area: ClassVar[str] = "generation backend"
@@ -102,6 +104,7 @@ class GenerationBackend(Component):
     max_length: Callable[[Any], int | None] | None = field(default=None, kw_only=True)
     max_length_key: str = field(default="", kw_only=True)
     memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
+    starts_empty: Callable[[Any], bool] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,13 +194,16 @@ class LearnerBackend(Component):
     first). ``multi_rank``: the learner can run several data-parallel ranks. ``memory(inputs:
     MemoryInputs) -> {item: bytes}``: its analytic need per rank (weights, gradients, optimizer
     states in their dtypes and shards, activations, logits), for the memory plan. ``live_weights``:
-    the learner offers ``live_weights()``, its parameters themselves, updated in place."""
+    the learner offers ``live_weights()``, its parameters themselves, updated in place.
+    ``shards_reference``: built for the role ``"reference"`` it is a frozen sharded model (no
+    optimizer) whose ``logprobs`` the reference role serves, each rank holding 1/N of it."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
     multi_rank: bool = field(default=False, kw_only=True)
     memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
     live_weights: bool = field(default=False, kw_only=True)
+    shards_reference: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

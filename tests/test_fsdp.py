@@ -79,6 +79,8 @@ def test_one_rank_matches_the_torch_learner(tiny_model, options):
     assert all(isinstance(p, DTensor) for p in fsdp.model.parameters())  # really sharded
     gathered = dict(fsdp.named_weights())
     assert gathered.keys() == before.keys() and all(torch.equal(gathered[k], before[k]) for k in before)
+    # built empty and filled from the checkpoint's files (one rank: all of every tensor)
+    assert fsdp.shard_bytes_read == 4 * sum(v.numel() for v in before.values())
     got = fsdp.train(the_batch(), objective_of(config))
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
 
@@ -98,13 +100,66 @@ def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, 
     try:
         group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
         shards = group.run(lambda ctx: sum(p.to_local().numel() for p in ctx.backend.model.parameters()))
+        read = group.run(lambda ctx: ctx.backend.shard_bytes_read)
         got = group.train(the_batch(), objective_of(config))
         after = dict(group.named_weights())
     finally:
         placement.shutdown()
     total = sum(v.numel() for k, v in before.items() if k != "lm_head.weight")
     assert len(shards) == 2 and max(shards) < 0.6 * total  # each rank holds about half
+    assert [r // 4 for r in read] == shards  # ... and read only that half of the checkpoint (float32)
     assert_same_update(got, expected, after, after_torch, before, tol=1e-6)
+
+
+def test_a_reference_sharded_over_two_ranks_gives_the_whole_models_logprobs(local_ray, tiny_model):
+    """The reference role on the FSDP learner over two Ray ranks: frozen (no optimizer, no gradients),
+    each rank holding about half of the model, and the log-probs of the whole model."""
+    from rlhf_plugins import PlacementContext
+    from rlhf_plugins.placement.ray_placement import RayPlacement
+    from rlhf_plugins.training.roles import ReferenceRole
+
+    config, pm, plan = prepare({"placement": {"strategy": "ray"}, "learner": {"backend": "fsdp"},
+                                "ray": {"reference_workers": 2}, "train": {"prompts_per_step": 4},
+                                "generation": {"n_samples_per_prompt": 4}}, autoload=False)
+    assert plan.learner.shards_reference
+    batch = the_batch()
+    whole = ReferenceRole(config, pm.spec, tiny_model).logprobs(batch)
+    placement = RayPlacement(PlacementContext(config, ("reference",), plugin_spec=pm.spec))
+    try:
+        group = placement.create_role("reference", ReferenceRole, config, pm.spec, tiny_model, plan.learner)
+        ranks = group.run(lambda ctx: (sum(p.to_local().numel() for p in ctx.backend.model.parameters()),
+                                       sum(p.numel() for p in ctx.backend.model.parameters()),
+                                       any(p.requires_grad for p in ctx.backend.model.parameters()),
+                                       hasattr(ctx.backend, "optimizer")))
+        sharded = group.logprobs(batch)
+    finally:
+        placement.shutdown()
+    assert len(ranks) == 2 and all(local < 0.6 * total and not grad and not opt for local, total, grad, opt in ranks)
+    torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-6)
+
+
+def test_the_loader_builds_an_empty_model_only_for_a_checkpoint_under_its_own_names(tiny_model, tmp_path):
+    """Empty: every parameter on the meta device, the buffers computed for real as from_pretrained
+    makes them (rotary frequencies); a checkpoint with a tensor under another name loads whole."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.empty_init import build_empty, source_of
+
+    empty = build_empty(tiny_model, torch.float32, False)
+    assert empty is not None and all(p.is_meta for p in empty.parameters()) and source_of(empty) == tiny_model
+    whole = dict(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_buffers())
+    buffers = dict(empty.named_buffers())
+    assert buffers.keys() == whole.keys() and all(torch.equal(buffers[k], whole[k]) for k in whole)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_model, renamed)
+    (file,) = renamed.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert build_empty(str(renamed), torch.float32, False) is None
 
 
 def test_checkpoint_resume_gives_the_same_next_update(tiny_model, tmp_path):
@@ -215,16 +270,17 @@ def rlhf_after_weight_sync(step, info):
 
 
 def test_rlhf_train_on_ray_with_two_fsdp_ranks_resumes_its_sharded_checkpoint(tmp_path, tiny_model):
-    """Two FSDP ranks as Ray actors, broadcast sync to the engine checked every step (--sync.verify);
-    each rank writes its shards of the step-2 checkpoint; a copy resumed from it makes steps 2-3 as
-    the whole run made them."""
+    """Two FSDP ranks as Ray actors, broadcast sync to the engine checked every step (--sync.verify),
+    the reference model sharded over two ranks of its own (KL 0 at the first step: it is the initial
+    policy); each rank writes its shards of the step-2 checkpoint; a copy resumed from it makes steps
+    2-3 as the whole run made them."""
     import shutil
 
     from tests.helpers import metrics_of
 
     (tmp_path / "parity.py").write_text(PARITY)
-    ray = ["--placement.strategy", "ray", "--ray.local_num_gpus", "4", "--ray.actor_workers", "2",
-           "--sync.verify", "true"]
+    ray = ["--placement.strategy", "ray", "--ray.local_num_gpus", "5", "--ray.actor_workers", "2",
+           "--ray.reference_workers", "2", "--algo.kl.coef", "0.05", "--sync.verify", "true"]
     whole = train(tmp_path, *SHORT, *ray, "--plugin", "parity.py", "--train.steps", "4", "--train.run_name", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     runs = tmp_path / "runs"
@@ -241,6 +297,9 @@ def test_rlhf_train_on_ray_with_two_fsdp_ranks_resumes_its_sharded_checkpoint(tm
             assert a[k] == pytest.approx(b[k], abs=1e-6), k
     gaps = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
     assert len(gaps) >= 4 and all(g < 1e-4 for g in gaps[:4])  # the whole run's four syncs
+    assert full[0]["kl"] == pytest.approx(0.0, abs=1e-6) and full[-1]["kl"] > 1e-6
+    reference = json.loads((runs / "whole" / "summary.json").read_text())["memory"]["reference"]
+    assert reference["ranks"] == 2.0 and reference["analytic_gb"] > 0
 
 
 def test_fsdp_memory_items_by_hand():
@@ -255,6 +314,9 @@ def test_fsdp_memory_items_by_hand():
     items = fsdp_learner_memory(MemoryInputs(Config(), shape, "actor", ranks=2, trainable=1000, micro_tokens=0,
                                              logits_bytes=0))
     assert items == {"weights": 2000, "gathered layers": 3200, "gradients": 2000, "optimizer states": 4000}
+    frozen = fsdp_learner_memory(MemoryInputs(Config(), shape, "reference", ranks=2, trainable=1000, micro_tokens=0,
+                                              logits_bytes=0))
+    assert frozen == {"weights": 2000, "gathered layers": 3200}  # the reference: no gradients, no optimizer
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

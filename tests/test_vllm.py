@@ -236,6 +236,24 @@ def test_ray_engines_and_every_sync_method_keep_parity(rlhf, args):
         assert [r["step"] for r in evals] == [0, 3] and all(0 <= r["eval/pass@1"] <= 1 for r in evals)
 
 
+@pytest.mark.parametrize("raw, empty", [
+    ({"placement": {"strategy": "ray"}}, True),  # broadcast: every weight comes from the learner anyway
+    ({"placement": {"strategy": "ray"}, "vllm": {"load_format": "checkpoint"}}, False),
+    ({"placement": {"strategy": "ray"}, "lora": {"rank": 4}, "sync": {"method": "adapter"}}, False),  # base weights
+    ({}, False),  # in-process sync into the engine: the checkpoint is read once, here
+    ({"vllm": {"load_format": "dummy"}}, True),
+])
+def test_the_engine_starts_with_placeholder_weights_only_where_the_learner_sends_every_weight(tiny_model, raw, empty):
+    """``--vllm.load_format auto``: placeholder weights (no memory map of the checkpoint while the
+    engine loads) when the sync moves every weight from the learner's process; the loop then syncs
+    before the first generation (the Ray parity tests above check step 0)."""
+    from rlhf_plugins.engines.vllm_engine import engine_arguments
+
+    config, _, plan = prepare({"generation": {"backend": "vllm"}, **raw}, autoload=False)
+    assert plan.engine.starts_empty(config) is empty
+    assert (engine_arguments(config, tiny_model, cpu=True, sleep=False).get("load_format") == "dummy") is empty
+
+
 def test_third_party_noise_stays_out_of_the_terminal_unless_verbose(tmp_path):
     """vLLM's start-up (Triton notice, deprecation warnings, torch's C++ warnings, load bars) is
     silent on a normal run; -v shows it."""

@@ -45,6 +45,11 @@ class VLLMOptions:
     sleep: bool = False
     #: with --sync.method adapter: the largest LoRA rank the engine accepts (vLLM allocates for it)
     max_lora_rank: int = setting(64, ge=1)
+    #: where the engine's first weights come from: ``checkpoint`` (it reads the model folder), ``dummy``
+    #: (vLLM's placeholder weights; the learner's arrive by weight sync before anything is generated, so
+    #: the engine never maps the checkpoint's files), ``auto``: dummy when the sync moves every weight
+    #: from the learner's process (broadcast, ipc), else checkpoint
+    load_format: Literal["auto", "checkpoint", "dummy"] = "auto"
 
 
 @hookimpl
@@ -58,6 +63,13 @@ def _num_engines(config: Any) -> int:
 
 def _max_model_len(config: Any) -> int | None:
     return config.section("vllm").max_model_len
+
+
+def starts_empty(config: Any) -> bool:
+    """Whether the engine starts with placeholder weights (``vllm.load_format``) and waits for the
+    learner's first sync."""
+    fmt = config.section("vllm").load_format
+    return fmt == "dummy" or (fmt == "auto" and config.sync.method in ("broadcast", "ipc"))
 
 
 @hookimpl
@@ -136,4 +148,5 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         max_length=_max_model_len,
         max_length_key="vllm.max_model_len",
         memory=vllm_memory,
+        starts_empty=starts_empty,
     )

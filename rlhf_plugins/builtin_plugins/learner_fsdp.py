@@ -42,4 +42,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         description="PyTorch FSDP2 (fully_shard per decoder layer), mixed precision, CPU offload",
         multi_rank=True,
         memory=Lazy("rlhf_plugins.models.memory:fsdp_learner_memory"),
+        shards_reference=True,  # the reference model over --ray.reference_workers ranks, 1/N each
     )

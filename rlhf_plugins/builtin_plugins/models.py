@@ -1,5 +1,6 @@
 """Builtin model loading: ``transformers`` ``AutoModelForCausalLM`` from a local folder
-(the critic: the same backbone with a value head).
+(the critic: the same backbone with a value head; for a sharded learner that asks, the architecture
+with empty parameters, each rank then reading its shards: :mod:`rlhf_plugins.models.empty_init`).
 
 ``trylast``, so any plugin may answer first or wrap it."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..errors import ConfigError
 def rlhf_load_model(role: str, path: str, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
+    from ..models import empty_init
     from ..models.forward import DTYPES
 
     try:
@@ -21,6 +23,10 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
             from ..models.value_model import ValueModel
 
             return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=config.reward.normalize)
+        if empty_init.wanted():  # a sharded learner fills each rank's shard from the files itself
+            model = empty_init.build_empty(path, DTYPES[config.model.dtype], config.model.trust_remote_code)
+            if model is not None:
+                return model
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype],
                                                     trust_remote_code=config.model.trust_remote_code)
     except OSError as exc:

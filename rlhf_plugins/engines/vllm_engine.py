@@ -42,6 +42,42 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if lines else text
 
 
+def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments for this run (LoRA and tensor-parallel ones are added by the engine)."""
+    from ..builtin_plugins.generation_vllm import context_length, kv_cache_bytes, starts_empty
+    from ..models.memory import ModelShape
+
+    o = config.section("vllm")
+    shape = ModelShape.of_folder(model_path, config.model.trust_remote_code)
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        trust_remote_code=config.model.trust_remote_code,
+        dtype=config.model.dtype if o.dtype == "model" else o.dtype,
+        seed=config.train.seed,
+        gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if cpu else 0.85),
+        max_model_len=context_length(config, shape.max_positions),
+        enforce_eager=o.enforce_eager,
+        enable_prefix_caching=o.enable_prefix_caching,
+        tensor_parallel_size=o.tensor_parallel_size,
+        logprobs_mode="processed_logprobs",
+        enable_sleep_mode=sleep,
+        use_tqdm_on_load=False,  # our own output says what is loading
+    )
+    if o.block_size:
+        kwargs["block_size"] = o.block_size
+    if starts_empty(config):  # the learner's weights come by sync before the first generation
+        kwargs["load_format"] = "dummy"
+    if o.kv_cache_mb or not o.gpu_memory_utilization:  # sized from the run, not from free memory
+        sequences = config.train.prompts_per_step * config.generation.n_samples_per_prompt
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, shape, -(-sequences // o.num_engines))
+    if cpu:
+        # every request carries a seed, and vLLM rewinds a seeded request's generator after a
+        # partial (chunked) prefill with CUDA-only generator calls ("CPU Generator does not use
+        # offset"): on CPU, prompts are prefilled whole (vLLM then sizes a step to hold the context)
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
 class VLLMEngine:
     def __init__(self, ctx: BackendContext) -> None:
         config, model_path = ctx.config, ctx.model_path
@@ -57,34 +93,7 @@ class VLLMEngine:
         if o.sleep and self.cpu:
             logger.warning("vLLM sleep mode is not available on CPU; the engine stays awake (no memory is freed)")
         self.asleep = False
-        from ..builtin_plugins.generation_vllm import context_length, kv_cache_bytes
-        from ..models.memory import ModelShape
-
-        shape = ModelShape.of_folder(model_path, config.model.trust_remote_code)
-        kwargs: dict[str, Any] = dict(
-            model=model_path,
-            trust_remote_code=config.model.trust_remote_code,
-            dtype=config.model.dtype if o.dtype == "model" else o.dtype,
-            seed=config.train.seed,
-            gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if self.cpu else 0.85),
-            max_model_len=context_length(config, shape.max_positions),
-            enforce_eager=o.enforce_eager,
-            enable_prefix_caching=o.enable_prefix_caching,
-            tensor_parallel_size=o.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_enabled,
-            use_tqdm_on_load=False,  # our own output says what is loading
-        )
-        if o.block_size:
-            kwargs["block_size"] = o.block_size
-        if o.kv_cache_mb or not o.gpu_memory_utilization:  # sized from the run, not from free memory
-            sequences = config.train.prompts_per_step * config.generation.n_samples_per_prompt
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, shape, -(-sequences // o.num_engines))
-        if self.cpu:
-            # every request carries a seed, and vLLM rewinds a seeded request's generator after a
-            # partial (chunked) prefill with CUDA-only generator calls ("CPU Generator does not use
-            # offset"): on CPU, prompts are prefilled whole (vLLM then sizes a step to hold the context)
-            kwargs["enable_chunked_prefill"] = False
+        kwargs = engine_arguments(config, model_path, self.cpu, self.sleep_enabled)
         self.lora_request: Any = None
         self.lora_dir: Path | None = None
         if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them

@@ -2,7 +2,8 @@
 what verl, torchtitan and TRL-through-accelerate users train with.
 
 One instance per data-parallel rank (a Ray actor of the role group, NCCL on GPUs, gloo on CPUs), or
-a single process under local placement. Each decoder layer is its own FSDP unit and the root holds
+a single process under local placement; built for the ``reference`` role, the frozen reference model
+sharded the same way (its own dtype, no optimizer). Each decoder layer is its own FSDP unit and the root holds
 the rest (embeddings, final norm, head): a rank keeps 1/N of the float32 weights, gradients and
 optimizer states, and gathers one layer at a time for its forward and backward (the next one
 prefetched). 16-bit runs keep float32 shards and compute in the 16-bit dtype (FSDP2's mixed
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..models.empty_init import empty_weights, load_shards, source_of
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -51,6 +53,18 @@ def _call(module: Any, batch: dict[str, Any], temperature: float, **kwargs: Any)
     return module(batch, temperature, **kwargs)
 
 
+def _load(ctx: BackendContext) -> tuple[torch.nn.Module, str | None]:
+    """The role's model, empty where the loader can make it so (then the folder its shards are read
+    from): not under LoRA (adapters are initialised on real weights) nor for the critic's value head."""
+    from contextlib import nullcontext
+
+    lora = ctx.config.extra.get("lora")
+    whole = ctx.role == "critic" or (lora is not None and bool(lora.rank or lora.config))
+    with nullcontext() if whole else empty_weights():
+        model = ctx.load_model()
+    return model, source_of(model)
+
+
 def init_process_group() -> None:
     import torch.distributed as dist
 
@@ -77,15 +91,16 @@ class FSDPLearner(Learner):
         self._init_learner(config, ctx.role, seed_offset=self.rank)
         o = config.section("fsdp")
         self.device = role_device()
-        model = ctx.load_model()
+        model, source = _load(ctx)
         dtype = next(model.parameters()).dtype
-        model = model.float()  # float32 shards; the 16-bit dtype is the compute dtype
-        if self.cfg.gradient_checkpointing:
+        frozen = ctx.role == "reference"  # the reference model: shards in its own dtype, no optimizer
+        model = model.requires_grad_(False) if frozen else model.float()  # trained: float32 shards
+        if self.cfg.gradient_checkpointing and not frozen:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not o.offload_params:
+        if not o.offload_params and source is None:
             model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        compute = None if dtype == torch.float32 else dtype
+        compute = None if dtype == torch.float32 or frozen else dtype
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if o.offload_params else OffloadPolicy()
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, reshard_after_forward=o.reshard_after_forward, offload_policy=offload,
@@ -95,8 +110,13 @@ class FSDPLearner(Learner):
                                 reshard_after_forward=o.reshard_after_forward,
                                 mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                                                cast_forward_inputs=False))
+        #: bytes this rank read of the checkpoint (its own rows of every tensor; 0: loaded whole)
+        self.shard_bytes_read = 0 if source is None else load_shards(
+            model, source, torch.device("cpu") if o.offload_params else self.device)
         self.forward = _call
         self.model = model
+        if frozen:
+            return
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr)
         self.scheduler = make_scheduler(self.optimizer, config)

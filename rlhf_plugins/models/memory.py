@@ -181,9 +181,14 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
 def fsdp_learner_memory(m: MemoryInputs) -> dict[str, int]:
     """FSDP2 over ``ranks``: float32 weight, gradient and optimizer-state shards (in CPU memory with
     ``offload_params``), plus one decoder layer gathered in the compute dtype and the next prefetched
-    (the root's embeddings and head while they compute)."""
+    (the root's embeddings and head while they compute). The frozen reference: shards in its own dtype,
+    no gradients or optimizer, a forward's activations."""
     n, b = max(1, m.ranks), m.dtype_bytes
     P, T = m.shape.parameters, m.trainable
+    if m.role == "reference":
+        frozen = {**reference_memory(m), "weights": P * b // n,
+                  "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b}
+        return {k: v for k, v in frozen.items() if v}
     return {k: v for k, v in {
         "weights": P * 4 // n,
         "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b,

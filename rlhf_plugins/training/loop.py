@@ -32,15 +32,8 @@ from .rollout_sources import step_rollout
 
 
 class Trainer:
-    def __init__(
-        self,
-        config: Config,
-        pm: RLHFPluginManager,
-        plan: Plan,
-        prompts: PromptSet,
-        tokenizer: Any,
-        model_path: str,
-    ) -> None:
+    def __init__(self, config: Config, pm: RLHFPluginManager, plan: Plan, prompts: PromptSet, tokenizer: Any,
+                 model_path: str) -> None:
         self.config = config
         self.pm = pm
         self.plan = plan
@@ -77,6 +70,9 @@ class Trainer:
 
         create_roles(self)
         self.reset_sync()
+        empty = self.plan.engine.starts_empty
+        if empty is not None and resolve(empty)(self.config):  # the learner's weights, before any generation
+            self.sync.sync(self.actor, self.engine, -1)
         build_algorithm(self)
 
     @property

@@ -208,7 +208,7 @@ def _role_need(c: Config, plan: Plan, shape: ModelShape, role: str, ranks: int, 
         fn = plan.engine.memory
         inputs = dataclasses.replace(inputs, sequences=-(-batch // max(1, plan.engine_workers)))
     elif role == "reference":
-        fn = reference_memory
+        fn = plan.learner.memory if plan.learner.shards_reference else reference_memory
     else:
         return _reward_need(c, shape, ranks)
     if fn is None:

@@ -166,14 +166,21 @@ class CriticRole(PolicyRole):
 
 
 class ReferenceRole(Role):
-    """The frozen initial policy, for KL."""
+    """The frozen initial policy, for KL: a whole model in each rank, or -- given a learner backend
+    that ``shards_reference`` -- that learner built frozen for this role, each rank holding a shard."""
 
     role = "reference"
 
-    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str) -> None:
+    def __init__(self, config: Any, plugin_spec: PluginSpec, model_path: str, learner: LearnerBackend | None = None,
+                 provider: str = "") -> None:
         from ..models.device import role_device
         from ..models.forward import policy_forward
 
+        self.learner = None
+        if learner is not None:
+            ctx = _context(config, plugin_spec, "reference", model_path)
+            self.backend = self.learner = build_backend(learner, Learner, ctx, provider)
+            return
         host_memory.apply(config)
         self.device = role_device()
         self.model = self.backend = get_manager(plugin_spec).load_model("reference", model_path, config)
@@ -187,6 +194,9 @@ class ReferenceRole(Role):
         import torch
 
         from ..models.device import to_device
+
+        if self.learner is not None:
+            return self.learner.logprobs(batch)
         from ..models.packing import in_token_budget
 
         batch = to_device(batch, self.device)

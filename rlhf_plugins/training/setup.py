@@ -50,7 +50,8 @@ def create_roles(trainer: Trainer) -> None:
                             plan.sync.needs_adapter)
     learner = (plan.learner, plan.provider(plan.learner))
     trainer.actor = create("actor", PolicyRole, c, spec, path, *learner)
-    trainer.reference = create("reference", ReferenceRole, c, spec, path) if plan.needs_reference else None
+    sharded = learner if plan.learner.shards_reference else ()  # the reference on the learner's sharding
+    trainer.reference = create("reference", ReferenceRole, c, spec, path, *sharded) if plan.needs_reference else None
     trainer.critic = create("critic", CriticRole, c, spec, c.critic.path or path,
                             *learner) if plan.needs_critic else None
     trainer.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)

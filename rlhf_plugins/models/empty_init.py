@@ -1,0 +1,119 @@
+"""Loading a model for a sharded learner without any rank holding the whole of it.
+
+A learner that shards (FSDP2) asks for the model inside :func:`empty_weights`; the builtin loader
+then builds the architecture with its parameters on the meta device (buffers such as rotary
+frequencies are computed for real: they are not in checkpoints) and records the folder the weights
+come from. The learner shards the empty model, gives each rank storage for its own shard, and
+:func:`load_shards` reads each rank's rows of every tensor straight from the safetensors files (a
+slice read, never the whole tensor).
+
+Only where it is exact: the checkpoint must hold every parameter under the model's own names and
+shapes (the builtin loader checks before it builds anything empty; a checkpoint that transformers
+converts while loading -- renamed or fused tensors -- loads whole, as before). Plugins that load the
+model themselves, LoRA and the critic's value head keep the whole load.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_EMPTY = contextvars.ContextVar("rlhf_empty_weights", default=False)
+#: the attribute of an empty model naming the folder its weights are read from
+SOURCE = "rlhf_weights_from"
+
+
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Ask the builtin loader for an empty model (parameters on the meta device) where it can."""
+    token = _EMPTY.set(True)
+    try:
+        yield
+    finally:
+        _EMPTY.reset(token)
+
+
+def wanted() -> bool:
+    return _EMPTY.get()
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a safetensors checkpoint folder: name -> (file, shape), headers only."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else [p.name for p in folder.glob("*.safetensors")]
+    out = {}
+    for file in files:
+        with safe_open(str(folder / file), "pt") as f:
+            for name in f.keys():
+                out[name] = (file, tuple(f.get_slice(name).get_shape()))
+    return out
+
+
+def build_empty(path: str, dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module | None:
+    """The architecture of ``path`` with its parameters on the meta device, or None when its
+    checkpoint does not hold every parameter under the model's names and shapes."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):  # buffers as from_pretrained makes them (rotary: float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        stored = checkpoint_tensors(path)
+    except (OSError, KeyError, ValueError):
+        return None
+    if not stored or any(stored.get(n, (None, None))[1] != tuple(p.shape) for n, p in model.named_parameters()):
+        return None
+    setattr(model, SOURCE, str(path))
+    return model
+
+
+def source_of(model: torch.nn.Module) -> str | None:
+    """The folder an empty model's weights are to be read from (None: the model holds its weights)."""
+    return getattr(model, SOURCE, None) if any(p.is_meta for p in model.parameters()) else None
+
+
+def load_shards(model: torch.nn.Module, path: str, device: torch.device) -> int:
+    """Give a sharded empty model storage on ``device`` and fill each rank's shard of every parameter
+    from the checkpoint (dim-0 shards as FSDP2 cuts them: rank r holds rows from r * ceil(n / world));
+    buffers keep the values computed at construction. Returns the bytes read."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    stored, folder, read = checkpoint_tensors(path), Path(path), 0
+    with ExitStack() as files, torch.no_grad():
+        handles: dict[str, Any] = {}
+        for name, param in model.named_parameters():
+            file, shape = stored[name]
+            if file not in handles:
+                handles[file] = files.enter_context(safe_open(str(folder / file), "pt"))
+            rows = handles[file].get_slice(name)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            start = _shard_start(param, shape[0]) if isinstance(param, DTensor) else 0
+            local.copy_((rows[start : start + local.shape[0]] if local.dim() else rows[:]).to(local.dtype))
+            read += local.numel() * local.element_size()
+    return read
+
+
+def _shard_start(param: Any, rows: int) -> int:
+    """The first row of this rank's dim-0 shard (FSDP2 cuts as ``torch.chunk`` does)."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(param.placements) != (Shard(0),):
+        raise NotImplementedError(f"loading shards placed as {param.placements}; FSDP2 places Shard(0)")
+    mesh = param.device_mesh
+    return mesh.get_local_rank() * -(-rows // mesh.size())
