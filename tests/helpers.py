@@ -184,3 +184,38 @@ KILLER = textwrap.dedent("""
     def rlhf_load_state_dict(state):
         STEPS[0] = state["steps_seen"]
 """)
+
+
+def prompts(model_path: str) -> list[list[int]]:
+    """Four chat-templated addition prompts in the model's tokenizer (engine tests)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return [tok.apply_chat_template([{"role": "user", "content": f"{a}+{a}="}], add_generation_prompt=True)["input_ids"]
+            for a in range(4)]
+
+
+class Actor:
+    """A learner stand-in for parity checks: a transformers model and its log-probs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def logprobs(self, batch: dict) -> Any:
+        import torch
+
+        from rlhf_plugins.models.forward import policy_forward
+
+        with torch.no_grad():
+            return policy_forward(self.model, batch)["logprobs"]
+
+
+def batch_of(ids: list[list[int]], samples: Any, n: int) -> dict:
+    """The training batch of an engine's samples (``n`` per prompt of ``ids``)."""
+    from rlhf_plugins.training.rollout import Rollout, make_batch
+
+    r = Rollout(prompts=[""] * len(samples), prompt_ids=[ids[i // n] for i in range(len(samples))],
+                completion_ids=samples.completion_ids, completions=[""] * len(samples),
+                finish_reasons=samples.finish_reasons, rollout_logprobs=samples.logprobs, columns={},
+                group_size=n, scores=[0.0] * len(samples))
+    return make_batch(r, pad_id=0)

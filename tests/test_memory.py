@@ -220,10 +220,10 @@ def test_zero3_memory_items_by_hand(offload):
     assert items.get("offloaded gradients", 0) == (2000 if offload else 0)
 
 
-def test_an_engine_that_loads_a_sync_as_it_arrives_stages_buckets_not_the_model(reduced, monkeypatch):
+def test_an_engine_that_loads_a_sync_as_it_arrives_stages_buckets_not_the_model(tiny_model):
     """Broadcast sync into an engine with load_weights_part: the bucket in flight (a tensor larger than
-    a bucket travels alone), the earlier bucket a layer began in, and that layer; an engine without it
-    keeps every bucket of the sync: a whole copy of its weights."""
+    a bucket travels alone), the earlier bucket a layer began in, and the engine's new copy of the
+    layer or tensor under way; an engine without it keeps every bucket of the sync: a whole copy."""
     import dataclasses
 
     from rlhf_plugins.api import prepare
@@ -232,14 +232,14 @@ def test_an_engine_that_loads_a_sync_as_it_arrives_stages_buckets_not_the_model(
 
     shape = ModelShape(parameters=1000, layer_parameters=300, largest_tensor=400, vocab=50, hidden=8,
                        intermediate=16, layers=2, q_dim=8, kv_dim=4, tied=True)
-    assert streamed_staging(shape, whole=4000, bucket=800) == 1600 + 800 + 1200
-    assert streamed_staging(shape, whole=4000, bucket=2000) == 4000  # never more than the whole copy
-    raw = {"model": {"path": reduced}, "placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4},
-           "sync": {"method": "broadcast", "bucket_mb": 1}}
+    assert streamed_staging(shape, whole=4000, bucket=800) == 1600 + 800 + 1600
+    assert streamed_staging(shape, whole=4000, bucket=1600) == 4000  # never more than the whole copy
+    raw = {"model": {"path": tiny_model}, "placement": {"strategy": "ray"}, "ray": {"local_num_gpus": 4},
+           "sync": {"method": "broadcast", "bucket_mb": 1 / 16}}
     config, _, plan = prepare(raw, autoload=False)
     assert plan.engine.streams_weights
-    real = ModelShape.of_folder(reduced)
+    real = ModelShape.of_folder(tiny_model)
     parts = memory_plan(config, plan).roles["generation"].parts
-    assert parts["sync staging"] == streamed_staging(real, parts["weights"], 2**20) < parts["weights"]
+    assert parts["sync staging"] == streamed_staging(real, parts["weights"], 2**16) < parts["weights"]
     whole = memory_plan(config, dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, streams_weights=False)))
     assert whole.roles["generation"].parts["sync staging"] == parts["weights"]

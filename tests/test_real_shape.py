@@ -61,3 +61,44 @@ def test_the_seeds_production_layout(local_ray, rlhf, reduced):
     rows = metrics_of(the_run())
     _ran(rows, ("generation", "actor", "reference", "reward"))
     assert rows[-1]["memory/generation_rss_gb"] != rows[-1]["memory/actor_rss_gb"]  # separate processes
+
+
+@pytest.mark.integration
+def test_a_tied_output_head_follows_every_sync_into_vllm(reduced):
+    """Tied embeddings: the learners send the embedding alone (no lm_head tensor); vLLM's output head
+    must follow it on every sync -- whole and part by part -- not keep what it derived from the
+    checkpoint's (vLLM's CPU build packs the head's weight for its kernels)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.sync import verify_parity
+    from rlhf_plugins.sync.broadcast import buckets, commit_worker, receive
+    from rlhf_plugins.testing import backend_context
+    from tests.helpers import Actor, batch_of, prompts
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": reduced}}, autoload=False)
+    engine = VLLMEngine(backend_context(config, "generation", reduced, pm))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(reduced)
+        ids = prompts(reduced)
+        for part_by_part in (False, True):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+            named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+            if part_by_part:
+                for bucket, parts in buckets(iter(named), 2**20):
+                    engine.model_workers(receive, list(bucket.unpack(torch.cat(parts))))
+                engine.model_workers(commit_worker)
+            else:
+                engine.load_weights(named)
+            batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
+            assert verify_parity(Actor(model), engine, batch) < 1e-4
+    finally:
+        engine.shutdown()

@@ -16,8 +16,16 @@ from rlhf_plugins import SamplingParams  # noqa: E402
 from rlhf_plugins.api import prepare  # noqa: E402
 from rlhf_plugins.models.forward import policy_forward  # noqa: E402
 from rlhf_plugins.sync import verify_parity  # noqa: E402
-from rlhf_plugins.training.rollout import Rollout, make_batch  # noqa: E402
-from tests.helpers import eval_rows_of, metrics_of, run_subprocess, short_run, the_run  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    Actor,
+    batch_of,
+    eval_rows_of,
+    metrics_of,
+    prompts,
+    run_subprocess,
+    short_run,
+    the_run,
+)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -31,33 +39,6 @@ def engine(tiny_model):
     eng = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
     yield eng
     eng.shutdown()
-
-
-def prompts(tiny_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    return [tok.apply_chat_template([{"role": "user", "content": f"{a}+{a}="}], add_generation_prompt=True)["input_ids"]
-            for a in range(4)]
-
-
-class Actor:
-    """A learner stand-in: a transformers model and its log-probs."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def logprobs(self, batch):
-        with torch.no_grad():
-            return policy_forward(self.model, batch)["logprobs"]
-
-
-def batch_of(ids, samples, n):
-    r = Rollout(prompts=[""] * len(samples), prompt_ids=[ids[i // n] for i in range(len(samples))],
-                completion_ids=samples.completion_ids, completions=[""] * len(samples),
-                finish_reasons=samples.finish_reasons, rollout_logprobs=samples.logprobs, columns={},
-                group_size=n, scores=[0.0] * len(samples))
-    return make_batch(r, pad_id=0)
 
 
 def test_a_model_the_engine_rejects_is_one_line_with_the_engines_reason(tmp_path):

@@ -28,6 +28,7 @@ class VLLMModelWorker:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         named = list(named)
         self.worker.reload_weights(weights_iterator=iter(named))
+        refresh_tied(self.worker.model_runner.get_model())
         return _moved(named)
 
     def load_weights_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -54,9 +55,33 @@ class VLLMModelWorker:
         runner = self.worker.model_runner
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             finalize_layerwise_reload(runner.get_model(), self.worker.vllm_config.model_config)
+        refresh_tied(runner.get_model())
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(runner, reset, lambda: None)()
         return {}
+
+
+def refresh_tied(model: torch.nn.Module) -> int:
+    """Re-derive what modules sharing a weight computed from it. A tied output head is its own module
+    holding the embedding's parameter; a reload loads the embedding (the checkpoint has no head) and
+    leaves the head alone, so what the head derived from the weight at start -- vLLM's CPU build packs
+    it for its matrix kernels -- stays the checkpoint's, and every sync after the first left the head
+    behind (a model with tied embeddings sampled with its initial output head). Returns the modules
+    refreshed."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    done = 0
+    for modules in owners.values():
+        for module in modules if len(modules) > 1 else ():
+            process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+            if callable(process):
+                with torch.no_grad():
+                    process(module)
+                done += 1
+    return done
 
 
 def _moved(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:

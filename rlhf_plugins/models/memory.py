@@ -208,10 +208,13 @@ def zero_bucket_elements(shape: ModelShape) -> int:
 
 def streamed_staging(shape: ModelShape, whole: int, bucket: int) -> int:
     """What an engine that loads a sync as it arrives holds of it (``whole``: the weights in its
-    dtype): the bucket in flight (a tensor larger than a bucket travels alone), an earlier bucket
-    the layer under way began in, and that layer's tensors."""
+    dtype): the bucket in flight (a tensor larger than a bucket travels alone), an earlier bucket the
+    layer under way began in, and the engine's new copy of that layer or tensor (vLLM rebuilds a layer
+    before it copies it into its kernels: measured at 0.5B, 1.3 GB above the engine's steady state
+    while the 0.54 GB embedding loads)."""
     size = whole / max(shape.parameters, 1)
-    return int(min(whole, max(bucket, shape.largest_tensor * size) + bucket + shape.layer_parameters * size))
+    largest = max(shape.layer_parameters, shape.largest_tensor) * size
+    return int(min(whole, max(bucket, shape.largest_tensor * size) + bucket + largest))
 
 
 def kv_cache_bytes(m: MemoryInputs, block: int = 1) -> int:
