@@ -243,3 +243,18 @@ def test_an_engine_that_loads_a_sync_as_it_arrives_stages_buckets_not_the_model(
     assert parts["sync staging"] == streamed_staging(real, parts["weights"], 2**16) < parts["weights"]
     whole = memory_plan(config, dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, streams_weights=False)))
     assert whole.roles["generation"].parts["sync staging"] == parts["weights"]
+
+
+def test_the_vllm_engine_items_by_hand():
+    """Weights in the engine's dtype, the sampler's two float32 logit rows per sequence, vLLM's imports,
+    and on the CPU build the output head packed for its kernels beside its own weight."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.builtin_plugins.generation_vllm import VLLM_IMPORTS, vllm_memory
+    from rlhf_plugins.models.memory import MemoryInputs
+
+    shape = ModelShape(parameters=1000, layer_parameters=300, largest_tensor=400, vocab=50, hidden=8,
+                       intermediate=16, layers=2, q_dim=8, kv_dim=4, tied=True)
+    config, _, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
+    items = vllm_memory(MemoryInputs(config, shape, "generation", 1, 1000, 0, 0, sequences=3))
+    assert items["weights"] == 4000 and items["sampler logits"] == 3 * 50 * 4 * 2 and items["imports"] == VLLM_IMPORTS
+    assert items.get("packed output head", 0) == (0 if torch.cuda.is_available() else 50 * 8 * 4)

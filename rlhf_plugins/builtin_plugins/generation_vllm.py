@@ -128,10 +128,17 @@ def kv_cache_bytes(config: Any, shape: Any, sequences: int) -> int:
 
 
 def vllm_memory(m: Any) -> dict[str, int]:
-    """Weights in the engine's dtype, the KV cache it is given, the sampler's float32 logits."""
-    return {"weights": m.shape.parameters * engine_dtype_bytes(m.config),
-            "KV cache (reserved)": kv_cache_bytes(m.config, m.shape, m.sequences),
-            "sampler logits": m.sequences * m.shape.vocab * 4 * 2, "imports": VLLM_IMPORTS}
+    """Weights in the engine's dtype, the KV cache it is given, the sampler's float32 logits; on the
+    CPU build also the output head packed for its matrix kernels beside the head's own weight (the
+    linear layers' packed copies replace their weights)."""
+    import torch
+
+    b = engine_dtype_bytes(m.config)
+    head = 0 if torch.cuda.is_available() else m.shape.vocab * m.shape.hidden * b
+    items = {"weights": m.shape.parameters * b, "packed output head": head,
+             "KV cache (reserved)": kv_cache_bytes(m.config, m.shape, m.sequences),
+             "sampler logits": m.sequences * m.shape.vocab * 4 * 2, "imports": VLLM_IMPORTS}
+    return {k: v for k, v in items.items() if v}
 
 
 @hookimpl

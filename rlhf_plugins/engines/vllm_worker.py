@@ -66,8 +66,9 @@ def refresh_tied(model: torch.nn.Module) -> int:
     holding the embedding's parameter; a reload loads the embedding (the checkpoint has no head) and
     leaves the head alone, so what the head derived from the weight at start -- vLLM's CPU build packs
     it for its matrix kernels -- stays the checkpoint's, and every sync after the first left the head
-    behind (a model with tied embeddings sampled with its initial output head). Returns the modules
-    refreshed."""
+    behind (a model with tied embeddings sampled with its initial output head). The first module
+    holding a weight is the one its name belongs to (the one loaded); the others are refreshed.
+    Returns how many were."""
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         weight = module._parameters.get("weight")
@@ -75,7 +76,7 @@ def refresh_tied(model: torch.nn.Module) -> int:
             owners.setdefault(id(weight), []).append(module)
     done = 0
     for modules in owners.values():
-        for module in modules if len(modules) > 1 else ():
+        for module in modules[1:]:
             process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
             if callable(process):
                 with torch.no_grad():

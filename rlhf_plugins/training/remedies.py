@@ -20,6 +20,7 @@ REMEDIES = {
     "sync staging": "a smaller --sync.bucket_mb, or a sync that stages nothing: --ray.colocate hybrid (in-process), "
                     "or LoRA adapters alone (--lora.rank 16 --sync.method adapter)",
     "gathered tensor": "more ranks do not help here: --model.dtype bfloat16",
+    "packed output head": "vLLM's CPU build packs the head for its kernels: --vllm.dtype bfloat16 halves it",
     "gathered tensor's gradient": "more ranks do not help here: --model.dtype bfloat16, or --lora.rank 16 (a frozen "
                                   "tensor has no gradient)",
     "reduce bucket": "DeepSpeed's buckets are sized from the model; a smaller model or more nodes",
