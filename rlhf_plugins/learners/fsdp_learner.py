@@ -112,7 +112,7 @@ class FSDPLearner(Learner):
                                                                cast_forward_inputs=False))
         #: bytes this rank read of the checkpoint (its own rows of every tensor; 0: loaded whole)
         self.shard_bytes_read = 0 if source is None else load_shards(
-            model, source, torch.device("cpu") if o.offload_params else self.device)
+            model, source, torch.device("cpu") if o.offload_params else self.device, dtype)
         self.forward = _call
         self.model = model
         if frozen:

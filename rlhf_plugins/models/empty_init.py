@@ -82,10 +82,12 @@ def source_of(model: torch.nn.Module) -> str | None:
     return getattr(model, SOURCE, None) if any(p.is_meta for p in model.parameters()) else None
 
 
-def load_shards(model: torch.nn.Module, path: str, device: torch.device) -> int:
+def load_shards(model: torch.nn.Module, path: str, device: torch.device, dtype: torch.dtype | None = None) -> int:
     """Give a sharded empty model storage on ``device`` and fill each rank's shard of every parameter
-    from the checkpoint (dim-0 shards as FSDP2 cuts them: rank r holds rows from r * ceil(n / world));
-    buffers keep the values computed at construction. Returns the bytes read."""
+    from the checkpoint (dim-0 shards as FSDP2 cuts them: rank r holds rows from r * ceil(n / world)),
+    rounded through ``dtype`` (the model's dtype, as ``from_pretrained`` would have loaded it, before
+    the learner's float32 shards); buffers keep the values computed at construction. Returns the
+    bytes read."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -104,7 +106,8 @@ def load_shards(model: torch.nn.Module, path: str, device: torch.device) -> int:
             rows = handles[file].get_slice(name)
             local = param.to_local() if isinstance(param, DTensor) else param
             start = _shard_start(param, shape[0]) if isinstance(param, DTensor) else 0
-            local.copy_((rows[start : start + local.shape[0]] if local.dim() else rows[:]).to(local.dtype))
+            value = rows[start : start + local.shape[0]] if local.dim() else rows[:]
+            local.copy_(value.to(dtype or local.dtype).to(local.dtype))
             read += local.numel() * local.element_size()
     return read
 

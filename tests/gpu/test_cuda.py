@@ -169,6 +169,51 @@ def test_deepspeed_on_one_gpu_matches_the_torch_learner(report, stage):
     assert worst < 0.05 * lr
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_on_one_gpu_loads_its_shards_and_matches_the_torch_learner(report, dtype):
+    """FSDP2 over one rank (NCCL): built empty and filled from the checkpoint's files on the GPU, the
+    same weights as the torch learner's, and one update equal to it (float32; bf16 compute within
+    bf16's rounding); the frozen reference on the same learner gives its log-probs."""
+    from rlhf_plugins.algorithms import policy_losses
+    from rlhf_plugins.algorithms.objective import Objective
+    from rlhf_plugins.learners.fsdp_learner import FSDPLearner
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.testing import backend_context
+
+    lr, path = 1e-5, default_model_path()
+    g = torch.Generator().manual_seed(1)
+    batch = random_batch(group=4, prompts=4, seed=5)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    base = {"learner": {"lr": lr}, "train": {"prompts_per_step": 4}, "generation": {"n_samples_per_prompt": 4},
+            "model": {"dtype": dtype}}
+    torch_cfg, pm, _ = prepare(base, autoload=False)
+    local = TorchLearner(backend_context(torch_cfg, "actor", path, pm))
+    before = {k: v.clone() for k, v in local.named_weights()}
+    initial = local.logprobs(batch)
+    objective = Objective(policy_losses.ppo, torch_cfg.algo.policy_loss)
+    expected = local.train(batch, objective)
+    after_local = dict(local.named_weights())
+    cfg, pm, _ = prepare({**base, "learner": {"backend": "fsdp", "lr": lr}}, autoload=False)
+    fsdp = FSDPLearner(backend_context(cfg, "actor", path, pm))
+    reference = FSDPLearner(backend_context(cfg, "reference", path, pm))
+    import torch.distributed as dist
+
+    assert dist.get_backend() == ("nccl" if DEVICE == "cuda" else "gloo") and fsdp.device.type == DEVICE
+    assert fsdp.shard_bytes_read == 4 * sum(v.numel() for v in before.values())  # read from the files, all of it
+    loaded = {k: v.to(DEVICE) for k, v in fsdp.named_weights()}
+    assert all(torch.equal(loaded[k].float(), before[k].to(DEVICE).float()) for k in before)
+    ref_gap = float((reference.logprobs(batch) - initial).abs().max())
+    got = fsdp.train(batch, objective)
+    after = {k: v.to(DEVICE) for k, v in fsdp.named_weights()}
+    worst = max(float((after[k].float() - after_local[k].to(DEVICE).float()).abs().max()) for k in before)
+    report(f"fsdp_{dtype}_vs_torch_max_weight_diff", worst)
+    report(f"fsdp_{dtype}_reference_logprob_gap", ref_gap)
+    exact = dtype == "float32"  # in bf16 the torch learner updates bf16 weights, FSDP float32 shards
+    assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=1e-5 if exact else 0.05)
+    assert worst < (0.05 * lr if exact else 1e-3) and ref_gap < (1e-4 if exact else 0.1)
+
+
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):
     from rlhf_plugins.cli import main
 
