@@ -3,11 +3,10 @@
 
 Weights load through vLLM's in-place reload, which moves each layer's kernel tensors aside, collects
 the layer's checkpoint tensors (q, k and v become one fused tensor; CPU kernels repack), and
-processes the layer once all of them are there. ``load_weights`` is one whole reload;
-``load_weights_part`` opens a reload at the first part of a sync and feeds each part in as it
-arrives (a layer may straddle two parts: vLLM keeps its first half until the rest comes), and
-``finish_weights`` closes it -- so a bucketed sync holds about two buckets and one layer, never a
-second copy of the model.
+processes the layer once all of them are there. ``load_weights_part`` opens a reload at the first
+part of a sync and feeds each part in as it arrives (a layer may straddle two parts: vLLM keeps its
+first half until the rest comes), and ``finish_weights`` closes it -- so a bucketed sync holds about
+two buckets and one layer, never a second copy of the model; ``load_weights`` is both at once.
 """
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ class VLLMModelWorker:
         self.state = worker.__dict__.setdefault("_rlhf_state", {})
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        named = list(named)
-        self.worker.reload_weights(weights_iterator=iter(named))
-        refresh_tied(self.worker.model_runner.get_model())
-        return _moved(named)
+        moved = self.load_weights_part(named)
+        self.finish_weights()
+        return moved
 
     def load_weights_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config

@@ -58,8 +58,9 @@ def _load(ctx: BackendContext) -> tuple[torch.nn.Module, str | None]:
     from): not under LoRA (adapters are initialised on real weights) nor for the critic's value head."""
     from contextlib import nullcontext
 
-    lora = ctx.config.extra.get("lora")
-    whole = ctx.role == "critic" or (lora is not None and bool(lora.rank or lora.config))
+    from ..builtin_plugins.lora import enabled as lora_enabled
+
+    whole = ctx.role == "critic" or lora_enabled(ctx.config)
     with nullcontext() if whole else empty_weights():
         model = ctx.load_model()
     return model, source_of(model)

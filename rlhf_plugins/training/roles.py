@@ -191,12 +191,11 @@ class ReferenceRole(Role):
 
     @dispatch("split")
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.learner is not None:
+            return self.learner.logprobs(batch)
         import torch
 
         from ..models.device import to_device
-
-        if self.learner is not None:
-            return self.learner.logprobs(batch)
         from ..models.packing import in_token_budget
 
         batch = to_device(batch, self.device)
