@@ -85,6 +85,25 @@ def test_one_rank_matches_the_torch_learner(tiny_model, options):
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
 
 
+def test_a_tied_head_model_loads_empty_tied_and_matches_the_torch_learner():
+    """A real-vocabulary Qwen shape with its output head tied to the embedding (the checkpoint stores
+    the embedding once): built empty with the head still tied, the embedding read once, the same
+    update as the torch learner's."""
+    from rlhf_plugins.models.empty_init import build_empty
+    from rlhf_plugins.testing import reduced_model_path
+
+    path = reduced_model_path()
+    empty = build_empty(path, torch.float32, False)
+    assert empty is not None and empty.get_output_embeddings().weight is empty.get_input_embeddings().weight
+    expected, before, after_torch = torch_update(path)
+    fsdp, config = learner("fsdp", path)
+    assert fsdp.model.get_output_embeddings().weight is fsdp.model.get_input_embeddings().weight
+    stored = {k: v for k, v in before.items() if k != "lm_head.weight"}
+    assert fsdp.shard_bytes_read == 4 * sum(v.numel() for v in stored.values())
+    got = fsdp.train(the_batch(), objective_of(config))
+    assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
+
+
 def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, tiny_model, reference_update):
     """Two Ray actors (gloo), each with half the batch and half of every tensor: the same update as
     one torch learner on the whole batch."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..models import attention, speedups
+from ..models import attention, empty_init, speedups
 from ..models.forward import position_ids
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.weights import load_named_weights
@@ -55,8 +55,7 @@ class TransformersEngine:
         from ..models.device import role_device
 
         self.device = role_device()
-        self.model = ctx.load_model()
-        self.model.eval().requires_grad_(False).to(self.device)
+        self.model = load_engine_model(ctx, self.device)
         tokenizer = AutoTokenizer.from_pretrained(ctx.model_path, trust_remote_code=ctx.config.model.trust_remote_code)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id
@@ -70,6 +69,7 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        empty_init.check_filled(self.model, "the generation engine")
         n, device = params.n, self.device
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
         input_ids, attention = input_ids.to(device), attention.to(device)
@@ -139,7 +139,7 @@ class TransformersEngine:
         return to_samples(tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu(), params.n)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        return load_named_weights(self.model, named_tensors)
+        return load_named_weights(self.model, named_tensors, materialize_on=self.device)
 
     #: a sync's buckets are copied in as they arrive: nothing here needs a layer's tensors together
     load_weights_part = load_weights
@@ -169,11 +169,11 @@ class TransformersEngine:
         params = dict(self.model.named_parameters())
         pairs = list(named)
         if not all(n in params and params[n].shape == v.shape and params[n].dtype == v.dtype
-                   and params[n].device == v.device for n, v in pairs):
+                   and (params[n].is_meta or params[n].device == v.device) for n, v in pairs):
             return False
         with torch.no_grad():
             for name, view in pairs:
-                params[name].data = view
+                empty_init.point_at(params[name], view)
         return True
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -189,6 +189,21 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def load_engine_model(ctx: BackendContext, device: torch.device) -> torch.nn.Module:
+    """The engine's model on ``device``, frozen; built with empty parameters (meta device, buffers
+    real) when the learner's first sync brings every weight (:func:`starts_empty`) and the
+    checkpoint allows it, so the engine never holds a copy it would replace at that sync."""
+    from ..builtin_plugins.generation_transformers import starts_empty
+
+    if starts_empty(ctx.config):
+        with empty_init.empty_weights():
+            model = ctx.load_model()
+    else:
+        model = ctx.load_model()
+    model.eval().requires_grad_(False)
+    return empty_init.move_buffers(model, device) if empty_init.source_of(model) else model.to(device)
 
 
 def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

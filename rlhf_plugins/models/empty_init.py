@@ -1,11 +1,13 @@
-"""Loading a model for a sharded learner without any rank holding the whole of it.
+"""Loading a model without holding a copy of its weights it would not keep.
 
 A learner that shards (FSDP2) asks for the model inside :func:`empty_weights`; the builtin loader
 then builds the architecture with its parameters on the meta device (buffers such as rotary
 frequencies are computed for real: they are not in checkpoints) and records the folder the weights
 come from. The learner shards the empty model, gives each rank storage for its own shard, and
 :func:`load_shards` reads each rank's rows of every tensor straight from the safetensors files (a
-slice read, never the whole tensor).
+slice read, never the whole tensor). A generation engine whose first sync brings every weight
+(broadcast, IPC) asks the same way and gets its parameters from that sync: aliased to the learner's
+shared buffers under IPC, given storage as they arrive otherwise.
 
 Only where it is exact: the checkpoint must hold every parameter under the model's own names and
 shapes (the builtin loader checks before it builds anything empty; a checkpoint that transformers
@@ -67,14 +69,47 @@ def build_empty(path: str, dtype: torch.dtype, trust_remote_code: bool) -> torch
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):  # buffers as from_pretrained makes them (rotary: float32)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # the meta parameters are new objects: a tied head is tied again (from_pretrained does)
     try:
         stored = checkpoint_tensors(path)
     except (OSError, KeyError, ValueError):
         return None
     if not stored or any(stored.get(n, (None, None))[1] != tuple(p.shape) for n, p in model.named_parameters()):
         return None
+    try:  # stop tokens and sampling defaults, as from_pretrained reads them
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
     setattr(model, SOURCE, str(path))
     return model
+
+
+def move_buffers(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """An empty model's buffers moved to ``device`` (its meta parameters cannot be moved)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    return model
+
+
+def point_at(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make ``param`` (the same object, so every module sharing it follows) hold ``tensor``'s storage;
+    a meta parameter cannot take another device's data by ``.data =``, so its contents are swapped."""
+    if param.is_meta:
+        torch.utils.swap_tensors(param, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
+    else:
+        param.data = tensor
+
+
+def check_filled(model: torch.nn.Module, who: str) -> None:
+    """Refuse to compute with a model some of whose parameters were never given values."""
+    empty = [n for n, p in model.named_parameters() if p.is_meta]
+    if empty:
+        raise RuntimeError(f"{who} started without weights and no sync has filled {empty[0]} "
+                           f"({len(empty)} parameters empty): the learner's first weight sync did not reach it")
 
 
 def source_of(model: torch.nn.Module) -> str | None:

@@ -7,14 +7,17 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from .empty_init import point_at
 
 
 class WeightSyncError(UsageError):
     """Weights that do not fit the receiving model (names, shapes)."""
 
 
-def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """Copy tensors into ``model`` in place by state-dict name, converting dtype.
+def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
+                       materialize_on: torch.device | None = None) -> dict[str, Any]:
+    """Copy tensors into ``model`` in place by state-dict name, converting dtype; a parameter still on
+    the meta device (a model built empty) first gets storage on ``materialize_on``.
 
     Every name must exist with the same shape; the error lists the first few
     offenders so a wrong name mapping is found at the first sync, not later.
@@ -34,6 +37,8 @@ def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.
             if target.dtype != tensor.dtype and not (target.is_floating_point() and tensor.is_floating_point()):
                 bad_shape.append(f"{name} {tensor.dtype} cannot become {target.dtype}")
                 continue
+            if target.is_meta and materialize_on is not None:
+                point_at(target, torch.empty(target.shape, dtype=target.dtype, device=materialize_on))
             target.data.copy_(tensor.to(dtype=target.dtype, device=target.device))
             count += 1
             nbytes += tensor.numel() * tensor.element_size()

@@ -64,14 +64,15 @@ class Trainer:
         #: multi-turn rollouts (--env.name or a data column naming environments)
         self.env_runner: Any = None
 
-    def setup(self) -> None:
-        """Start every role, then the weight sync, then the algorithm's parts."""
+    def setup(self, resuming: bool = False) -> None:
+        """Start every role, then the weight sync, then the algorithm's parts. An engine that starts
+        without weights gets the learner's now, unless a checkpoint is loaded next (that syncs)."""
         from .setup import build_algorithm, create_roles
 
         create_roles(self)
         self.reset_sync()
         empty = self.plan.engine.starts_empty
-        if empty is not None and resolve(empty)(self.config):  # the learner's weights, before any generation
+        if not resuming and empty is not None and resolve(empty)(self.config):
             self.sync.sync(self.actor, self.engine, -1)
         build_algorithm(self)
 

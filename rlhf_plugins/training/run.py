@@ -153,7 +153,7 @@ class TrainingRun:
         from .runlog import MetricsLog, TaskProgress
 
         trainer, run_dir, t = self.trainer, self.run_dir, self.config.train
-        trainer.setup()
+        trainer.setup(resuming=self.resume is not None)
         for where, what in trainer.placement.describe().items():
             self.console.print(f"  {escape(where)}: {escape(what)}")
         start = 0
