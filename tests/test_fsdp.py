@@ -31,7 +31,6 @@ def learner(backend: str, tiny_model: str, role: str = "actor", **raw):
     base = {"train": {"prompts_per_step": 4}, "generation": {"n_samples_per_prompt": 4}}
     learner_options = {"lr": LR, "backend": backend, **raw.pop("learner", {})}
     config, pm, _ = prepare({**base, **raw, "learner": learner_options}, autoload=False)
-    torch.manual_seed(0)  # LoRA's adapter initialisation
     cls = FSDPLearner if backend == "fsdp" else TorchLearner
     return cls(backend_context(config, role, tiny_model, pm)), config
 
@@ -104,21 +103,25 @@ def test_a_tied_head_model_loads_empty_tied_and_matches_the_torch_learner():
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
 
 
-def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, tiny_model, reference_update):
-    """Two Ray actors (gloo), each with half the batch and half of every tensor: the same update as
-    one torch learner on the whole batch."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, tiny_model, reference_update, lora):
+    """Two Ray actors (gloo), each with half the batch and half of every tensor (each reading only its
+    half of the checkpoint; LoRA's adapters made whole by PEFT, then halved): the same update as one
+    torch learner on the whole batch."""
     from rlhf_plugins import PlacementContext
     from rlhf_plugins.placement.ray_placement import RayPlacement
     from rlhf_plugins.training.roles import PolicyRole
 
-    expected, before, after_torch = reference_update
+    extra = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    expected, before, after_torch = torch_update(tiny_model, **extra) if lora else reference_update
     config, pm, plan = prepare({"placement": {"strategy": "ray"}, "learner": {"backend": "fsdp", "lr": LR},
                                 "ray": {"actor_workers": 2}, "train": {"prompts_per_step": 4},
-                                "generation": {"n_samples_per_prompt": 4}}, autoload=False)
+                                "generation": {"n_samples_per_prompt": 4}, **extra}, autoload=False)
     placement = RayPlacement(PlacementContext(config, ("actor",), plugin_spec=pm.spec))
     try:
         group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
-        shards = group.run(lambda ctx: sum(p.to_local().numel() for p in ctx.backend.model.parameters()))
+        shards = group.run(lambda ctx: sum(p.to_local().numel() for n, p in ctx.backend.model.named_parameters()
+                                           if "lora_" not in n))
         read = group.run(lambda ctx: ctx.backend.shard_bytes_read)
         got = group.train(the_batch(), objective_of(config))
         after = dict(group.named_weights())
@@ -168,7 +171,7 @@ def test_the_loader_builds_an_empty_model_only_for_a_checkpoint_under_its_own_na
     from rlhf_plugins.models.empty_init import build_empty, source_of
 
     empty = build_empty(tiny_model, torch.float32, False)
-    assert empty is not None and all(p.is_meta for p in empty.parameters()) and source_of(empty) == tiny_model
+    assert empty is not None and all(p.is_meta for p in empty.parameters()) and source_of(empty).folder == tiny_model
     whole = dict(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_buffers())
     buffers = dict(empty.named_buffers())
     assert buffers.keys() == whole.keys() and all(torch.equal(buffers[k], whole[k]) for k in whole)
@@ -212,6 +215,8 @@ def test_the_export_loads_in_transformers_with_the_trained_weights(tiny_model, t
 
 
 def test_lora_trains_the_sharded_adapters_only_as_the_torch_learner_does(tiny_model):
+    """The base built empty and read shard by shard, the adapters made whole by PEFT (its own
+    initialisation, as the torch learner's whole load makes them) and sharded: the same update."""
     lora = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
     runs = {}
     for backend in ("torch", "fsdp"):
@@ -219,6 +224,7 @@ def test_lora_trains_the_sharded_adapters_only_as_the_torch_learner_does(tiny_mo
         before = {n: t.clone() for n, t in one.raw_named_weights()}
         metrics = one.train(the_batch(), objective_of(config))
         runs[backend] = metrics, before, dict(one.raw_named_weights())
+    assert one.shard_bytes_read == 4 * sum(v.numel() for k, v in runs["torch"][1].items() if "lora_" not in k)
     (m_t, before_t, after_t), (m_f, before_f, after_f) = runs["torch"], runs["fsdp"]
     assert before_f.keys() == before_t.keys() and all(torch.equal(before_f[k], before_t[k]) for k in before_t)
     changed = {k for k in after_f if not torch.equal(after_f[k], before_f[k])}
@@ -239,6 +245,7 @@ def test_the_critic_trains_on_fsdp_as_on_torch(tiny_model):
         values = critic.logprobs(batch)
         batch["values"] = values
         out[backend] = values, critic.train(batch, ValueObjective(config.critic.value_clip))
+    assert critic.shard_bytes_read == 4 * sum(p.numel() for n, p in critic.raw_named_weights() if "value_head" not in n)
     torch.testing.assert_close(out["fsdp"][0], out["torch"][0], rtol=0, atol=1e-6)
     assert out["fsdp"][1]["critic/loss"] == pytest.approx(out["torch"][1]["critic/loss"], abs=1e-6)
     assert out["fsdp"][1]["grad_norm"] == pytest.approx(out["torch"][1]["grad_norm"], rel=1e-5)
@@ -363,3 +370,8 @@ def test_a_sharded_critic_exports_what_the_critic_loader_reads(tiny_model, tmp_p
         return
     loaded = ValueModel.from_pretrained(str(tmp_path / "critic")).state_dict()
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    # a sharded critic started from the saved folder reads its backbone's shards and the saved head
+    again, _ = learner("fsdp", str(tmp_path / "critic"), role="critic", algo={"advantage": {"estimator": "gae"}})
+    assert again.shard_bytes_read == 4 * sum(v.numel() for k, v in trained.items() if "value_head" not in k)
+    restored = dict(again.raw_named_weights())
+    assert restored.keys() == trained.keys() and all(torch.equal(restored[k], trained[k]) for k in trained)

@@ -49,6 +49,15 @@ def enabled(config: Any) -> bool:
     return o is not None and (o.rank > 0 or o.config is not None)
 
 
+def reads_base_weights(config: Any) -> bool:
+    """Whether LoRA is on with an initialisation computed from the base weights (PiSSA, OLoRA,
+    LoftQ, DoRA's magnitudes...): the base must then be loaded before the adapters are made."""
+    if not enabled(config):
+        return False
+    cfg = lora_config(config)
+    return cfg.init_lora_weights not in (True, False, "gaussian") or bool(getattr(cfg, "use_dora", False))
+
+
 def lora_config(config: Any) -> Any:
     from peft import LoraConfig
 
@@ -74,10 +83,13 @@ def linear_names(model: Any) -> list[str]:
 def apply_lora(model: Any, config: Any, role: str) -> Any:
     from peft import get_peft_model
 
+    from ..models.empty_init import wrappable
+
     cfg = lora_config(config)
     target = model.backbone if role == "critic" else model
     try:
-        wrapped = get_peft_model(target, cfg)
+        with wrappable(target):  # an empty model's adapters are made whole, with PEFT's own initialisation
+            wrapped = get_peft_model(target, cfg)
     except ValueError as exc:
         if "not found in the base model" in str(exc) or "Target modules" in str(exc):
             wanted = sorted(cfg.target_modules) if isinstance(cfg.target_modules, (set, list)) else cfg.target_modules

@@ -22,7 +22,8 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
         if role == "critic":
             from ..models.value_model import ValueModel
 
-            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=config.reward.normalize)
+            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=config.reward.normalize,
+                                              empty=empty_init.wanted())
         if empty_init.wanted():  # a sharded learner fills each rank's shard from the files itself
             model = empty_init.build_empty(path, DTYPES[config.model.dtype], config.model.trust_remote_code)
             if model is not None:

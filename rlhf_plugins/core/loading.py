@@ -186,3 +186,14 @@ class PluginLoading:
                 )
             plugin = found
         self.register(plugin, name)
+
+
+def one_line(exc: Exception) -> str:
+    """pluggy's validation message (three lines: plugin and hook, the definition, the reason) as one:
+    the hook, then the reason."""
+    import re
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    hook = re.search(r"hook '([^']+)'", lines[0]) if lines else None
+    reason = lines[-1] if lines else str(exc)
+    return f"its {hook.group(1)}: {reason}" if hook else reason

@@ -20,7 +20,7 @@ from .._markers import PROJECT
 from ..errors import PluginError, UsageError
 from ..hookspecs import SPEC_MODULES, lifecycle
 from ..types import AREAS
-from .loading import PluginInfo, PluginLoading, exit_error
+from .loading import PluginInfo, PluginLoading, exit_error, one_line
 from .registry import ComponentRegistry
 from .spec import PluginSpec
 
@@ -29,17 +29,6 @@ logger = logging.getLogger("rlhf_plugins")
 DISABLE_AUTOLOAD_ENV = "RLHF_DISABLE_PLUGIN_AUTOLOAD"
 #: observer hooks: each implementation runs on its own (see the module docstring)
 LIFECYCLE_HOOKS = tuple(name for name in vars(lifecycle) if name.startswith("rlhf_"))
-
-
-def one_line(exc: Exception) -> str:
-    """pluggy's validation message (three lines: plugin and hook, the definition, the reason) as one:
-    the hook, then the reason."""
-    import re
-
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    hook = re.search(r"hook '([^']+)'", lines[0]) if lines else None
-    reason = lines[-1] if lines else str(exc)
-    return f"its {hook.group(1)}: {reason}" if hook else reason
 
 
 def _raiser(hook: Any, exc: BaseException) -> str:
@@ -220,11 +209,15 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
                               f"{exc}".splitlines()[0]) from exc
 
     def load_model(self, role: str, path: str, config: Any) -> Any:
-        model = self.decide("rlhf_load_model", role=role, path=path, config=config)
-        if model is None:
-            raise PluginError(f"no plugin loaded the {role} model from '{path}'")
+        """The role's model, under the run's seed apart from the caller's random stream: what the checkpoint
+        lacks (LoRA adapters, a value head) starts the same on every rank of a sharded learner."""
         import torch
 
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.train.seed)
+            model = self.decide("rlhf_load_model", role=role, path=path, config=config)
+        if model is None:
+            raise PluginError(f"no plugin loaded the {role} model from '{path}'")
         if not isinstance(model, torch.nn.Module):
             # pluggy calls the last registered (and tryfirst) implementations first
             impls = ", ".join(i.plugin_name for i in reversed(self.hook.rlhf_load_model.get_hookimpls())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..models.empty_init import empty_weights, load_shards, source_of
+from ..models.empty_init import Source, empty_weights, load_shards, source_of
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -53,15 +53,14 @@ def _call(module: Any, batch: dict[str, Any], temperature: float, **kwargs: Any)
     return module(batch, temperature, **kwargs)
 
 
-def _load(ctx: BackendContext) -> tuple[torch.nn.Module, str | None]:
-    """The role's model, empty where the loader can make it so (then the folder its shards are read
-    from): not under LoRA (adapters are initialised on real weights) nor for the critic's value head."""
+def _load(ctx: BackendContext) -> tuple[torch.nn.Module, Source | None]:
+    """The role's model, empty where the loader can make it so (then where its shards are read
+    from); whole under a LoRA whose initialisation reads the base weights."""
     from contextlib import nullcontext
 
-    from ..builtin_plugins.lora import enabled as lora_enabled
+    from ..builtin_plugins.lora import reads_base_weights
 
-    whole = ctx.role == "critic" or lora_enabled(ctx.config)
-    with nullcontext() if whole else empty_weights():
+    with nullcontext() if reads_base_weights(ctx.config) else empty_weights():
         model = ctx.load_model()
     return model, source_of(model)
 

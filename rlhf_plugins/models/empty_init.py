@@ -2,8 +2,10 @@
 
 A learner that shards (FSDP2) asks for the model inside :func:`empty_weights`; the builtin loader
 then builds the architecture with its parameters on the meta device (buffers such as rotary
-frequencies are computed for real: they are not in checkpoints) and records the folder the weights
-come from. The learner shards the empty model, gives each rank storage for its own shard, and
+frequencies are computed for real: they are not in checkpoints) and records where each parameter's
+tensor is in the checkpoint (:class:`Source`). The critic's backbone is built the same way, its value
+head made whole (it is small); LoRA adapters are made whole by PEFT over the empty layers
+(:func:`wrappable`). The learner shards the empty model, gives each rank storage for its own shard, and
 :func:`load_shards` reads each rank's rows of every tensor straight from the safetensors files (a
 slice read, never the whole tensor). A generation engine whose first sync brings every weight
 (broadcast, IPC) asks the same way and gets its parameters from that sync: aliased to the learner's
@@ -12,7 +14,8 @@ shared buffers under IPC, given storage as they arrive otherwise.
 Only where it is exact: the checkpoint must hold every parameter under the model's own names and
 shapes (the builtin loader checks before it builds anything empty; a checkpoint that transformers
 converts while loading -- renamed or fused tensors -- loads whole, as before). Plugins that load the
-model themselves, LoRA and the critic's value head keep the whole load.
+model themselves, and LoRA initialisations computed from the base weights (PiSSA, OLoRA, DoRA...),
+keep the whole load.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import contextvars
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,30 +64,82 @@ def checkpoint_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
-def build_empty(path: str, dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module | None:
-    """The architecture of ``path`` with its parameters on the meta device, or None when its
-    checkpoint does not hold every parameter under the model's names and shapes."""
+@dataclass(frozen=True, eq=False)
+class Source:
+    """Where an empty model's parameters are read from: the checkpoint folder, and each parameter's
+    tensor in it, recorded by the module holding the parameter (modules outlive the wrappers that
+    rename them: PEFT's LoRA, the critic's value model)."""
+
+    folder: str
+    tensors: dict[torch.nn.Module, dict[str, str]]
+
+    def names(self, model: torch.nn.Module) -> dict[str, str]:
+        """``model``'s parameter names (as ``named_parameters`` gives them) -> checkpoint tensor names."""
+        return {f"{prefix}.{attr}" if prefix else attr: stored for prefix, module in model.named_modules()
+                for attr, stored in self.tensors.get(module, {}).items()}
+
+
+def build_empty(path: str, dtype: torch.dtype, trust_remote_code: bool,
+                auto_class: Any = None) -> torch.nn.Module | None:
+    """The architecture of ``path`` (``auto_class``: default ``AutoModelForCausalLM``; ``AutoModel`` for
+    a backbone) with its parameters on the meta device, or None when the checkpoint does not hold
+    every parameter under the model's names (or under its base-model prefix) and shapes."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = auto_class or AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):  # buffers as from_pretrained makes them (rotary: float32)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # the meta parameters are new objects: a tied head is tied again (from_pretrained does)
     try:
         stored = checkpoint_tensors(path)
     except (OSError, KeyError, ValueError):
         return None
-    if not stored or any(stored.get(n, (None, None))[1] != tuple(p.shape) for n, p in model.named_parameters()):
-        return None
-    try:  # stop tokens and sampling defaults, as from_pretrained reads them
-        from transformers import GenerationConfig
+    prefix, modules, tensors = getattr(model, "base_model_prefix", ""), dict(model.named_modules()), {}
+    for name, param in model.named_parameters():
+        found = [n for n in (name, f"{prefix}.{name}") if stored.get(n, (None, None))[1] == tuple(param.shape)]
+        if not found:
+            return None
+        owner, _, attr = name.rpartition(".")
+        tensors.setdefault(modules[owner], {})[attr] = found[0]
+    if auto_class is None:
+        try:  # stop tokens and sampling defaults, as from_pretrained reads them
+            from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass
-    setattr(model, SOURCE, str(path))
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+    mark(model, Source(str(path), tensors))
     return model
+
+
+def mark(model: torch.nn.Module, source: Source) -> None:
+    """Record on ``model`` (an empty model, or a model wrapping one) where its weights are read from."""
+    setattr(model, SOURCE, source)
+
+
+def source_of(model: torch.nn.Module) -> Source | None:
+    """Where an empty model's weights are to be read from (None: the model holds its weights)."""
+    return getattr(model, SOURCE, None) if any(p.is_meta for p in model.parameters()) else None
+
+
+@contextmanager
+def wrappable(model: torch.nn.Module) -> Iterator[None]:
+    """For a wrapper that adds parameters beside an empty model's (PEFT puts each LoRA adapter on the
+    device of the layer it wraps, where a meta layer would leave the adapter without its initial
+    values): the meta parameters get CPU storage that is never written -- address space, not resident
+    memory -- for the wrapping, and are empty again after it; the new parameters keep their values.
+    Nothing to do for a model that holds its weights."""
+    empty = [p for p in model.parameters() if p.is_meta]
+    for param in empty:
+        point_at(param, torch.empty(param.shape, dtype=param.dtype))
+    try:
+        yield
+    finally:
+        for param in empty:
+            empty_again = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            torch.utils.swap_tensors(param, torch.nn.Parameter(empty_again, requires_grad=param.requires_grad))
 
 
 def move_buffers(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -112,39 +168,51 @@ def check_filled(model: torch.nn.Module, who: str) -> None:
                            f"({len(empty)} parameters empty): the learner's first weight sync did not reach it")
 
 
-def source_of(model: torch.nn.Module) -> str | None:
-    """The folder an empty model's weights are to be read from (None: the model holds its weights)."""
-    return getattr(model, SOURCE, None) if any(p.is_meta for p in model.parameters()) else None
-
-
-def load_shards(model: torch.nn.Module, path: str, device: torch.device, dtype: torch.dtype | None = None) -> int:
+def load_shards(model: torch.nn.Module, source: Source, device: torch.device, dtype: torch.dtype | None = None) -> int:
     """Give a sharded empty model storage on ``device`` and fill each rank's shard of every parameter
     from the checkpoint (dim-0 shards as FSDP2 cuts them: rank r holds rows from r * ceil(n / world)),
     rounded through ``dtype`` (the model's dtype, as ``from_pretrained`` would have loaded it, before
-    the learner's float32 shards); buffers keep the values computed at construction. Returns the
-    bytes read."""
+    the learner's float32 shards). Buffers keep the values computed at construction, and parameters
+    the checkpoint does not hold (LoRA adapters, a fresh value head: made whole by their own code,
+    then sharded) their shards. Returns the bytes read."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
 
+    names = source.names(model)
+    own = {}
+    for name, param in model.named_parameters():
+        if name not in names:
+            if _local(param).is_meta:
+                raise RuntimeError(f"{name} is neither in the checkpoint {source.folder} nor initialised")
+            own[name] = _local(param).detach().clone()
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-    stored, folder, read = checkpoint_tensors(path), Path(path), 0
+        for name, value in own.items():
+            _local(model.get_parameter(name)).copy_(value)
+    stored, folder, read = checkpoint_tensors(source.folder), Path(source.folder), 0
     with ExitStack() as files, torch.no_grad():
         handles: dict[str, Any] = {}
         for name, param in model.named_parameters():
-            file, shape = stored[name]
+            if name in own:
+                continue
+            file, shape = stored[names[name]]
             if file not in handles:
                 handles[file] = files.enter_context(safe_open(str(folder / file), "pt"))
-            rows = handles[file].get_slice(name)
-            local = param.to_local() if isinstance(param, DTensor) else param
-            start = _shard_start(param, shape[0]) if isinstance(param, DTensor) else 0
+            rows, local = handles[file].get_slice(names[name]), _local(param)
+            start = _shard_start(param, shape[0]) if local is not param else 0
             value = rows[start : start + local.shape[0]] if local.dim() else rows[:]
             local.copy_(value.to(dtype or local.dtype).to(local.dtype))
             read += local.numel() * local.element_size()
     return read
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded parameter (the parameter itself when it is not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _shard_start(param: Any, rows: int) -> int:

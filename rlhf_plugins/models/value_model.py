@@ -34,11 +34,15 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, normalize: bool = False) -> ValueModel:
-        """``normalize``: a reward model's stored mean / std folded into the head (``--reward.normalize``)."""
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, normalize: bool = False,
+                        empty: bool = False) -> ValueModel:
+        """``normalize``: a reward model's stored mean / std folded into the head (``--reward.normalize``);
+        ``empty``: the backbone built with empty parameters where its checkpoint allows (a sharded
+        learner reads its shards; :mod:`.empty_init`), the head whole."""
         from safetensors.torch import load_file
         from transformers import AutoModel
 
+        from . import empty_init
         from .reward_model import find_reward_head
 
         head = Path(path) / HEAD_FILE
@@ -51,9 +55,12 @@ class ValueModel(torch.nn.Module):
                 model = cls(backbone)
                 model.value_head.load_state_dict(reward_head.state_dict())
                 return model
-        model = cls(AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False))
+        backbone = empty_init.build_empty(path, dtype, False, auto_class=AutoModel) if empty else None
+        model = cls(backbone or AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False))
         if head.is_file():
             model.value_head.load_state_dict(load_file(str(head)))
+        if backbone is not None:
+            empty_init.mark(model, empty_init.source_of(backbone))
         return model
 
     @property
