@@ -258,3 +258,31 @@ def test_the_vllm_engine_items_by_hand():
     items = vllm_memory(MemoryInputs(config, shape, "generation", 1, 1000, 0, 0, sequences=3))
     assert items["weights"] == 4000 and items["sampler logits"] == 3 * 50 * 4 * 2 and items["imports"] == VLLM_IMPORTS
     assert items.get("packed output head", 0) == (0 if torch.cuda.is_available() else 50 * 8 * 4)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "reduced-qwen-tied"])
+def test_the_builtin_loader_reads_tensor_by_tensor_what_from_pretrained_returns(tiny_model, shape, monkeypatch):
+    """A whole load is built empty and read one tensor at a time (never the checkpoint mapped whole
+    beside the model): the same tensors, buffers, tie, mode and generation settings as
+    ``from_pretrained``; while DeepSpeed ZeRO-3 partitions loads, from_pretrained itself."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.models import empty_init
+
+    path = tiny_model if shape == "tiny" else reduced_model_path()
+    config, pm, _ = prepare({}, autoload=False)
+    reads, real_fill = [], empty_init.fill
+    monkeypatch.setattr(empty_init, "fill", lambda model: reads.append(model) or real_fill(model))
+    ours = pm.load_model("actor", path, config)
+    theirs = AutoModelForCausalLM.from_pretrained(path)
+    assert reads == [ours] and not any(p.is_meta for p in ours.parameters())
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+    tied = ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    assert tied == (shape != "tiny") == theirs.config.tie_word_embeddings
+    assert not ours.training and ours.generation_config == theirs.generation_config
+    keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert empty_init.build_empty(path, torch.float32, False) is None
+    del keep

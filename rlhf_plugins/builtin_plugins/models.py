@@ -1,6 +1,8 @@
 """Builtin model loading: ``transformers`` ``AutoModelForCausalLM`` from a local folder
-(the critic: the same backbone with a value head; for a sharded learner that asks, the architecture
-with empty parameters, each rank then reading its shards: :mod:`rlhf_plugins.models.empty_init`).
+(the critic: the same backbone with a value head). The architecture is built with empty parameters
+and read from the checkpoint one tensor at a time, or left empty for a sharded learner (each rank
+reads its shards) and an engine fed by sync (:mod:`rlhf_plugins.models.empty_init`);
+``from_pretrained`` where the checkpoint's names need converting.
 
 ``trylast``, so any plugin may answer first or wrap it."""
 from __future__ import annotations
@@ -24,10 +26,11 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
 
             return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=config.reward.normalize,
                                               empty=empty_init.wanted())
-        if empty_init.wanted():  # a sharded learner fills each rank's shard from the files itself
-            model = empty_init.build_empty(path, DTYPES[config.model.dtype], config.model.trust_remote_code)
-            if model is not None:
-                return model
+        # built empty, then filled tensor by tensor -- or left empty for a sharded learner, which reads
+        # each rank's shard itself, and an engine whose weights come by sync
+        model = empty_init.build_empty(path, DTYPES[config.model.dtype], config.model.trust_remote_code)
+        if model is not None:
+            return model if empty_init.wanted() else empty_init.fill(model)
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype],
                                                     trust_remote_code=config.model.trust_remote_code)
     except OSError as exc:

@@ -37,8 +37,8 @@ class ValueModel(torch.nn.Module):
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, normalize: bool = False,
                         empty: bool = False) -> ValueModel:
         """``normalize``: a reward model's stored mean / std folded into the head (``--reward.normalize``);
-        ``empty``: the backbone built with empty parameters where its checkpoint allows (a sharded
-        learner reads its shards; :mod:`.empty_init`), the head whole."""
+        ``empty``: the backbone left with empty parameters where its checkpoint allows (a sharded
+        learner reads its shards; :mod:`.empty_init`), else read tensor by tensor; the head whole."""
         from safetensors.torch import load_file
         from transformers import AutoModel
 
@@ -55,11 +55,13 @@ class ValueModel(torch.nn.Module):
                 model = cls(backbone)
                 model.value_head.load_state_dict(reward_head.state_dict())
                 return model
-        backbone = empty_init.build_empty(path, dtype, False, auto_class=AutoModel) if empty else None
+        backbone = empty_init.build_empty(path, dtype, False, auto_class=AutoModel)
+        if backbone is not None and not empty:
+            backbone = empty_init.fill(backbone)
         model = cls(backbone or AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False))
         if head.is_file():
             model.value_head.load_state_dict(load_file(str(head)))
-        if backbone is not None:
+        if backbone is not None and empty:
             empty_init.mark(model, empty_init.source_of(backbone))
         return model
 
