@@ -103,6 +103,25 @@ def test_a_tied_head_model_loads_empty_tied_and_matches_the_torch_learner():
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
 
 
+def test_a_tied_head_is_gathered_synced_and_exported_once(tmp_path):
+    """The tied output head is the embedding: the learners give it once, under the embedding's name
+    (a sync moves 0.54 GB less at 0.5B; FSDP gathers it once), and the export loads back tied."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.testing import reduced_model_path
+
+    path = reduced_model_path()
+    for backend in ("torch", "fsdp"):
+        one, _ = learner(backend, path)
+        names = [n for n, _ in one.named_weights()]
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names and len(set(names)) == len(names)
+    one.save(str(tmp_path / "export"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    weights = dict(one.named_weights())
+    assert all(torch.equal(t, weights[n]) for n, t in loaded.named_parameters())
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, tiny_model, reference_update, lora):
     """Two Ray actors (gloo), each with half the batch and half of every tensor (each reading only its

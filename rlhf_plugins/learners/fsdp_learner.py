@@ -145,16 +145,23 @@ class FSDPLearner(Learner):
         return self._gathered()
 
     def _gathered(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, each gathered in turn (a tied one once)."""
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self._tensors().items():
             if not trainable_only or name in trainable:
                 yield name, _full(tensor).detach()
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        from ..models.weights import tied_aliases
+
+        aliases = tied_aliases(self.model)
+        return {n: t for n, t in self.model.state_dict().items() if n not in aliases}
 
     def save(self, path: str) -> None:
         """A ``save_pretrained`` folder written by rank 0, tensor by tensor (no rank holds the model)."""
         from .sharded import save_gathered
 
-        sizes = {n: t.numel() * t.element_size() for n, t in self.model.state_dict().items()}
+        sizes = {n: t.numel() * t.element_size() for n, t in self._tensors().items()}
         save_gathered(self.model, path, self.rank, lambda trainable: self._gathered(trainable), sizes)
 
     def save_checkpoint(self, path: str) -> None:

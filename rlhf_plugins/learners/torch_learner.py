@@ -60,9 +60,13 @@ class TorchLearner(Learner):
         return self.optimizer.param_groups[0]["lr"]
 
     def raw_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's own tensors and names (PEFT names under LoRA)."""
+        """The model's own tensors and names (PEFT names under LoRA), a tied tensor once."""
+        from ..models.weights import tied_aliases
+
+        aliases = tied_aliases(self.model)
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+            if name not in aliases:
+                yield name, tensor.detach()
 
     def live_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """The parameters the optimizer updates in place (None under LoRA: the engine needs the

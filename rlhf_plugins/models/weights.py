@@ -10,6 +10,13 @@ from ..errors import UsageError
 from .empty_init import point_at
 
 
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter appears a second time (an output head tied to the embedding):
+    one tensor, given once, under its first name, to syncs and exports."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
+
+
 class WeightSyncError(UsageError):
     """Weights that do not fit the receiving model (names, shapes)."""
 
