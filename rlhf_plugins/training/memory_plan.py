@@ -120,13 +120,13 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Refuse a layout whose minimum exceeds the node's memory, naming what to change; warn when it
-        leaves less than a fifth (processes hold more than their minimum: 1.1-1.45x measured)."""
+        leaves less than a fifth (processes hold more than their minimum: up to 1.15x measured)."""
         if self.node_bytes is None:
             return
         if self.total <= self.node_bytes:
             if self.total > TIGHT * self.node_bytes:
                 logger.warning("the memory plan's minimum is %.0f%% of the node's memory; processes hold more than "
-                               "their minimum (allocator, libraries: 1.1-1.45x measured), so this run may run out "
+                               "their minimum (allocator, libraries: up to 1.15x measured), so this run may run out "
                                "of memory -- see the plan's largest items", 100 * self.total / self.node_bytes)
             return
         imports = sum(p.imports * p.count for p in self.processes)

@@ -95,15 +95,17 @@ def test_cuda_ipc_handles_alias_the_senders_memory_in_another_process(report):
     write by the sender reaches it without any copy."""
     import torch.multiprocessing as mp
 
-    from rlhf_plugins.sync.ipc import ipc_handle
+    from rlhf_plugins.sync.ipc import ipc_handle, shared_cpu_buffer
 
     ctx = mp.get_context("spawn")
-    buf = torch.arange(1024, dtype=torch.float32, device=DEVICE)
-    if DEVICE == "cpu":
-        buf.share_memory_()
-        torch.multiprocessing.set_sharing_strategy("file_system")
+    if DEVICE == "cpu":  # the CPU twin: a shared-memory file of our own, as the IPC sync makes on CPUs
+        buf, handle, path = shared_cpu_buffer(1024, torch.float32)
+        buf.copy_(torch.arange(1024, dtype=torch.float32))
+    else:
+        buf = torch.arange(1024, dtype=torch.float32, device=DEVICE)
+        handle, path = ipc_handle(buf), None
     queue, written = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_open_and_check, args=(ipc_handle(buf), queue, written))
+    child = ctx.Process(target=_open_and_check, args=(handle, queue, written))
     child.start()
     shape, total, device = queue.get(timeout=120)
     buf.add_(1.0)
@@ -112,6 +114,8 @@ def test_cuda_ipc_handles_alias_the_senders_memory_in_another_process(report):
     written.set()
     later = queue.get(timeout=60)
     child.join(timeout=60)
+    if path is not None:
+        path.unlink()
     assert shape == (1024,) and device == DEVICE and total == float(sum(range(1024)))
     assert later == total + 1024  # the sender's write, seen through the same memory
     report("ipc_alias", True)
