@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared check for a lent GPU machine (run through the device tool from the repository root):
 # installs the carried wheelhouse (scripts/gpu_wheelhouse.sh, carried as .whl), prints versions and
-# nvidia-smi, runs the GPU tests (tests/gpu, marker gpu) and bench/gpu.py, and writes device_check.log,
-# gpu_tests.xml, gpu_bench.json and device_check.json under $OUT. 251-287 s on an H200 (2026-11-25) -- under 8 min,
-# so a failed first try leaves device time for one rerun. Without CUDA (checking it here) the tests
+# nvidia-smi, runs the GPU tests (tests/gpu, marker gpu), bench/head.py and bench/gpu.py, and writes
+# device_check.log, gpu_tests.xml, head.json, gpu_bench.json and device_check.json under $OUT. 251-287 s
+# on an H200 (2026-11-25) -- under 8 min, so a failed first try leaves device time for one rerun. Without CUDA (checking it here) the tests
 # are skipped and the benchmark is not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,8 +39,10 @@ DEADLINE=$(( start + ${DEVICE_CHECK_SECONDS:-500} ))
 timeout 300 "$PY" -m pytest -q -m gpu tests/gpu -rA --timeout 150 --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider
 tests=$?
 bench=skipped
-left=$(( DEADLINE - $(date +%s) - 20 ))
 if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+    # the fused head against autograd + checkpoint at the benchmark's 64 x 256 completion tokens (seconds)
+    timeout 90 "$PY" bench/head.py --device cuda --tokens 16384 --json "$OUT/head.json" || echo "bench/head.py failed ($?)"
+    left=$(( DEADLINE - $(date +%s) - 20 ))
     echo "bench/gpu.py: $left s left"
     timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --json "$OUT/gpu_bench.json" && bench=ok \
         || bench="failed ($?)"
@@ -62,6 +64,8 @@ if (out / "gpu_tests.xml").is_file():
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         cases.append({"test": case.get("name"), "seconds": float(case.get("time", 0)), "outcome": outcome, **props})
 report = {"pytest_exit": tests, "bench": bench, "tests": cases}
+if (out / "head.json").is_file():
+    report["head"] = json.loads((out / "head.json").read_text())
 if (out / "gpu_bench.json").is_file():
     report["gpu_bench"] = json.loads((out / "gpu_bench.json").read_text())["results"]
 (out / "device_check.json").write_text(json.dumps(report, indent=2))

@@ -5,8 +5,9 @@ log-softmax and gradient as much again: more than the 0.5B model itself. Instead
 forward runs with its output head *deferred* (forward hooks make the head hand back its input, the
 final hidden states, and compute nothing), and the head is then applied to a few hundred tokens at a
 time. Each chunk's logits live only inside that chunk: in training the chunk is recomputed in the
-backward pass (``torch.utils.checkpoint``), so the gradients are those of the unchunked computation
-while at most one chunk of logits exists at any moment.
+backward pass (with the backward written out for a plain linear head, :mod:`.fused_head`; else
+``torch.utils.checkpoint``), so the gradients are those of the unchunked computation while at most
+one chunk of logits exists at any moment.
 
 ``--learner.logits_memory_mb`` is the budget of one chunk (float32 logits, their softmax and their
 gradient); 0 computes the whole batch's logits at once, as the model's own forward does. Models
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .fused_head import fusable, head_stats, wide
+
 #: bytes one token's logits cost inside a chunk: float32 logits, their softmax, and their gradient
 BYTES_PER_LOGIT = 12
 #: config attributes of architectures whose forward transforms the head's output
@@ -29,14 +32,15 @@ HEAD_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] without materialising the full log-softmax."""
-    logits = logits.float()
+    """log softmax(logits)[token] without materialising the full log-softmax (in float32, or float64
+    for float64 logits)."""
+    logits = logits.to(wide(logits.dtype))
     picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
+    logits = logits.to(wide(logits.dtype))
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
@@ -44,6 +48,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
                 with_entropy: bool) -> tuple[torch.Tensor, ...]:
     """(log-probs,) or (log-probs, entropy) of ``tokens`` under ``logits`` at ``temperature``."""
+    logits = logits.to(wide(logits.dtype))  # scaled in float32, not in the head's 16 bits
     if temperature != 1.0:
         logits = logits / temperature
     lp = logprobs_from_logits(logits, tokens)
@@ -115,7 +120,10 @@ def head_deferred(head: torch.nn.Module) -> Iterator[None]:
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
                      with_entropy: bool, chunk: int) -> tuple[torch.Tensor, ...]:
     """:func:`token_stats` of ``head(hidden)`` computed ``chunk`` tokens at a time. With gradients,
-    each chunk is recomputed in the backward pass, so no more than one chunk of logits is alive."""
+    each chunk is recomputed in the backward pass, so no more than one chunk of logits is alive: by
+    :mod:`.fused_head` for a plain linear head, else through autograd and ``torch.utils.checkpoint``."""
+    if fusable(head):
+        return head_stats(head, hidden, tokens, temperature, with_entropy, chunk)
     shape = tokens.shape
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     fn = partial(_chunk_stats, head, temperature, with_entropy)

@@ -1,0 +1,176 @@
+"""The output head, log-softmax and gather as one autograd function, chunk by chunk.
+
+Training the policy needs ``log softmax(h W^T / T)[token]`` (and the entropy) for every completion
+token, over a 151,936-entry vocabulary. Through autograd, each chunk of tokens is a dozen passes
+over its logits (the matmul's output, its float32 copy, log-softmax and gather, then in the backward
+pass the recomputation, the softmax gradient, the scatter of the gather's gradient and the casts),
+and the head's weight takes part once per chunk: under autocast it is cast to 16 bits again in each
+chunk's recomputation, and each chunk's weight gradient is cast back and added to the float32
+gradient on its own. That is what kept training at 0.16-0.20 of the matmul peak on an H200
+(docs/gpu.md).
+
+Here the backward pass is written out: the gradient of the logits is ``(onehot - p) g`` (plus
+``-p (log p + H) g_H`` for the entropy), computed in place in one float32 buffer per chunk, and the
+weight's gradient of every chunk is accumulated in one float32 buffer and handed to autograd once.
+Values and gradients equal the unfused computation; at most one chunk of logits exists at a time.
+It applies to a plain ``torch.nn.Linear`` head with ordinary tensors (not a LoRA-wrapped head, a
+ZeRO-3 partition or an FSDP2 shard, whose weights are gathered by their module's own forward).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+
+def fusable(head: torch.nn.Module) -> bool:
+    """Whether ``head`` is a plain linear layer whose weight is a whole, ordinary tensor."""
+    if type(head) is not torch.nn.Linear:
+        return False
+    weight = head.weight
+    return type(weight.data) is torch.Tensor and not hasattr(weight, "ds_id") and weight.device.type != "meta"
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on for the weight's device, else the weight's."""
+    device = weight.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def head_stats(head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+               with_entropy: bool, chunk: int) -> tuple[torch.Tensor, ...]:
+    """(log-probs,) or (log-probs, entropy) of ``tokens`` under ``head(hidden) / temperature``,
+    ``chunk`` tokens at a time; shaped as ``tokens``."""
+    shape = tokens.shape
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    dtype = compute_dtype(head.weight)
+    bias = head.bias if head.bias is not None else head.weight.new_zeros(0)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad or bias.requires_grad)
+    if grad:
+        out = FusedHeadStats.apply(flat_h, head.weight, bias, flat_t, temperature, with_entropy, chunk, dtype)
+    else:
+        out = _forward(flat_h, head.weight.to(dtype), bias, flat_t, temperature, with_entropy, chunk)
+    return tuple(o.view(shape) for o in out[: 2 if with_entropy else 1])
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """float32, or the dtype itself when wider (float64 models keep float64 throughout)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 (:func:`wide`) ``(hidden W^T + b) / T`` of one chunk, the matmul in the weight's dtype
+    (as the model's own head runs under autocast)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight,
+                                            bias.to(weight.dtype) if bias.numel() else None)
+    z = logits.to(wide(logits.dtype))
+    del logits
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
+             temperature: float, with_entropy: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token: log-prob of its token, entropy (zeros when not asked for) and log-sum-exp."""
+    lps, ents, lses = [], [], []
+    for h, t in zip(torch.split(hidden, chunk), torch.split(tokens, chunk)):
+        z = _logits(h, weight, bias, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        lps.append(z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse)
+        if with_entropy:
+            p = (z - lse.unsqueeze(-1)).exp_()
+            ents.append(lse - p.mul_(z).sum(-1))
+        lses.append(lse)
+        del z
+    lp, lse = torch.cat(lps), torch.cat(lses)
+    return lp, torch.cat(ents) if with_entropy else torch.zeros_like(lp), lse
+
+
+class FusedHeadStats(torch.autograd.Function):
+    """Log-probs and entropy of a linear head's output with the backward pass written out (see the module)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
+                temperature: float, with_entropy: bool, chunk: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        w = weight.to(dtype)
+        lp, ent, lse = _forward(hidden, w, bias, tokens, temperature, with_entropy, chunk)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+        ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.dtype = temperature, with_entropy, chunk, dtype
+        ctx.mark_non_differentiable(lse)
+        return lp, ent, lse
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, _: Any) -> tuple[Any, ...]:
+        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
+        g_ent = g_ent.to(lse.dtype) if ctx.with_entropy and g_ent is not None else None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=wide(bias.dtype), device=bias.device) if need_b else None
+        start = 0
+        for h, t in zip(torch.split(hidden, ctx.chunk), torch.split(tokens, ctx.chunk)):
+            part = slice(start, start + len(t))
+            start += len(t)
+            g = _logits_grad(_logits(h, w, bias, ctx.temperature), t, lse[part], g_lp[part],
+                             None if g_ent is None else (ent[part], g_ent[part]), ctx.temperature)
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            g16 = g.to(w.dtype)
+            del g
+            if grad_h is not None:
+                grad_h[part] = (g16 @ w).to(hidden.dtype)
+            if grad_w is not None:
+                _accumulate(grad_w, g16.t(), h.to(w.dtype))
+        return grad_h, _like(grad_w, weight), _like(grad_b, bias), None, None, None, None, None
+
+
+def _like(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.to(param.dtype)
+
+
+def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
+                 entropy: tuple[torch.Tensor, torch.Tensor] | None, temperature: float) -> torch.Tensor:
+    """d loss / d logits of one chunk, in place of ``z`` (the chunk's scaled float32 logits):
+    ``(onehot - p) g_lp - p (log p + H) g_H``, divided by the temperature."""
+    logp = z.sub_(lse.unsqueeze(-1))
+    if entropy is None:
+        g = logp.exp_().mul_(-g_lp.unsqueeze(-1))
+    else:
+        ent, g_ent = entropy
+        p = logp.exp()
+        g = p.mul_(logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1))).neg_()
+        del logp
+    rows = torch.arange(len(tokens), device=g.device)
+    g[rows, tokens] += g_lp
+    return g.div_(temperature) if temperature != 1.0 else g
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in float32 and ``a``, ``b`` in the matmul dtype: in one GEMM
+    with a float32 output where the device has it (CUDA), else through the 16-bit product."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _float32_output(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
+@functools.cache
+def _float32_output(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32)`` runs for ``dtype`` inputs on ``device`` (CUDA
+    builds of recent torch), checked once on a small product against the two-step result."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(4, 8, dtype=dtype, device=device)
+        acc = torch.ones(4, 4, device=device)
+        torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+        return bool((acc == 9).all())
+    except (RuntimeError, TypeError):
+        return False
