@@ -11,9 +11,10 @@ from .lora import enabled as lora_enabled
 
 
 def _shares(config: Any) -> bool:
-    """Synchronous float32 runs without LoRA: the engine samples with exactly the learner's parameters
-    (16-bit runs train float32 master weights, which are not the engine's)."""
-    return not config.train.max_staleness and not lora_enabled(config) and config.model.dtype == "float32"
+    """Synchronous runs without LoRA whose learner trains weights in the engine's dtype (float32, or
+    16-bit weights beside float32 masters): the engine samples with exactly the learner's parameters."""
+    same_dtype = config.model.dtype == "float32" or config.learner.master_weights
+    return not config.train.max_staleness and not lora_enabled(config) and same_dtype
 
 
 @hookimpl

@@ -136,11 +136,12 @@ class LearnerConfig:
     micro_batch_size: int = setting(0, ge=0)
     #: pack micro batches of at most N real tokens, no padding (learner and reference); 0: micro_batch_size
     max_tokens_per_micro_batch: int = setting(0, ge=0)
-    #: memory budget (MiB) of one chunk of output-head logits: log-probs, entropy and their gradients are
-    #: computed a chunk of tokens at a time, so logits memory does not grow with batch x length (0: at once)
+    #: MiB of one chunk of output-head logits (log-probs and gradients a chunk of tokens at a time; 0: at once)
     logits_memory_mb: float = setting(256.0, ge=0)
     #: recompute activations in the backward pass (less memory, about a third more compute)
     gradient_checkpointing: bool = False
+    #: 16-bit runs (torch learner): 16-bit weights + float32 masters; false: float32 weights under autocast
+    master_weights: bool = True
     #: adamw | adam | sgd
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     #: Adam(W)'s beta1 and beta2
@@ -149,8 +150,7 @@ class LearnerConfig:
     eps: float = setting(1e-8, gt=0)
     #: SGD's momentum
     momentum: float = setting(0.0, ge=0, lt=1)
-    #: schedule over all optimizer updates: constant | linear | cosine (decaying to ``min_lr_ratio`` * lr),
-    #: after a linear warm-up of ``warmup_steps`` updates (or ``warmup_ratio`` of them)
+    #: constant | linear | cosine to ``min_lr_ratio`` * lr over all updates, after ``warmup_steps`` of warm-up
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     #: optimizer updates of linear warm-up from 0 to lr
     warmup_steps: int = setting(0, ge=0)

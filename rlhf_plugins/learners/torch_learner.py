@@ -1,10 +1,11 @@
 """The plain torch learner: one process, AdamW (or Adam, SGD) with a learning-rate schedule,
 gradient accumulation (see ``base``).
 
-With ``--model.dtype bfloat16`` (or float16) it trains in mixed precision, as transformers' Trainer
-does with ``bf16=True``: float32 master weights, gradients and optimizer states, forwards under
-``torch.autocast`` in the 16-bit dtype (float16 with a gradient scaler). The reference model and the
-generation engine keep the 16-bit weights; weight sync casts the master weights to them."""
+With ``--model.dtype bfloat16`` (or float16) it trains in mixed precision: the model's weights in 16
+bits with float32 master copies, gradients and optimizer states (:mod:`.master_weights`, as DeepSpeed
+trains), or with ``--learner.master_weights false`` float32 weights with forwards under
+``torch.autocast`` in the 16-bit dtype, as transformers' Trainer does with ``bf16=True``. float16 adds
+a gradient scaler. The reference model and the generation engine keep the 16-bit weights."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -25,14 +26,20 @@ class TorchLearner(Learner):
         self.device = role_device()
         model = ctx.load_model()
         dtype = next(model.parameters()).dtype
-        if dtype != torch.float32:  # float32 master weights; forwards autocast to the 16-bit dtype
+        if dtype != torch.float32 and not self.cfg.master_weights:  # float32 weights, forwards autocast
             self.autocast_dtype = dtype
             model = model.float()
         self.model = model = model.to(self.device)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.autocast_dtype is torch.float16 else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if dtype is torch.float16 else None
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = None
+        if dtype != torch.float32 and self.autocast_dtype is None:  # 16-bit weights, float32 masters
+            from .master_weights import MasterWeights
+
+            self.masters = MasterWeights(model)
+            params = list(self.masters.masters)
         self.optimizer = make_optimizer(params, self.cfg, self.lr)
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
 
@@ -52,6 +59,8 @@ class TorchLearner(Learner):
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.masters is not None:
+            self.masters.write_back()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -83,7 +92,8 @@ class TorchLearner(Learner):
         save_pretrained(self.model, path)
 
     def save_checkpoint(self, path: str) -> None:
-        """Weights as safetensors shards (every tensor of the model, LoRA included; tied tensors once),
+        """Weights as safetensors shards (every tensor of the model, LoRA included; tied tensors once;
+        16-bit runs' trainable tensors as their float32 masters),
         the optimizer's state and the learner's counters and random state."""
         from huggingface_hub import save_torch_state_dict
 
@@ -91,7 +101,8 @@ class TorchLearner(Learner):
 
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        save_torch_state_dict(self.model.state_dict(), folder, max_shard_size=SHARD_BYTES)
+        state = self.model.state_dict() if self.masters is None else self.masters.state_dict(self.model)
+        save_torch_state_dict(state, folder, max_shard_size=SHARD_BYTES)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                    folder / "optimizer.pt")
         self._save_progress(folder / "learner.pt")
@@ -101,6 +112,8 @@ class TorchLearner(Learner):
 
         folder = Path(path)
         load_shards(self.model, folder)
+        if self.masters is not None:
+            self.masters.load(self.model, folder)
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -141,15 +141,19 @@ def optimizer_elements(config: Any) -> int:
 
 
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
-    """One rank holding float32 weights, gradients and optimizer states (16-bit runs: float32 master
-    weights, activations in 16 bits under autocast)."""
-    return {
-        "weights": m.shape.parameters * 4,
+    """One rank holding float32 gradients and optimizer states; weights in float32, or in 16 bits beside
+    float32 masters of the trainable ones (16-bit runs; each 16-bit gradient is moved onto its master
+    as it completes). With ``--learner.master_weights false`` 16-bit runs keep float32 weights and run
+    forwards under autocast."""
+    masters = m.dtype_bytes < 4 and m.config.learner.master_weights
+    return {k: v for k, v in {
+        "weights": m.shape.parameters * (m.dtype_bytes if masters else 4),
+        "fp32 master weights": m.trainable * 4 if masters else 0,
         "gradients": m.trainable * 4,
         "optimizer states": m.trainable * 4 * optimizer_elements(m.config),
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
-    }
+    }.items() if v}
 
 
 def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:

@@ -46,8 +46,9 @@ def test_grpo_in_bf16_learns_on_cuda_with_float32_optimizer_states(report):
     try:
         rows = [t.step(s) for s in range(60)]
         learner = t.actor.learner
-        params = list(learner.model.parameters())
-        assert all(p.device.type == DEVICE and p.dtype == torch.float32 for p in params)  # master weights
+        masters = [p for group in learner.optimizer.param_groups for p in group["params"]]
+        assert masters and all(p.device.type == DEVICE and p.dtype == torch.float32 for p in masters)
+        assert all(p.device.type == DEVICE and p.dtype == torch.bfloat16 for p in learner.model.parameters())
         states = [s for st in learner.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
         assert states and all(s.dtype == torch.float32 and s.device.type == DEVICE for s in states)
         engine = t.engine.engine.model
@@ -266,13 +267,45 @@ def test_a_qwen_0_5b_shape_runs_and_its_gpu_peak_is_near_its_analytic_need(tmp_p
            "eval": {"enabled": False}}
     t = trainer(raw, path)
     plan = memory_plan(t.config, t.plan, 64)
-    rows = run_steps(t, 3)
-    peak = max(r["memory/actor_gpu_gb" if DEVICE == "cuda" else "memory/actor_rss_gb"] for r in rows)
-    analytic = plan.processes[0].analytic / GIB
+    t.setup()
+    phases: dict[str, float] = {}  # each role's phase: its peak GPU memory (every role kept, its working set)
+    if DEVICE == "cuda":
+        for role, handle, method in (("generation", t.engine, "generate"), ("reference", t.reference, "logprobs"),
+                                     ("actor", t.actor, "train")):
+            if handle is not None:
+                setattr(handle, method, _phase_peak(phases, role, getattr(handle, method)))
+    try:
+        rows = [t.step(s) for s in range(3)]
+    finally:
+        t.shutdown()
+    peak = max([r["memory/actor_gpu_gb" if DEVICE == "cuda" else "memory/actor_rss_gb"] for r in rows]
+               + list(phases.values()))
+    process = plan.processes[0]
+    analytic = process.analytic / GIB
     report("qwen0.5b_gpu_peak_gb", peak)
     report("qwen0.5b_analytic_gb", analytic)
     report("qwen0.5b_seconds_per_step", [round(r["time/step"], 2) for r in rows])
     assert peak <= 1.3 * analytic + 0.5, (peak, analytic)
+    kept = sum(n.total - n.working_set for n in process.needs) / GIB
+    for need in process.needs:
+        if need.role in phases:
+            role_analytic = kept + need.working_set / GIB
+            report(f"qwen0.5b_{need.role}_phase_gpu_peak_vs_analytic_gb", [round(phases[need.role], 2),
+                                                                           round(role_analytic, 2)])
+            assert phases[need.role] <= 1.3 * role_analytic + 0.5, (need.role, phases[need.role], role_analytic)
+
+
+def _phase_peak(phases: dict[str, float], role: str, fn):
+    """``fn`` with the GPU's peak memory of each call recorded under ``role`` (the largest call)."""
+    from rlhf_plugins.models.memory import GIB
+
+    def call(*args, **kwargs):
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[role] = max(phases.get(role, 0.0), torch.cuda.max_memory_allocated() / GIB)
+    return call
 
 
 def test_decode_steps_replayed_as_a_cuda_graph_sample_what_eager_steps_sample(report, monkeypatch):

@@ -1,0 +1,92 @@
+"""16-bit working weights with float32 master copies: the torch learner's mixed precision for
+``--model.dtype bfloat16`` (or float16), as DeepSpeed's bf16 mode and Megatron train.
+
+The model keeps its 16-bit weights: forwards and backwards run in them with no casts (under
+``torch.autocast`` every forward casts each float32 weight to 16 bits and every backward casts its
+gradient back; the residual stream stays float32). The optimizer owns float32 copies of the trainable
+parameters. As soon as a parameter's 16-bit gradient is complete in the backward pass it is added to
+its master's float32 gradient and freed (``register_post_accumulate_grad_hook``), so micro batches
+accumulate in float32 and at most one 16-bit gradient exists at a time; after the optimizer's step the
+masters are written back into the 16-bit weights. The learner computes exactly as the generation
+engine does (same weights, same dtypes), and an engine in the same process can read its parameters.
+
+Checkpoints hold the masters under the model's names (float32, as the autocast learner saved its
+float32 weights), so a resume continues from full-precision weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MasterWeights:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for _, p in self.named]
+        self.handles = [p.register_post_accumulate_grad_hook(partial(_to_master, master))
+                        for (_, p), master in zip(self.named, self.masters)]
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The masters, after an optimizer step, into the 16-bit weights."""
+        for (_, p), master in zip(self.named, self.masters):
+            p.copy_(master)
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state dict with every trainable tensor replaced by its float32 master (a tied
+        tensor's names all point at the one master)."""
+        masters = {p.data_ptr(): m.detach() for (_, p), m in zip(self.named, self.masters)}
+        return {name: masters.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module, folder: str | Path) -> None:
+        """The masters from a checkpoint's shards (which :meth:`state_dict` wrote), read by name; a
+        parameter the shards do not name under any of its aliases starts from its 16-bit value."""
+        names: dict[int, list[str]] = {}
+        for name, t in model.state_dict().items():
+            names.setdefault(t.data_ptr(), []).append(name)
+        wanted = {n: i for i, (_, p) in enumerate(self.named) for n in names.get(p.data_ptr(), [])}
+        found = set()
+        for name, tensor in checkpoint_tensors(Path(folder), wanted):
+            i = wanted[name]
+            if i not in found:
+                self.masters[i].copy_(tensor)
+                found.add(i)
+        for i, (_, p) in enumerate(self.named):
+            if i not in found:
+                self.masters[i].copy_(p)
+
+
+def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Move a parameter's completed 16-bit gradient onto its float32 master."""
+    if master.grad is None:
+        master.grad = param.grad.to(torch.float32)
+    else:
+        master.grad.add_(param.grad)
+    param.grad = None
+
+
+def checkpoint_tensors(folder: Path, names: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Those of ``names`` that a checkpoint's safetensors shards hold, read one tensor at a time."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            where = dict.fromkeys(f.keys(), "model.safetensors")
+    files: dict[str, list[str]] = {}
+    for name in names:
+        if name in where:
+            files.setdefault(where[name], []).append(name)
+    for file, group in files.items():
+        with safe_open(str(folder / file), "pt") as f:
+            for name in group:
+                yield name, f.get_tensor(name)

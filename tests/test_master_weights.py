@@ -1,0 +1,176 @@
+"""16-bit working weights with float32 master copies (rlhf_plugins.learners.master_weights): the update
+against AdamW on float32 copies written out here, float32 accumulation over micro batches, the learner
+computing as the engine does, the engine sharing its parameters, and checkpoints that resume exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_plugins.learners.master_weights import MasterWeights
+from tests.helpers import random_batch
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+
+
+def test_micro_batches_accumulate_in_float32_and_the_update_is_adamw_on_the_masters():
+    model, twin = mlp(0), mlp(0)
+    masters = MasterWeights(model)
+    opt = torch.optim.AdamW(masters.masters, lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 16, generator=g, dtype=torch.bfloat16) for _ in range(3)]
+    for x in xs:
+        model(x).float().square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())  # each 16-bit gradient moved as it completed
+    # written out: each micro batch's 16-bit gradients, added in float32; AdamW on float32 copies
+    want = [torch.zeros_like(p, dtype=torch.float32) for p in twin.parameters()]
+    for x in xs:
+        for acc, grad in zip(want, torch.autograd.grad(twin(x).float().square().mean(), list(twin.parameters()))):
+            acc += grad.float()
+    for master, expected in zip(masters.masters, want):
+        assert torch.equal(master.grad, expected)
+    in_bf16 = [sum(torch.autograd.grad(twin(x).float().square().mean(), [p])[0] for x in xs) for p in twin.parameters()]
+    assert any(not torch.equal(a.float(), b) for a, b in zip(in_bf16, want))  # what 16-bit accumulation would lose
+    copies = [torch.nn.Parameter(p.detach().float()) for p in twin.parameters()]
+    for c, grad in zip(copies, want):
+        c.grad = grad.clone()
+    torch.optim.AdamW(copies, lr=1e-2).step()
+    opt.step()
+    masters.write_back()
+    for p, master, c in zip(model.parameters(), masters.masters, copies):
+        assert torch.equal(master, c) and p.dtype == torch.bfloat16 and torch.equal(p, c.to(torch.bfloat16))
+
+
+def learner(dtype: str = "bfloat16", **learner_cfg):
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.testing import backend_context
+
+    raw = {"model": {"dtype": "bfloat16"}, "learner": {"lr": 1e-3, "micro_batch_size": 6, **learner_cfg},
+           "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4}}
+    config, pm, _ = prepare(raw, autoload=False)
+    config.model.dtype = dtype  # float16 is refused on a CPU for whole runs; one update is fine
+    return TorchLearner(backend_context(config, "actor", default_model_path(), pm))
+
+
+def _train(lr, seed=5):
+    from rlhf_plugins.algorithms import policy_losses
+    from rlhf_plugins.algorithms.objective import Objective
+    from rlhf_plugins.api import prepare
+
+    batch = random_batch(group=4, prompts=3, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    return lr.train(batch, Objective(policy_losses.ppo, prepare({}, autoload=False)[0].algo.policy_loss))
+
+
+def test_the_learner_trains_16_bit_weights_and_computes_as_the_engine_does():
+    """bf16 weights in the model (no autocast), float32 masters in the optimizer, the weights equal to
+    the masters after an update; the learner's log-probs are those of a plain bf16 forward (the
+    engine's numerics), which the autocast learner's are not."""
+    from rlhf_plugins.models.forward import policy_forward
+
+    lr = learner()
+    assert lr.autocast_dtype is None and all(p.dtype == torch.bfloat16 for p in lr.model.parameters())
+    opt = [p for group in lr.optimizer.param_groups for p in group["params"]]
+    assert opt and all(p.dtype == torch.float32 for p in opt)
+    metrics = _train(lr)
+    assert metrics["grad_norm"] > 0
+    for (_, p), master in zip(lr.masters.named, lr.masters.masters):
+        assert torch.equal(p, master.to(torch.bfloat16))
+    assert any(not torch.equal(master, master.to(torch.bfloat16).float()) for master in lr.masters.masters)
+    batch = random_batch(group=4, prompts=3, seed=7)
+    plain = policy_forward(lr.model.eval(), batch, logits_memory_mb=0)["logprobs"].float().detach()
+    assert torch.equal(lr.logprobs(batch), plain)
+    autocast = learner(master_weights=False)
+    assert autocast.autocast_dtype is torch.bfloat16 and next(autocast.model.parameters()).dtype == torch.float32
+    assert not torch.equal(autocast.logprobs(batch), learner().logprobs(batch))
+
+
+def test_a_checkpoint_holds_the_float32_masters_and_resumes_exactly(tmp_path):
+    from safetensors import safe_open
+
+    first = learner()
+    _train(first, seed=1)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    names = dict(first.masters.named)
+    assert all(saved[n].dtype == torch.float32 for n in names if n in saved)
+    resumed = learner()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    for a, b in zip(first.masters.masters, resumed.masters.masters):
+        assert torch.equal(a, b)
+    assert all(torch.equal(p, q) for p, q in zip(first.model.parameters(), resumed.model.parameters()))
+    assert _train(first, seed=2) == _train(resumed, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(first.masters.masters, resumed.masters.masters))
+
+
+def test_a_float16_run_scales_its_loss_and_unscales_the_masters_gradients():
+    """float16: the gradient scaler skips the updates whose scaled 16-bit gradients overflowed (lowering
+    its scale) and applies the first that did not, with the masters' gradients unscaled."""
+    lr = learner("float16")
+    assert lr.scaler is not None and lr.masters is not None
+    assert all(p.dtype == torch.float16 for p in lr.model.parameters())
+    before = [m.detach().clone() for m in lr.masters.masters]
+    norms = []
+    while len(norms) < 30 and not (norms and 0 < norms[-1] < float("inf")):
+        norms.append(_train(lr)["grad_norm"])
+        if not 0 < norms[-1] < float("inf"):  # skipped: nothing moved
+            assert all(torch.equal(a, b) for a, b in zip(before, lr.masters.masters))
+    assert 0 < norms[-1] < 1e3 and lr.scaler.get_scale() < 2.0 ** 16, norms
+    assert any(not torch.equal(a, b) for a, b in zip(before, lr.masters.masters))
+    assert all(torch.equal(p, m.to(torch.float16)) for (_, p), m in zip(lr.masters.named, lr.masters.masters))
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_the_plan_counts_16_bit_weights_beside_float32_masters(master_weights):
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.models.memory import MemoryInputs, ModelShape, torch_learner_memory
+    from rlhf_plugins.models.shapes import shape_config
+
+    config, _, _ = prepare({"model": {"dtype": "bfloat16"}, "learner": {"master_weights": master_weights}},
+                           autoload=False)
+    shape = ModelShape.from_config(shape_config("qwen2.5-0.5b"))
+    P = shape.parameters
+    parts = torch_learner_memory(MemoryInputs(config, shape, "actor", ranks=1, trainable=P, micro_tokens=0,
+                                              logits_bytes=0))
+    if master_weights:
+        assert parts["weights"] == 2 * P and parts["fp32 master weights"] == 4 * P
+    else:
+        assert parts["weights"] == 4 * P and "fp32 master weights" not in parts
+    assert parts["gradients"] == 4 * P and parts["optimizer states"] == 8 * P
+
+
+def test_a_bf16_synchronous_run_shares_the_learners_16_bit_weights_with_the_engine():
+    """The engine samples with the learner's own bf16 tensors (no copy at set-up or after an update),
+    as a float32 run does; the plan counts the weights once."""
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.training.loop import Trainer
+    from rlhf_plugins.training.memory_plan import shares_weights
+
+    path = default_model_path()
+    config, pm, plan = prepare({"model": {"dtype": "bfloat16"}, "train": {"steps": 1, "prompts_per_step": 4}},
+                               autoload=False)
+    assert shares_weights(config, plan)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    t = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, path)
+    t.setup()
+    try:
+        live = dict(t.actor.live_weights())
+        engine = dict(t.engine.engine.model.named_parameters())
+        assert live.keys() == engine.keys() and all(v.dtype == torch.bfloat16 for v in live.values())
+        assert all(live[n].data_ptr() == engine[n].data_ptr() for n in live)
+        before = {n: v.clone() for n, v in live.items()}
+        t.step(0)
+        assert t.sync.shared and all(live[n].data_ptr() == p.data_ptr() for n, p in t.actor.live_weights())
+        assert any(not torch.equal(before[n], engine[n]) for n in live)  # the update reached the engine
+    finally:
+        t.shutdown()
