@@ -37,6 +37,9 @@ PATHS = {
     "colocate-all-ipc": [*RAY, "--ray.colocate", "all", "--sync.method", "ipc"],
     "hybrid": [*RAY, "--ray.colocate", "hybrid"],
     "lora": ["--lora.rank", "16"],
+    # the torch learner in bfloat16: 16-bit weights beside float32 masters (the engine shares the weights)
+    "local-bf16": ["--model.dtype", "bfloat16"],
+    "lora-bf16": ["--lora.rank", "16", "--model.dtype", "bfloat16"],
     "zero3-offload": [*ZERO3, "--deepspeed.offload_optimizer", "true"],
     "zero3-resume": ZERO3,
     # the sharded learners side by side at two ranks (transformers engine, broadcast sync; no reference
