@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 SCRIPT = """
 import builtins, json, sys
@@ -25,14 +26,24 @@ print("IMPORTS " + json.dumps({"code": code, "direct": sorted(direct)}))
 """
 
 
+def declared() -> list[str]:
+    """``install_requires`` of setup.cfg: what ``pip install rlhf-plugins`` installs (the file, not the
+    installed metadata, which an editable install leaves as it was when installed)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    return [line.strip() for line in cfg["options"]["install_requires"].splitlines() if line.strip()]
+
+
 def base_closure() -> set[str]:
-    """rlhf-plugins' requirements without extras, and theirs, recursively (normalised names)."""
+    """The base requirements and theirs without extras, recursively (normalised names)."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    todo, seen = ["rlhf-plugins"], set()
+    todo, seen = [Requirement(line).name for line in declared()], {"rlhf-plugins"}
     while todo:
         name = canonicalize_name(todo.pop())
         if name in seen:
