@@ -36,9 +36,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="reduce the model's depth (checking on a CPU)")
     p.add_argument("--new-tokens", type=int, default=SETUP["new_tokens"])
     p.add_argument("--json", type=Path)
-    p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated)")
+    p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated): ours, trl, and "
+                   "ours-autocast (ours with float32 weights under autocast, --learner.master_weights false)")
     p.add_argument("--logits-mb", type=float, default=None, help="our learner.logits_memory_mb (default: ours)")
-    p.add_argument("--only", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["ours", "trl", "ours-autocast"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -80,6 +81,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
            "train": {"prompts_per_step": SETUP["prompts"], "steps": args.warmup + args.steps},
            "generation": {"n_samples_per_prompt": SETUP["group"], "max_new_tokens": args.new_tokens},
            "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False,
+                       "master_weights": args.only != "ours-autocast",
                        **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {})},
            "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
     trainer = warm_trainer(raw, args.model, args.warmup)
@@ -216,7 +218,7 @@ def run_side(args: argparse.Namespace, side: str, model: str, data: str, tmp: Pa
 def main() -> None:
     args = parse()
     if args.only:
-        result = run_ours(args) if args.only == "ours" else run_trl(args)
+        result = run_trl(args) if args.only == "trl" else run_ours(args)
         args.out.write_text(json.dumps(result))
         return
     if args.device == "cpu":
@@ -234,6 +236,13 @@ def main() -> None:
                   f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4)", flush=True)
         write(args, results)
         results["trl"] = run_side(args, "trl", model, data, Path(tmp)) if "trl" in sides else {"error": "not run"}
+        write(args, results)
+        if "ours-autocast" in sides:  # the precision of runs 1-3 (docs/gpu.md), same invocation
+            other = results["ours_autocast"] = run_side(args, "ours-autocast", model, data, Path(tmp))
+            if "error" not in other:
+                other["train_fraction_of_matmul"] = train_fraction(other, model, args.steps, peak)
+                print(f"ours with float32 weights under autocast: training at {other['train_fraction_of_matmul']:.2f} "
+                      "of the matmul peak", flush=True)
     if "error" not in results["ours"] and "error" not in results["trl"]:
         results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
         print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x "
