@@ -121,3 +121,47 @@ def test_packed_micro_batches_and_lora_are_chunked_too(model):
         assert (wrapped - padded).abs()[batch["action_mask"].bool()].max() < 1e-12  # LoRA B starts at zero
     finally:
         lora.unload()
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest single allocation while ``fn`` runs (torch's profiler sees the buffers
+    kernels allocate for themselves)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.self_cpu_memory_usage for e in prof.events() if e.name == "aten::empty"), default=0)
+
+
+def test_a_frozen_16_bit_head_given_the_prefills_slice_does_not_copy_its_weight_per_sample():
+    """An engine's prefill keeps the last position's logits (``logits_to_keep=1``): the head gets a
+    strided slice of the hidden states, which torch's CPU matmul multiplies sample by sample (bmm)
+    against a copy of the frozen 16-bit weight expanded to the batch (4 prompts: 4 x the 0.27 GB head
+    of the Qwen2.5-0.5B shape). With the head's input made contiguous no allocation comes near it."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.logits import contiguous_head_input
+    from rlhf_plugins.models.shapes import shape_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape_config("qwen2.5-0.5b", layers=1), dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    contiguous_head_input(model)
+    ids = torch.randint(10, 1000, (4, 60))
+    with torch.inference_mode():
+        largest = _largest_allocation(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+    head_bytes = model.get_output_embeddings().weight.nbytes
+    assert 0 < largest < head_bytes / 4, (largest, head_bytes)  # the expanded copy: 4 x head_bytes
+
+
+def test_every_model_loaded_for_a_role_hands_its_head_a_contiguous_input():
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.models.tiny_model import default_model_path
+
+    config, pm, _ = prepare({}, autoload=False)
+    model = pm.load_model("generation", default_model_path(), config)
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    with torch.inference_mode():
+        model(input_ids=torch.randint(10, 300, (3, 9)), use_cache=True, logits_to_keep=1)
+    assert seen == [True]

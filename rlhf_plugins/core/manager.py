@@ -224,6 +224,9 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
                               if not (i.hookwrapper or i.wrapper))
             raise PluginError(f"rlhf_load_model returned {type(model).__name__} for the {role} model; it must return a "
                               f"torch.nn.Module (plugins implementing it, in call order: {impls})")
+        from ..models.logits import contiguous_head_input
+
+        contiguous_head_input(model)
         return model
 
     def per_plugin(self, hookname: str, only: Iterable[str] | None = None, **kwargs: Any) -> Iterator[tuple[str, list]]:
