@@ -183,3 +183,23 @@ def test_the_policy_forward_of_a_real_vocabulary_model_takes_the_fused_path():
     out = policy_forward(model, random_batch(seed=5), logits_memory_mb=1.0)
     assert made_by_fused(out["logprobs"])
     assert not made_by_fused(policy_forward(model, random_batch(seed=5), logits_memory_mb=0)["logprobs"])
+
+
+def test_a_weight_with_a_float32_main_grad_gets_its_gradient_added_there_and_none_through_autograd():
+    """A 16-bit weight beside a float32 master (learners/master_weights.py): the head's gradient is
+    accumulated into ``main_grad`` in float32 (on top of what it holds), and autograd gets none."""
+    head, hidden, tokens, w = make(5, dtype=torch.float64)
+    want_lp, _ = reference(head.weight, head.bias, hidden, tokens, 1.0)
+    want = grads((want_lp * w[0]).sum(), head.weight)[0]
+    bf16 = torch.nn.Linear(HIDDEN, VOCAB, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16.weight.copy_(head.weight)
+        bf16.bias.copy_(head.bias)
+    held = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(6))
+    bf16.weight.main_grad = held.clone()
+    lp, = head_stats(bf16, hidden.detach().to(torch.bfloat16), tokens, 1.0, False, chunk=6)
+    (lp * w[0].float()).sum().backward()
+    assert bf16.weight.grad is None and bf16.bias.grad is not None
+    added = bf16.weight.main_grad - held
+    assert bf16.weight.main_grad.dtype == torch.float32
+    assert ((added.double() - want).norm() / want.norm()) < 0.02  # bf16 inputs; accumulated in float32

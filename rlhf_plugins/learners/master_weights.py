@@ -4,9 +4,12 @@
 The model keeps its 16-bit weights: forwards and backwards run in them with no casts (under
 ``torch.autocast`` every forward casts each float32 weight to 16 bits and every backward casts its
 gradient back; the residual stream stays float32). The optimizer owns float32 copies of the trainable
-parameters. As soon as a parameter's 16-bit gradient is complete in the backward pass it is added to
-its master's float32 gradient and freed (``register_post_accumulate_grad_hook``), so micro batches
-accumulate in float32 and at most one 16-bit gradient exists at a time; after the optimizer's step the
+parameters and their float32 gradients, kept allocated from step to step. As soon as a parameter's
+16-bit gradient is complete in the backward pass it is added to its master's gradient and freed
+(``register_post_accumulate_grad_hook``), so micro batches accumulate in float32 and at most one 16-bit
+gradient exists at a time. Each parameter also carries its master's gradient as ``main_grad``
+(Megatron's name): a fused kernel adds its weight gradient there in float32 and gives autograd none
+(:mod:`rlhf_plugins.models.fused_head` does, for the output head). After the optimizer's step the
 masters are written back into the 16-bit weights. The learner computes exactly as the generation
 engine does (same weights, same dtypes), and an engine in the same process can read its parameters.
 
@@ -27,6 +30,9 @@ class MasterWeights:
     def __init__(self, model: torch.nn.Module) -> None:
         self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for _, p in self.named]
+        for (_, p), master in zip(self.named, self.masters):
+            master.grad = torch.zeros_like(master)
+            p.main_grad = master.grad
         self.handles = [p.register_post_accumulate_grad_hook(partial(_to_master, master))
                         for (_, p), master in zip(self.named, self.masters)]
 
@@ -62,12 +68,11 @@ class MasterWeights:
 
 
 def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    """Move a parameter's completed 16-bit gradient onto its float32 master."""
-    if master.grad is None:
-        master.grad = param.grad.to(torch.float32)
-    else:
+    """Move a parameter's completed 16-bit gradient onto its float32 master (none when a fused kernel
+    added it to ``main_grad`` itself)."""
+    if param.grad is not None:
         master.grad.add_(param.grad)
-    param.grad = None
+        param.grad = None
 
 
 def checkpoint_tensors(folder: Path, names: Any) -> Iterator[tuple[str, torch.Tensor]]:

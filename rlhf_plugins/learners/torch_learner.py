@@ -62,7 +62,8 @@ class TorchLearner(Learner):
         if self.masters is not None:
             self.masters.write_back()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # the masters' float32 gradients stay allocated (each parameter's main_grad points at its own)
+        self.optimizer.zero_grad(set_to_none=self.masters is None)
         return float(grad_norm)
 
     def _lr(self) -> float:

@@ -11,7 +11,9 @@ gradient on its own. That is what kept training at 0.16-0.20 of the matmul peak 
 
 Here the backward pass is written out: the gradient of the logits is ``(onehot - p) g`` (plus
 ``-p (log p + H) g_H`` for the entropy), computed in place in one float32 buffer per chunk, and the
-weight's gradient of every chunk is accumulated in one float32 buffer and handed to autograd once.
+weight's gradient of every chunk is accumulated in one float32 buffer and handed to autograd once --
+or, for a 16-bit weight with a float32 master (``weight.main_grad``, :mod:`rlhf_plugins.learners.master_weights`),
+added to the master's gradient directly, with no 16-bit gradient at all.
 Values and gradients equal the unfused computation; at most one chunk of logits exists at a time.
 It applies to a plain ``torch.nn.Linear`` head with ordinary tensors (not a LoRA-wrapped head, a
 ZeRO-3 partition or an FSDP2 shard, whose weights are gathered by their module's own forward).
@@ -110,7 +112,11 @@ class FusedHeadStats(torch.autograd.Function):
         g_ent = g_ent.to(lse.dtype) if ctx.with_entropy and g_ent is not None else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device) if need_w else None
+        main = getattr(weight, "main_grad", None) if need_w else None  # a float32 master's gradient
+        if main is not None and (main.shape != weight.shape or main.dtype != torch.float32):
+            main = None
+        grad_w = main if main is not None else (
+            torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device) if need_w else None)
         grad_b = torch.zeros(bias.shape, dtype=wide(bias.dtype), device=bias.device) if need_b else None
         start = 0
         for h, t in zip(torch.split(hidden, ctx.chunk), torch.split(tokens, ctx.chunk)):
@@ -126,7 +132,8 @@ class FusedHeadStats(torch.autograd.Function):
                 grad_h[part] = (g16 @ w).to(hidden.dtype)
             if grad_w is not None:
                 _accumulate(grad_w, g16.t(), h.to(w.dtype))
-        return grad_h, _like(grad_w, weight), _like(grad_b, bias), None, None, None, None, None
+        grad_w = None if main is not None else _like(grad_w, weight)  # added to main_grad already
+        return grad_h, grad_w, _like(grad_b, bias), None, None, None, None, None
 
 
 def _like(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
