@@ -73,6 +73,16 @@ def eval_rows_of(run: Path) -> list[dict]:
     return [r for r in all_rows_of(run) if is_eval_row(r)]
 
 
+def largest_allocation(fn: Any) -> int:
+    """Bytes of the largest single CPU allocation while ``fn`` runs (torch's profiler also sees the
+    buffers kernels allocate for themselves)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]"), default=0)
+
+
 def random_batch(group: int = 4, prompts: int = 3, seed: int = 0) -> dict[str, Any]:
     """A batch of random token ids: ``prompts`` prompts with ``group`` random completions each."""
     import torch

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhf_plugins.models.forward import policy_forward
 from rlhf_plugins.models.logits import BYTES_PER_LOGIT, chunk_tokens, output_head
-from tests.helpers import random_batch
+from tests.helpers import largest_allocation, random_batch
 
 VOCAB = 151936
 
@@ -123,16 +123,6 @@ def test_packed_micro_batches_and_lora_are_chunked_too(model):
         lora.unload()
 
 
-def _largest_allocation(fn) -> int:
-    """Bytes of the largest single allocation while ``fn`` runs (torch's profiler sees the buffers
-    kernels allocate for themselves)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return max((e.self_cpu_memory_usage for e in prof.events() if e.name == "aten::empty"), default=0)
-
-
 def test_a_frozen_16_bit_head_given_the_prefills_slice_does_not_copy_its_weight_per_sample():
     """An engine's prefill keeps the last position's logits (``logits_to_keep=1``): the head gets a
     strided slice of the hidden states, which torch's CPU matmul multiplies sample by sample (bmm)
@@ -149,7 +139,7 @@ def test_a_frozen_16_bit_head_given_the_prefills_slice_does_not_copy_its_weight_
     contiguous_head_input(model)
     ids = torch.randint(10, 1000, (4, 60))
     with torch.inference_mode():
-        largest = _largest_allocation(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+        largest = largest_allocation(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
     head_bytes = model.get_output_embeddings().weight.nbytes
     assert 0 < largest < head_bytes / 4, (largest, head_bytes)  # the expanded copy: 4 x head_bytes
 
