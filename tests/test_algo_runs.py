@@ -31,7 +31,10 @@ def test_reinforce_with_one_sample_per_prompt(rlhf, tiny_model):
     code, _, err = rlhf("train", "--algo.advantage.estimator", "reinforce", *short_run("--generation.n_samples_per_prompt", "1"))
     assert code == 0, err
     rows = metrics_of(the_run())
-    assert all(math.isfinite(r["loss/total"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(math.isfinite(r["loss/total"]) for r in rows)
+    # REINFORCE++ normalises over the batch: a step whose samples all scored the same has nothing to learn
+    spread = [r for r in rows if r["reward/std"] > 0]
+    assert spread and all(r["grad_norm"] > 0 for r in spread)
     before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     after = AutoModelForCausalLM.from_pretrained(the_run() / "final").state_dict()
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
