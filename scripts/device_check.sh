@@ -3,8 +3,8 @@
 # installs the carried wheelhouse (scripts/gpu_wheelhouse.sh, carried as .whl), prints versions and
 # nvidia-smi, runs the GPU tests (tests/gpu, marker gpu), bench/head.py and bench/gpu.py, and writes
 # device_check.log, gpu_tests.xml, head.json, gpu_bench.json and device_check.json under $OUT. 251-287 s
-# on an H200 (2026-11-25) -- under 8 min, so a failed first try leaves device time for one rerun. Without CUDA (checking it here) the tests
-# are skipped and the benchmark is not run.
+# on an H200 (2026-11-25) -- under 8 min, so a failed first try leaves device time for one rerun.
+# Without CUDA (checking it here) the tests are skipped and the benchmarks are not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/rlhf-device-check}"

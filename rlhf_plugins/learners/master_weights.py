@@ -18,10 +18,8 @@ float32 weights), so a resume continues from full-precision weights.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -50,21 +48,24 @@ class MasterWeights:
 
     @torch.no_grad()
     def load(self, model: torch.nn.Module, folder: str | Path) -> None:
-        """The masters from a checkpoint's shards (which :meth:`state_dict` wrote), read by name; a
-        parameter the shards do not name under any of its aliases starts from its 16-bit value."""
+        """The masters from a checkpoint's shards (which :meth:`state_dict` wrote), read by name one
+        tensor at a time; a parameter the shards do not name under any of its aliases starts from its
+        16-bit value."""
+        from safetensors import safe_open
+
+        from ..models.empty_init import checkpoint_tensors
+
         names: dict[int, list[str]] = {}
         for name, t in model.state_dict().items():
             names.setdefault(t.data_ptr(), []).append(name)
-        wanted = {n: i for i, (_, p) in enumerate(self.named) for n in names.get(p.data_ptr(), [])}
-        found = set()
-        for name, tensor in checkpoint_tensors(Path(folder), wanted):
-            i = wanted[name]
-            if i not in found:
-                self.masters[i].copy_(tensor)
-                found.add(i)
-        for i, (_, p) in enumerate(self.named):
-            if i not in found:
-                self.masters[i].copy_(p)
+        stored = checkpoint_tensors(folder)
+        for (_, p), master in zip(self.named, self.masters):
+            name = next((n for n in names.get(p.data_ptr(), []) if n in stored), None)
+            if name is None:
+                master.copy_(p)
+                continue
+            with safe_open(str(Path(folder) / stored[name][0]), "pt") as f:
+                master.copy_(f.get_tensor(name))
 
 
 def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:
@@ -73,25 +74,3 @@ def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:
     if param.grad is not None:
         master.grad.add_(param.grad)
         param.grad = None
-
-
-def checkpoint_tensors(folder: Path, names: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Those of ``names`` that a checkpoint's safetensors shards hold, read one tensor at a time."""
-    import json
-
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            where = dict.fromkeys(f.keys(), "model.safetensors")
-    files: dict[str, list[str]] = {}
-    for name in names:
-        if name in where:
-            files.setdefault(where[name], []).append(name)
-    for file, group in files.items():
-        with safe_open(str(folder / file), "pt") as f:
-            for name in group:
-                yield name, f.get_tensor(name)
