@@ -25,6 +25,9 @@ from typing import Any
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 from _trl import long_sums, step_clock, warm_trainer
 
+#: our side run again with one setting changed, after ours and TRL's (same invocation, same card)
+VARIANTS = {"ours-compile": "with the decoder's norms and MLPs compiled (--learner.compile)",
+            "ours-autocast": "with float32 weights under autocast (the precision of runs 1-3, docs/gpu.md)"}
 SETUP = {"prompts": 8, "group": 8, "prompt_tokens": 128, "new_tokens": 256, "lr": 1e-6, "beta": 0.001, "rows": 64}
 
 
@@ -36,10 +39,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="reduce the model's depth (checking on a CPU)")
     p.add_argument("--new-tokens", type=int, default=SETUP["new_tokens"])
     p.add_argument("--json", type=Path)
-    p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated): ours, trl, and "
-                   "ours-autocast (ours with float32 weights under autocast, --learner.master_weights false)")
+    p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated): ours, trl, "
+                   "ours-compile (ours with --learner.compile) and ours-autocast (ours with float32 weights under "
+                   "autocast, --learner.master_weights false)")
     p.add_argument("--logits-mb", type=float, default=None, help="our learner.logits_memory_mb (default: ours)")
-    p.add_argument("--only", choices=["ours", "trl", "ours-autocast"], help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["ours", "trl", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -81,7 +85,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
            "train": {"prompts_per_step": SETUP["prompts"], "steps": args.warmup + args.steps},
            "generation": {"n_samples_per_prompt": SETUP["group"], "max_new_tokens": args.new_tokens},
            "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False,
-                       "master_weights": args.only != "ours-autocast",
+                       "master_weights": args.only != "ours-autocast", "compile": args.only == "ours-compile",
                        **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {})},
            "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
     trainer = warm_trainer(raw, args.model, args.warmup)
@@ -237,12 +241,14 @@ def main() -> None:
         write(args, results)
         results["trl"] = run_side(args, "trl", model, data, Path(tmp)) if "trl" in sides else {"error": "not run"}
         write(args, results)
-        if "ours-autocast" in sides:  # the precision of runs 1-3 (docs/gpu.md), same invocation
-            other = results["ours_autocast"] = run_side(args, "ours-autocast", model, data, Path(tmp))
-            if "error" not in other:
-                other["train_fraction_of_matmul"] = train_fraction(other, model, args.steps, peak)
-                print(f"ours with float32 weights under autocast: training at {other['train_fraction_of_matmul']:.2f} "
-                      "of the matmul peak", flush=True)
+        for side, what in VARIANTS.items():
+            if side in sides:
+                other = results[side.replace("-", "_")] = run_side(args, side, model, data, Path(tmp))
+                if "error" not in other:
+                    other["train_fraction_of_matmul"] = train_fraction(other, model, args.steps, peak)
+                    print(f"ours {what}: training at {other['train_fraction_of_matmul']:.2f} of the matmul peak",
+                          flush=True)
+                write(args, results)
     if "error" not in results["ours"] and "error" not in results["trl"]:
         results["ratio"] = {k: results["ours"][k] / results["trl"][k] for k in ("steps_per_s", "tokens_per_s")}
         print(f"ratio: {results['ratio']['steps_per_s']:.2f}x steps/s, {results['ratio']['tokens_per_s']:.2f}x "

@@ -196,7 +196,8 @@ class LearnerBackend(Component):
     states in their dtypes and shards, activations, logits), for the memory plan. ``live_weights``:
     the learner offers ``live_weights()``, its parameters themselves, updated in place.
     ``shards_reference``: built for the role ``"reference"`` it is a frozen sharded model (no
-    optimizer) whose ``logprobs`` the reference role serves, each rank holding 1/N of it."""
+    optimizer) whose ``logprobs`` the reference role serves, each rank holding 1/N of it.
+    ``compiles``: the learner honours ``--learner.compile`` (else the config is refused)."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
@@ -204,6 +205,7 @@ class LearnerBackend(Component):
     memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
     live_weights: bool = field(default=False, kw_only=True)
     shards_reference: bool = field(default=False, kw_only=True)
+    compiles: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -229,3 +229,71 @@ def batch_of(ids: list[list[int]], samples: Any, n: int) -> dict:
                 finish_reasons=samples.finish_reasons, rollout_logprobs=samples.logprobs, columns={},
                 group_size=n, scores=[0.0] * len(samples))
     return make_batch(r, pad_id=0)
+
+
+def torch_learner(dtype: str = "bfloat16", **learner_cfg: Any) -> Any:
+    """The torch learner of the actor role on the default model, for batches of 3 prompts x 4 samples
+    in micro batches of 6 (``learner_cfg``: more ``learner.*`` settings)."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.testing import backend_context
+
+    raw = {"model": {"dtype": "bfloat16"}, "learner": {"lr": 1e-3, "micro_batch_size": 6, **learner_cfg},
+           "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4}}
+    config, pm, _ = prepare(raw, autoload=False)
+    config.model.dtype = dtype  # float16 is refused on a CPU for whole runs; one update is fine
+    return TorchLearner(backend_context(config, "actor", default_model_path(), pm))
+
+
+def ppo_batch(seed: int = 5) -> dict[str, Any]:
+    """:func:`random_batch` (3 prompts x 4 samples) with random advantages on its completion tokens."""
+    import torch
+
+    batch = random_batch(group=4, prompts=3, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    return batch
+
+
+def ppo_update(learner: Any, batch: dict[str, Any]) -> dict[str, float]:
+    """One ``learner.train`` call on ``batch`` with the PPO-clip objective at the default settings."""
+    from rlhf_plugins.algorithms import policy_losses
+    from rlhf_plugins.algorithms.objective import Objective
+    from rlhf_plugins.api import prepare
+
+    return learner.train(batch, Objective(policy_losses.ppo, prepare({}, autoload=False)[0].algo.policy_loss))
+
+
+def compiled_learner_gaps(dtype: str) -> dict[str, dict[str, float]]:
+    """``--learner.compile`` against eager torch: a compiled and an eager learner in ``dtype`` and an
+    eager float32 one make two SGD updates (old log-probs without gradient first) on batches of other
+    shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
+    float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
+    weights (the float32 masters of a 16-bit run). Also checks that what ran was compiled (dynamo made
+    the norm's and the MLP's graphs)."""
+    from torch._dynamo.utils import counters
+
+    def weights(learner: Any) -> list[Any]:
+        return [p for group in learner.optimizer.param_groups for p in group["params"]]
+
+    # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
+    # which flips wherever a gradient is rounding noise)
+    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c)
+                   for d, c in (("float32", False), (dtype, True), (dtype, False)))
+    gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
+    counters.clear()
+    for seed in (3, 4):
+        batch = ppo_batch(seed)
+        mask = batch["action_mask"].bool()
+        want_old = ref.logprobs(batch)
+        olds = [side.logprobs(batch) for side in sides]
+        batch["old_logprobs"] = want_old
+        want = ppo_update(ref, batch)["grad_norm"]
+        for name, side, old in zip(gaps, sides, olds):
+            g = gaps[name]
+            g["logprobs"] = max(g["logprobs"], float((old - want_old).abs()[mask].max()))
+            g["grad_norm"] = max(g["grad_norm"], abs(ppo_update(side, batch)["grad_norm"] - want) / want)
+            g["weights"] = max(g["weights"], max(float((a - b).detach().abs().max()) for a, b in zip(weights(side), weights(ref))))
+    assert counters["stats"]["unique_graphs"] >= 2
+    return gaps

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf_plugins.learners.master_weights import MasterWeights
-from tests.helpers import largest_allocation, random_batch
+from tests.helpers import largest_allocation, ppo_batch, ppo_update, random_batch, torch_learner
 
 
 def mlp(seed: int) -> torch.nn.Module:
@@ -43,41 +43,17 @@ def test_micro_batches_accumulate_in_float32_and_the_update_is_adamw_on_the_mast
         assert torch.equal(master, c) and p.dtype == torch.bfloat16 and torch.equal(p, c.to(torch.bfloat16))
 
 
-def learner(dtype: str = "bfloat16", **learner_cfg):
-    from rlhf_plugins.api import prepare
-    from rlhf_plugins.learners.torch_learner import TorchLearner
-    from rlhf_plugins.models.tiny_model import default_model_path
-    from rlhf_plugins.testing import backend_context
-
-    raw = {"model": {"dtype": "bfloat16"}, "learner": {"lr": 1e-3, "micro_batch_size": 6, **learner_cfg},
-           "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4}}
-    config, pm, _ = prepare(raw, autoload=False)
-    config.model.dtype = dtype  # float16 is refused on a CPU for whole runs; one update is fine
-    return TorchLearner(backend_context(config, "actor", default_model_path(), pm))
-
-
-def _train(lr, seed=5):
-    from rlhf_plugins.algorithms import policy_losses
-    from rlhf_plugins.algorithms.objective import Objective
-    from rlhf_plugins.api import prepare
-
-    batch = random_batch(group=4, prompts=3, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
-    return lr.train(batch, Objective(policy_losses.ppo, prepare({}, autoload=False)[0].algo.policy_loss))
-
-
 def test_the_learner_trains_16_bit_weights_and_computes_as_the_engine_does():
     """bf16 weights in the model (no autocast), float32 masters in the optimizer, the weights equal to
     the masters after an update; the learner's log-probs are those of a plain bf16 forward (the
     engine's numerics), which the autocast learner's are not."""
     from rlhf_plugins.models.forward import policy_forward
 
-    lr = learner()
+    lr = torch_learner()
     assert lr.autocast_dtype is None and all(p.dtype == torch.bfloat16 for p in lr.model.parameters())
     opt = [p for group in lr.optimizer.param_groups for p in group["params"]]
     assert opt and all(p.dtype == torch.float32 for p in opt)
-    metrics = _train(lr)
+    metrics = ppo_update(lr, ppo_batch())
     assert metrics["grad_norm"] > 0
     for (_, p), master in zip(lr.masters.named, lr.masters.masters):
         assert torch.equal(p, master.to(torch.bfloat16))
@@ -85,40 +61,40 @@ def test_the_learner_trains_16_bit_weights_and_computes_as_the_engine_does():
     batch = random_batch(group=4, prompts=3, seed=7)
     plain = policy_forward(lr.model.eval(), batch, logits_memory_mb=0)["logprobs"].float().detach()
     assert torch.equal(lr.logprobs(batch), plain)
-    autocast = learner(master_weights=False)
+    autocast = torch_learner(master_weights=False)
     assert autocast.autocast_dtype is torch.bfloat16 and next(autocast.model.parameters()).dtype == torch.float32
-    assert not torch.equal(autocast.logprobs(batch), learner().logprobs(batch))
+    assert not torch.equal(autocast.logprobs(batch), torch_learner().logprobs(batch))
 
 
 def test_a_checkpoint_holds_the_float32_masters_and_resumes_exactly(tmp_path):
     from safetensors import safe_open
 
-    first = learner()
-    _train(first, seed=1)
+    first = torch_learner()
+    ppo_update(first, ppo_batch(1))
     first.save_checkpoint(str(tmp_path / "ckpt"))
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         saved = {k: f.get_tensor(k) for k in f.keys()}
     names = dict(first.masters.named)
     assert all(saved[n].dtype == torch.float32 for n in names if n in saved)
-    resumed = learner()
+    resumed = torch_learner()
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     for a, b in zip(first.masters.masters, resumed.masters.masters):
         assert torch.equal(a, b)
     assert all(torch.equal(p, q) for p, q in zip(first.model.parameters(), resumed.model.parameters()))
-    assert _train(first, seed=2) == _train(resumed, seed=2)
+    assert ppo_update(first, ppo_batch(2)) == ppo_update(resumed, ppo_batch(2))
     assert all(torch.equal(a, b) for a, b in zip(first.masters.masters, resumed.masters.masters))
 
 
 def test_a_float16_run_scales_its_loss_and_unscales_the_masters_gradients():
     """float16: the gradient scaler skips the updates whose scaled 16-bit gradients overflowed (lowering
     its scale) and applies the first that did not, with the masters' gradients unscaled."""
-    lr = learner("float16")
+    lr = torch_learner("float16")
     assert lr.scaler is not None and lr.masters is not None
     assert all(p.dtype == torch.float16 for p in lr.model.parameters())
     before = [m.detach().clone() for m in lr.masters.masters]
     norms = []
     while len(norms) < 30 and not (norms and 0 < norms[-1] < float("inf")):
-        norms.append(_train(lr)["grad_norm"])
+        norms.append(ppo_update(lr, ppo_batch())["grad_norm"])
         if not 0 < norms[-1] < float("inf"):  # skipped: nothing moved
             assert all(torch.equal(a, b) for a, b in zip(before, lr.masters.masters))
     assert 0 < norms[-1] < 1e3 and lr.scaler.get_scale() < 2.0 ** 16, norms
@@ -196,12 +172,12 @@ def test_the_fused_head_adds_into_the_masters_and_the_update_matches_the_unfused
     onto the master): the same head gradient and gradient norm within bf16's rounding."""
     from rlhf_plugins.models import logits
 
-    fused = learner(logits_memory_mb=0.001)
-    plain = learner(logits_memory_mb=0.001)
+    fused = torch_learner(logits_memory_mb=0.001)
+    plain = torch_learner(logits_memory_mb=0.001)
     got_head, want_head = _head_gradient_at_step(fused), _head_gradient_at_step(plain)
-    got = _train(fused)
+    got = ppo_update(fused, ppo_batch())
     monkeypatch.setattr(logits, "fusable", lambda head: False)
-    want = _train(plain)
+    want = ppo_update(plain, ppo_batch())
     assert len(got_head) == len(want_head) == 1 and want_head[0].norm() > 0
     assert float((got_head[0] - want_head[0]).norm() / want_head[0].norm()) < 0.02
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.02)
@@ -213,7 +189,7 @@ def test_the_optimizer_step_is_torchs_fused_adamw_with_no_temporary_the_size_of_
     the peak for the 0.5B shape's embedding); the fused one updates in place."""
     import torch
 
-    lr = learner("float32")
+    lr = torch_learner("float32")
     assert lr.optimizer.defaults.get("fused") is True
     params = [p for group in lr.optimizer.param_groups for p in group["params"]]
     for p in params:

@@ -13,7 +13,8 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
     yield LearnerBackend(
         "torch",
         factory=Lazy("rlhf_plugins.learners.torch_learner:TorchLearner"),
-        description="plain torch AdamW, one process, gradient accumulation",
+        description="plain torch AdamW, one process, gradient accumulation, torch.compile",
         memory=Lazy("rlhf_plugins.models.memory:torch_learner_memory"),
         live_weights=True,
+        compiles=True,
     )

@@ -153,6 +153,9 @@ def check_combinations(c: Config, plan: Plan) -> None:
     if sync.needs_adapter and not engine.supports_adapter:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
+    if c.learner.compile and not plan.learner.compiles:
+        raise ConfigError(f"learner.compile: the '{plan.learner.name}' learner does not compile its model; use "
+                          "--learner.backend torch or drop --learner.compile")
     if plan.engine_workers < 1:
         raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
     if plan.engine_workers > 1 and not placement.multi_rank:

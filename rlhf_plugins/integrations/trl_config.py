@@ -45,7 +45,8 @@ DERIVED = {
     "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations",
+    "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
+    "torch_compile_mode",
 }
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adam": "adam", "sgd": "sgd"}
@@ -78,6 +79,9 @@ IGNORED_WHY = {
     "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
     "trust_remote_code": "set --model.trust_remote_code",
+    "use_liger_kernel": "the output head, log-softmax and gather already run as one fused, chunked function; "
+                        "--learner.compile fuses the norms and MLPs Liger's other kernels cover",
+    "liger_kernel_config": "Liger's kernels are not used (see use_liger_kernel)",
 }
 #: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
 BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
@@ -129,6 +133,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     _algorithm(f, raw, notes)
     _batch_shape(f, raw)
     _run_settings(f, raw)
+    _compile(f, raw, notes)
     notes += _leftovers(f, changed)
     return raw, notes
 
@@ -208,6 +213,16 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
         _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
     if f["use_vllm"]:
         _set(raw, "generation.backend", "vllm")
+
+
+def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
+    """transformers' Trainer compiles when any of its three fields is set (we: norms and MLPs, inductor)."""
+    if f.get("torch_compile") or f.get("torch_compile_backend") or f.get("torch_compile_mode"):
+        _set(raw, "learner.compile", True)
+    for name in ("torch_compile_backend", "torch_compile_mode"):
+        if f.get(name) not in (None, "inductor", "default"):
+            notes.append(f"TRL field '{name}' ({f[name]!r}) is ignored: --learner.compile compiles the decoder's "
+                         "norms and MLPs with inductor's default mode")
 
 
 def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:

@@ -5,7 +5,8 @@ With ``--model.dtype bfloat16`` (or float16) it trains in mixed precision: the m
 bits with float32 master copies, gradients and optimizer states (:mod:`.master_weights`, as DeepSpeed
 trains), or with ``--learner.master_weights false`` float32 weights with forwards under
 ``torch.autocast`` in the 16-bit dtype, as transformers' Trainer does with ``bf16=True``. float16 adds
-a gradient scaler. The reference model and the generation engine keep the 16-bit weights."""
+a gradient scaler. The reference model and the generation engine keep the 16-bit weights.
+``--learner.compile`` compiles the decoder's norms and MLPs (:mod:`rlhf_plugins.models.compiled`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -33,6 +34,10 @@ class TorchLearner(Learner):
         self.scaler = torch.amp.GradScaler(self.device.type) if dtype is torch.float16 else None
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.compile:  # the decoder's norms and MLPs as fused kernels (models/compiled.py)
+            from ..models.compiled import compile_blocks
+
+            compile_blocks(model, self.device, self.role)
         params = [p for p in model.parameters() if p.requires_grad]
         self.masters = None
         if dtype != torch.float32 and self.autocast_dtype is None:  # 16-bit weights, float32 masters

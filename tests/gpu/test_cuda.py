@@ -1,5 +1,6 @@
 """The CUDA path, for real on a lent GPU (scripts/device_check.sh): bf16 GRPO with the torch learner,
-the transformers engine, CUDA IPC and in-process weight sync, DeepSpeed ZeRO-2/3 on one GPU, LoRA,
+the transformers engine, CUDA IPC and in-process weight sync, DeepSpeed ZeRO-2/3 on one GPU, the
+compiled learner (Triton), LoRA,
 checkpoint + resume, and a Qwen2.5-0.5B-shaped model's peak GPU memory against its analytic need.
 Figures worth keeping are recorded with ``report`` and land in the device check's JSON."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from rlhf_plugins.api import prepare
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import assert_same_samples, random_batch
+from tests.helpers import assert_same_samples, compiled_learner_gaps, random_batch, torch_learner
 
 #: "cpu" runs these bodies on the CPU (to check the tests themselves without a GPU); CUDA-only checks
 #: (NCCL, CUDA IPC) then expect their CPU twins (gloo, shared memory)
@@ -217,6 +218,21 @@ def test_fsdp_on_one_gpu_loads_its_shards_and_matches_the_torch_learner(report, 
     exact = dtype == "float32"  # in bf16 the torch learner updates bf16 weights, FSDP float32 shards
     assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=1e-5 if exact else 0.05)
     assert worst < (0.05 * lr if exact else 1e-3) and ref_gap < (1e-4 if exact else 0.1)
+
+
+def test_the_compiled_learner_trains_as_the_eager_one_on_cuda(report):
+    """--learner.compile on the GPU (Triton kernels for the norms and MLPs): in float32 the eager
+    learner's log-probs, gradient norms and weights over two updates; in bf16 with float32 masters at
+    least as close to the float32 learner as the eager bf16 learner is."""
+    from rlhf_plugins.models.compiled import compiled_blocks
+
+    assert len(compiled_blocks(torch_learner("bfloat16", compile=True).model)) == 7
+    exact = compiled_learner_gaps("float32")
+    assert max(exact["compiled"].values()) < 1e-3, exact
+    gaps = compiled_learner_gaps("bfloat16")
+    report("compiled_bf16_gaps_to_float32", gaps)
+    for key, eager in gaps["eager"].items():
+        assert gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 
 
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):

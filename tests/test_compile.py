@@ -1,0 +1,80 @@
+"""--learner.compile (rlhf_plugins.models.compiled): the torch learner's decoder norms and MLPs run as
+torch.compile'd kernels and train as the eager learner does; learners and machines that cannot compile
+say so in one line; TRL's torch_compile maps onto it."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from rlhf_plugins.errors import ConfigError
+from tests.helpers import compiled_learner_gaps, run_subprocess, short_run, torch_learner
+
+pytestmark = pytest.mark.skipif(not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")),
+                                reason="torch.compile on a CPU needs a C++ compiler")
+
+
+def test_the_compiled_learner_trains_as_the_eager_one_in_float32():
+    """Two updates on batches of other shapes: old log-probs, gradient norm and weights after each as
+    the eager float32 learner's, to rounding; the norms and MLPs (and nothing else) run compiled."""
+    from rlhf_plugins.models.compiled import compiled_blocks
+
+    model = torch_learner("float32", compile=True).model
+    names = sorted(n.rsplit(".", 1)[-1] for n in compiled_blocks(model))
+    assert names == ["input_layernorm"] * 2 + ["mlp"] * 2 + ["norm"] + ["post_attention_layernorm"] * 2
+    gaps = compiled_learner_gaps("float32")
+    assert gaps["eager"] == {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0}  # the yardstick is itself
+    assert max(gaps["compiled"].values()) < 1e-4, gaps
+
+
+def test_the_compiled_bf16_learner_is_as_close_to_float32_as_the_eager_one():
+    """bf16 weights with float32 masters: the compiled learner keeps float32 inside its fused norms
+    where eager torch rounds to bf16 between operations, so it cannot equal the eager bf16 learner; it
+    stays at least as close to the float32 learner as that one does (its gradients reach the masters
+    through the compiled backward: a lost gradient would leave the weights far off)."""
+    gaps = compiled_learner_gaps("bfloat16")
+    for key, eager in gaps["eager"].items():
+        assert 0 < gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
+
+
+def test_a_learner_that_does_not_compile_refuses_the_flag():
+    pytest.importorskip("deepspeed")
+    from rlhf_plugins.api import prepare
+
+    with pytest.raises(ConfigError, match="the 'deepspeed' learner does not compile its model; use "
+                                          "--learner.backend torch or drop --learner.compile"):
+        prepare({"learner": {"backend": "deepspeed", "compile": True}}, autoload=False)
+
+
+def test_without_a_cpu_compiler_the_run_stops_in_one_line(tmp_path):
+    """PATH without any C++ compiler: exit 2, one line naming the fix, no run folder left behind."""
+    import os
+    import sys
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    proc = run_subprocess("train", *short_run("--learner.compile", "true"), cwd=tmp_path,
+                          env={"PATH": str(bare), "RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("rlhf: error: learner.compile on a CPU needs a C++ compiler "
+                                                    "(torch.compile writes C++ kernels): install g++ or drop "
+                                                    "--learner.compile")
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+
+
+def test_trl_torch_compile_turns_it_on_and_liger_is_a_note():
+    pytest.importorskip("trl")
+    from rlhf_plugins.integrations.trl import from_grpo_fields
+
+    raw, notes = from_grpo_fields({"torch_compile": True})
+    assert raw["learner"]["compile"] is True and notes == []
+    raw, notes = from_grpo_fields({"torch_compile_mode": "max-autotune"})  # the Trainer compiles then too
+    assert raw["learner"]["compile"] is True
+    assert notes == ["TRL field 'torch_compile_mode' ('max-autotune') is ignored: --learner.compile compiles the "
+                     "decoder's norms and MLPs with inductor's default mode"]
+    raw, notes = from_grpo_fields({"use_liger_kernel": True})
+    assert "compile" not in raw.get("learner", {})
+    assert [n for n in notes if "use_liger_kernel" in n] == [
+        "TRL field 'use_liger_kernel' is ignored: the output head, log-softmax and gather already run as one fused, "
+        "chunked function; --learner.compile fuses the norms and MLPs Liger's other kernels cover"]
