@@ -31,10 +31,9 @@ def close(a: list[dict], b: list[dict], keys=("loss/policy", "reward/mean", "kl"
 
 
 @pytest.mark.parametrize("placement", [
-    ["--deepspeed.zero_stage", "2"],
-    ["--deepspeed.zero_stage", "3"],
-    ["--deepspeed.zero_stage", "3", *RAY, "--ray.actor_workers", "2"],
-], ids=["zero2-local", "zero3-local", "zero3-ray-2-ranks"])
+    ["--deepspeed.zero_stage", "2"],  # in the loop's process
+    ["--deepspeed.zero_stage", "3", *RAY, "--ray.actor_workers", "2"],  # ZeRO-3's partitions over two ranks
+], ids=["zero2-local", "zero3-ray-2-ranks"])
 def test_deepspeed_resume_matches_the_uninterrupted_run(tmp_path, tiny_model, placement):
     """A copy of the whole run, resumed from its step-2 checkpoint (the later lines dropped), makes
     steps 2 and 3 again from DeepSpeed's restored partitions exactly as the whole run made them."""
@@ -57,40 +56,44 @@ def test_deepspeed_resume_matches_the_uninterrupted_run(tmp_path, tiny_model, pl
 KILLER = textwrap.dedent("""
     import os
     from rlhf_plugins import hookimpl
-    DONE = []
+    DONE = set()
 
     @hookimpl
     def rlhf_after_step(step, metrics):
-        if step == 2 and not DONE:
-            import ray
-            target = os.environ["KILL_ROLE"]
-            name = next(n for n in ray.util.list_named_actors() if n.endswith("-" + target))
-            ray.kill(ray.get_actor(name))
-            DONE.append(name)
+        # KILL_ROLES: "STEP:NAME,...": after STEP, kill the role actor whose name ends with NAME (once)
+        for when, target in (item.split(":") for item in os.environ["KILL_ROLES"].split(",")):
+            if step == int(when) and target not in DONE:
+                import ray
+                name = next(n for n in ray.util.list_named_actors() if n.endswith("-" + target))
+                ray.kill(ray.get_actor(name))
+                DONE.add(target)
 """)
 
 
-@pytest.mark.parametrize("target, extra, restarted", [
-    ("generation-0", [], "generation"),
-    ("actor-1", ["--learner.backend", "deepspeed", "--ray.actor_workers", "2"], "actor"),
+@pytest.mark.parametrize("kills, extra, restarted", [
+    # an engine, then a DeepSpeed rank of the actor (the whole group comes back), in one run
+    ("2:generation-0,4:actor-1", ["--learner.backend", "deepspeed", "--ray.actor_workers", "2"],
+     ["generation", "actor"]),
     # the process hosting the policy's roles: all three come back, in one new actor
-    ("actor+reference+generation-0", ["--ray.colocate", "hybrid"], "generation, actor, reference"),
-], ids=["engine", "learner-rank", "hybrid-host"])
-def test_a_killed_role_is_restarted_and_the_run_ends_with_every_step(tmp_path, tiny_model, target, extra, restarted):
+    ("2:actor+reference+generation-0", ["--ray.colocate", "hybrid"], ["generation, actor, reference"]),
+], ids=["engine-then-learner-rank", "hybrid-host"])
+def test_a_killed_role_is_restarted_and_the_run_ends_with_every_step(tmp_path, tiny_model, kills, extra, restarted):
     (tmp_path / "killer.py").write_text(KILLER)
     proc = train(tmp_path, "--plugin", "killer.py", *RAY, *SHORT, *extra, "--ray.max_restarts", "2",
-                 "--train.steps", "6", "--train.run_name", "f", env={"KILL_ROLE": target})
+                 "--train.steps", "6", "--train.run_name", "f", env={"KILL_ROLES": kills})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"restarted {restarted} and went back to step" in proc.stdout
+    said = [line for line in proc.stdout.splitlines() if "restarted" in line and "went back to step" in line]
+    assert len(said) == len(restarted) and all(f"restarted {r} and went back to step" in line
+                                               for r, line in zip(restarted, said)), proc.stdout[-3000:]
     rows = metrics_of(tmp_path / "runs" / "f")
     assert [r["step"] for r in rows] == list(range(6))
-    assert rows[-1]["fault/restarts"] == 1.0 and "fault/restarts" not in rows[0]
+    assert rows[-1]["fault/restarts"] == len(restarted) and "fault/restarts" not in rows[0]
 
 
 def test_without_restarts_a_dead_role_is_one_line_with_the_way_back(tmp_path, tiny_model):
     (tmp_path / "killer.py").write_text(KILLER)
     proc = train(tmp_path, "--plugin", "killer.py", *RAY, *SHORT, "--train.steps", "6", "--train.run_name", "f",
-                 env={"KILL_ROLE": "generation-0"})
+                 env={"KILL_ROLES": "2:generation-0"})
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert "role 'generation' (rank 0) in 'generate'" in line and "its process died" in line
