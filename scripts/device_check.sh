@@ -3,7 +3,11 @@
 # installs the carried wheelhouse (scripts/gpu_wheelhouse.sh, carried as .whl), prints versions and
 # nvidia-smi, runs the GPU tests (tests/gpu, marker gpu), bench/head.py and bench/gpu.py, and writes
 # device_check.log, gpu_tests.xml, head.json, gpu_bench.json and device_check.json under $OUT. 251-287 s
-# on an H200 (2026-11-25) -- under 8 min, so a failed first try leaves device time for one rerun.
+# on an H200 (2026-11-25, tests and two bench sides); with the parts added since (the FSDP and compiled
+# learner tests, bench/head.py, the ours-compile and ours-autocast sides) about 400-460 s. The whole
+# check keeps to DEVICE_CHECK_SECONDS (default 500; 420 leaves a lent session's 15 minutes room for a
+# rerun): the bench's sides run in order ours, trl, ours-compile, ours-autocast and the JSON is written
+# after each, so a short deadline drops the last sides first.
 # Without CUDA (checking it here) the tests are skipped and the benchmarks are not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
