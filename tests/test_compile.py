@@ -42,7 +42,7 @@ def test_a_learner_that_does_not_compile_refuses_the_flag():
     from rlhf_plugins.api import prepare
 
     with pytest.raises(ConfigError, match="the 'deepspeed' learner does not compile its model; use "
-                                          "--learner.backend torch or drop --learner.compile"):
+                                          "--learner.backend torch \\(or fsdp\\) or drop --learner.compile"):
         prepare({"learner": {"backend": "deepspeed", "compile": True}}, autoload=False)
 
 

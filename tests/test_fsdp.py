@@ -60,13 +60,16 @@ def reference_update(tiny_model):
     return torch_update(tiny_model)
 
 
-@pytest.mark.parametrize("options", [{}, {"logits_memory_mb": 0.02}, {"max_tokens_per_micro_batch": 48}],
-                         ids=["whole-logits", "logits-in-chunks", "packed-micro-batches"])
+@pytest.mark.parametrize("options", [{}, {"logits_memory_mb": 0.02}, {"max_tokens_per_micro_batch": 48},
+                                     {"compile": True}],
+                         ids=["whole-logits", "logits-in-chunks", "packed-micro-batches", "compiled"])
 def test_one_rank_matches_the_torch_learner(tiny_model, options):
     """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
     also with the output head applied over chunks of tokens outside the model's own forward (what a
-    real vocabulary triggers: the root's gathered head must last through the recomputation), and
-    with packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss)."""
+    real vocabulary triggers: the root's gathered head must last through the recomputation), with
+    packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss), and
+    with --learner.compile on both sides (the compiled norms and MLPs inside each FSDP unit run on
+    its gathered weights)."""
     from rlhf_plugins.models.logits import chunking
 
     expected, before, after_torch = torch_update(tiny_model, learner=dict(options))
@@ -82,6 +85,10 @@ def test_one_rank_matches_the_torch_learner(tiny_model, options):
     assert fsdp.shard_bytes_read == 4 * sum(v.numel() for v in before.values())
     got = fsdp.train(the_batch(), objective_of(config))
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
+    if options.get("compile"):
+        from rlhf_plugins.models.compiled import compiled_blocks
+
+        assert len(compiled_blocks(fsdp.model)) == 7
 
 
 def test_a_tied_head_model_loads_empty_tied_and_matches_the_torch_learner():

@@ -39,8 +39,9 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
     yield LearnerBackend(
         "fsdp",
         factory=Lazy("rlhf_plugins.learners.fsdp_learner:FSDPLearner"),
-        description="PyTorch FSDP2 (fully_shard per decoder layer), mixed precision, CPU offload",
+        description="PyTorch FSDP2 (fully_shard per decoder layer), mixed precision, CPU offload, torch.compile",
         multi_rank=True,
         memory=Lazy("rlhf_plugins.models.memory:fsdp_learner_memory"),
         shards_reference=True,  # the reference model over --ray.reference_workers ranks, 1/N each
+        compiles=True,
     )

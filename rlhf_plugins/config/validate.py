@@ -155,7 +155,7 @@ def check_combinations(c: Config, plan: Plan) -> None:
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
     if c.learner.compile and not plan.learner.compiles:
         raise ConfigError(f"learner.compile: the '{plan.learner.name}' learner does not compile its model; use "
-                          "--learner.backend torch or drop --learner.compile")
+                          "--learner.backend torch (or fsdp) or drop --learner.compile")
     if plan.engine_workers < 1:
         raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
     if plan.engine_workers > 1 and not placement.multi_rank:

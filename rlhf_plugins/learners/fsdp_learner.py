@@ -97,6 +97,10 @@ class FSDPLearner(Learner):
         model = model.requires_grad_(False) if frozen else model.float()  # trained: float32 shards
         if self.cfg.gradient_checkpointing and not frozen:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.compile and not frozen:  # inside each FSDP unit: its gathered weights, compiled kernels
+            from ..models.compiled import compile_blocks
+
+            compile_blocks(model, self.device, self.role)
         if not o.offload_params and source is None:
             model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))

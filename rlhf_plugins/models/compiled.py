@@ -1,4 +1,5 @@
-"""``--learner.compile``: the learner's decoder norms and MLPs compiled with ``torch.compile``.
+"""``--learner.compile``: the learner's decoder norms and MLPs compiled with ``torch.compile`` (the torch
+learner, and the FSDP2 learner inside each of its units, where they run on the gathered weights).
 
 Around its matrix products a decoder layer does elementwise work that eager torch runs as one kernel
 (and one trip through memory) per operation: an RMSNorm is five passes over the hidden states in
