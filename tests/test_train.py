@@ -63,6 +63,14 @@ def test_short_run_writes_a_complete_run_directory(rlhf):
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["train"]["steps"] == 3 and saved["reward"]["functions"] == ["exact_match"]
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
+    assert f"policy saved to {run / 'final'}" in out
+
+
+def test_a_run_told_not_to_save_its_policy_says_so(rlhf):
+    code, out, err = rlhf("train", *short_run("--train.run_name", "r2", "--train.save_final", "false"))
+    assert code == 0, err
+    assert not (Path("runs/r2") / "final").exists()
+    assert "policy not saved (train.save_final false)" in out and "saved to None" not in out
 
 
 def test_reward_from_a_py_file_is_picked_when_it_is_the_only_one(rlhf):

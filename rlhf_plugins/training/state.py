@@ -154,10 +154,12 @@ def summary(trainer: Any) -> dict[str, Any]:
 
 def print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:
     """The closing lines of a run: reward first -> last, held-out first -> last, the best kept."""
+    saved = summary["final_model"]
     console.print(
         f"mean reward: first 10% of steps {summary['reward_first_10pct']:.3f} -> last 10% "
         f"{summary['reward_last_10pct']:.3f} ({summary['reward_gain']:+.3f}); "
-        f"{summary['seconds_per_step']:.2f} s/step; policy saved to {summary['final_model']}",
+        f"{summary['seconds_per_step']:.2f} s/step; "
+        + (f"policy saved to {saved}" if saved else "policy not saved (train.save_final false)"),
         highlight=False, soft_wrap=True,
     )
     if "eval_first" in summary:
