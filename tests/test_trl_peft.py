@@ -58,6 +58,36 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
             from_grpo_fields({field: value})
 
 
+def test_model_init_kwargs_and_the_sampler_carry_over_and_speed_knobs_are_notes():
+    """from_pretrained's dtype and trust_remote_code become ours (bf16 still wins, as TRL's autocast
+    would); attention and device placement are notes; anything else in it, an unknown dtype or a
+    sampler we do not have is one error naming it."""
+    raw, notes = from_grpo_fields({"model_init_kwargs": {"dtype": "float16", "attn_implementation": "sdpa",
+                                                         "trust_remote_code": True}})
+    assert raw["model"] == {"dtype": "float16", "trust_remote_code": True}
+    assert notes == ["TRL model_init_kwargs 'attn_implementation' is ignored: this package's attention (SDPA with "
+                     "its own masks and KV caches) runs"]
+    raw, _ = from_grpo_fields({"model_init_kwargs": {"torch_dtype": "float32"}, "bf16": True})
+    assert raw["model"]["dtype"] == "bfloat16"
+    raw, notes = from_grpo_fields({"model_init_kwargs": {"torch_dtype": "auto"}, "train_sampling_strategy": "sequential",
+                                   "enable_jit_checkpoint": True, "use_transformers_continuous_batching": True})
+    assert "dtype" not in raw.get("model", {}) and raw["data"]["shuffle"] is False
+    assert notes == [
+        "TRL field 'enable_jit_checkpoint' is ignored: a SIGTERM or SIGINT always finishes the step and writes a "
+        "checkpoint",
+        "TRL field 'use_transformers_continuous_batching' is ignored: the transformers engine decodes the whole "
+        "rollout in fixed-shape steps (CUDA graphs on GPUs); vLLM with use_vllm"]
+    assert from_grpo_fields({})[0]["data"]["shuffle"] is True
+    for fields, message in (({"model_init_kwargs": {"revision": "main"}},
+                             "TRL model_init_kwargs: no equivalent in rlhf-plugins for 'revision'; remove them"),
+                            ({"model_init_kwargs": {"dtype": "int8"}},
+                             "TRL model_init_kwargs dtype 'int8' has no equivalent; choose one of: float32, bfloat16"),
+                            ({"train_sampling_strategy": "group_by_length"},
+                             "TRL train_sampling_strategy 'group_by_length' has no equivalent; use random or sequential")):
+        with pytest.raises(ConfigError, match=message):
+            from_grpo_fields(fields)
+
+
 def test_the_schedule_warms_up_and_decays_as_configured():
     from types import SimpleNamespace
 

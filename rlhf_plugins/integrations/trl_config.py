@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .trl_fields import BOOKKEEPING_PREFIXES, IGNORED_WHY, UNSUPPORTED
 
 #: GRPOConfig field -> (our dotted key, converter)
 DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -46,8 +47,13 @@ DERIVED = {
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode",
+    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy",
 }
+DTYPES = ("float32", "bfloat16", "float16")
+#: from_pretrained arguments of model_init_kwargs that change nothing here, and why
+INIT_IGNORED = {"attn_implementation": "this package's attention (SDPA with its own masks and KV caches) runs",
+                "device_map": "each role places its model on its own device", "use_cache": IGNORED_WHY["use_cache"],
+                "low_cpu_mem_usage": "models of 50M+ parameters load empty and fill from their files"}
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adam": "adam", "sgd": "sgd"}
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
@@ -56,45 +62,6 @@ LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "toke
               "dr_grpo": "seq-mean-token-sum-norm"}
 SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
                        "sequence_truncate": "seq_mask_tis"}
-#: fields that change training and that we cannot honour (an error unless left at TRL's default)
-UNSUPPORTED = {
-    "sync_ref_model": "the reference model stays the initial policy",
-    "top_entropy_quantile": "no entropy-quantile token masking",
-    "mask_truncated_completions": "truncated completions stay in the loss (see reward.stop_penalty)",
-    "repetition_penalty": "no repetition penalty in sampling",
-    "min_p": "no min-p sampling",
-    "multi_objective_aggregation": "rewards are combined as a weighted sum",
-    "off_policy_mask_threshold": "no off-policy masking by threshold",
-    "use_adaptive_entropy": "no adaptive entropy coefficient",
-    "use_bias_correction_kl": "no bias-corrected KL",
-    "delta": "no two-sided (delta) clipping",
-}
-#: fields that change nothing in training here, and why (one note lists those a config sets)
-IGNORED_WHY = {
-    "num_train_epochs": "rlhf-plugins counts rollout steps: set max_steps",
-    "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
-    "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
-    "pad_to_multiple_of": "padding to a multiple does not change the loss",
-    "use_cache": "the learner never caches; generation always does",
-    "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
-    "ds3_gather_for_generation": "weights reach the engine by weight sync",
-    "trust_remote_code": "set --model.trust_remote_code",
-    "use_liger_kernel": "the output head, log-softmax and gather already run as one fused, chunked function; "
-                        "--learner.compile fuses the norms and MLPs Liger's other kernels cover",
-    "liger_kernel_config": "Liger's kernels are not used (see use_liger_kernel)",
-}
-#: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
-BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
-                        "ddp_", "fsdp", "trackio", "include_", "skip_memory", "num_completions_to_print",
-                        "per_device_eval", "torch_empty_cache", "tf32", "full_determinism", "data_seed",
-                        "prediction_loss_only", "remove_unused_columns", "label_names", "length_column_name",
-                        "load_best_model", "metric_for_best", "greater_is_better", "ignore_data_skip",
-                        "resume_from_checkpoint", "restore_callback", "overwrite_output_dir", "do_", "debug",
-                        "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
-                        "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
-                        "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
-
-
 def grpo_defaults() -> dict[str, Any]:
     from trl import GRPOConfig
 
@@ -132,6 +99,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                 raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
     _algorithm(f, raw, notes)
     _batch_shape(f, raw)
+    _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw)
     _compile(f, raw, notes)
     notes += _leftovers(f, changed)
@@ -213,6 +181,30 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
         _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
     if f["use_vllm"]:
         _set(raw, "generation.backend", "vllm")
+
+
+def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
+    """model_init_kwargs (from_pretrained's arguments) and the sampler: what carries over."""
+    kwargs = dict(f.get("model_init_kwargs") or {})
+    dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", "auto"))).removeprefix("torch.")
+    if dtype in DTYPES:
+        _set(raw, "model.dtype", dtype)
+    elif dtype != "auto":
+        raise ConfigError(f"TRL model_init_kwargs dtype {dtype!r} has no equivalent; choose one of: "
+                          f"{', '.join(DTYPES)}")
+    if kwargs.pop("trust_remote_code", False):
+        _set(raw, "model.trust_remote_code", True)
+    notes += [f"TRL model_init_kwargs '{k}' is ignored: {why}" for k, why in INIT_IGNORED.items() if kwargs.pop(k, None)
+              is not None]
+    if kwargs:
+        keys = ", ".join(map(repr, sorted(kwargs)))
+        raise ConfigError(f"TRL model_init_kwargs: no equivalent in rlhf-plugins for {keys}; remove them from the "
+                          "TRL config")
+    strategy = str(f.get("train_sampling_strategy") or "random")
+    if strategy not in ("random", "sequential"):
+        raise ConfigError(f"TRL train_sampling_strategy '{strategy}' has no equivalent; use random or sequential")
+    if strategy == "sequential":
+        _set(raw, "data.shuffle", False)
 
 
 def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
