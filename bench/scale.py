@@ -40,6 +40,8 @@ PATHS = {
     # the torch learner in bfloat16: 16-bit weights beside float32 masters (the engine shares the weights)
     "local-bf16": ["--model.dtype", "bfloat16"],
     "lora-bf16": ["--lora.rank", "16", "--model.dtype", "bfloat16"],
+    # the same with the norms and MLPs compiled (torch.compile: fused kernels, fewer saved activations)
+    "local-bf16-compile": ["--model.dtype", "bfloat16", "--learner.compile", "true"],
     "zero3-offload": [*ZERO3, "--deepspeed.offload_optimizer", "true"],
     "zero3-resume": ZERO3,
     # the sharded learners side by side at two ranks (transformers engine, broadcast sync; no reference
