@@ -40,8 +40,12 @@ PATHS = {
     # the torch learner in bfloat16: 16-bit weights beside float32 masters (the engine shares the weights)
     "local-bf16": ["--model.dtype", "bfloat16"],
     "lora-bf16": ["--lora.rank", "16", "--model.dtype", "bfloat16"],
-    # the same with the norms and MLPs compiled (torch.compile: fused kernels, fewer saved activations)
+    # the same with the norms and MLPs compiled (torch.compile: fused kernels, fewer saved activations),
+    # and both without gradient checkpointing (every layer's activations kept: what compiling saves shows)
     "local-bf16-compile": ["--model.dtype", "bfloat16", "--learner.compile", "true"],
+    "local-bf16-no-ckpt": ["--model.dtype", "bfloat16", "--learner.gradient_checkpointing", "false"],
+    "local-bf16-compile-no-ckpt": ["--model.dtype", "bfloat16", "--learner.compile", "true",
+                                   "--learner.gradient_checkpointing", "false"],
     "zero3-offload": [*ZERO3, "--deepspeed.offload_optimizer", "true"],
     "zero3-resume": ZERO3,
     # the sharded learners side by side at two ranks (transformers engine, broadcast sync; no reference
