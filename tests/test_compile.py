@@ -3,15 +3,13 @@ torch.compile'd kernels and train as the eager learner does; learners and machin
 say so in one line; TRL's torch_compile maps onto it."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from rlhf_plugins.errors import ConfigError
+from rlhf_plugins.models.compiled import cpu_compiler
 from tests.helpers import compiled_learner_gaps, run_subprocess, short_run, torch_learner
 
-pytestmark = pytest.mark.skipif(not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")),
-                                reason="torch.compile on a CPU needs a C++ compiler")
+pytestmark = pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler")
 
 
 def test_the_compiled_learner_trains_as_the_eager_one_in_float32():

@@ -47,14 +47,12 @@ def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtyp
     """The per-token, per-layer activation bytes of the memory model against the tensors autograd
     actually saves (parameters aside) in a Qwen2 forward: within 15% at two widths; also with the
     norms and MLPs compiled (--learner.compile), which keep about a quarter less."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
 
-    from rlhf_plugins.models.compiled import compile_blocks
+    from rlhf_plugins.models.compiled import compile_blocks, cpu_compiler
     from rlhf_plugins.models.forward import policy_forward
 
-    if compiled and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+    if compiled and cpu_compiler() is None:
         pytest.skip("torch.compile on a CPU needs a C++ compiler")
     for hidden, layers in ((896, 2), (256, 3)):
         config = shape_config("qwen2.5-0.5b", layers=layers, hidden=hidden)

@@ -13,8 +13,8 @@ What is compiled: every module whose class is an RMSNorm (``LlamaRMSNorm``, ``Qw
 every decoder layer's dense MLP (``mlp`` of a class named ``...MLP``; a mixture of experts' routing
 block is left eager). Shapes are compiled dynamic from the first call: micro batches of other lengths,
 the shared-prefix forward's prompt and completion parts and the no-grad old-log-prob pass reuse the
-same kernels instead of compiling again. The first step pays the compilation (tens of seconds on a
-CPU, a few on a GPU with Triton).
+same kernels instead of compiling again. The first update pays the compilation (seconds on a
+CPU for a small model, more for a large one; Triton on a GPU).
 """
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ def compilable(module: torch.nn.Module) -> bool:
     return name.endswith("RMSNorm") or (name.endswith("MLP") and "Moe" not in name and "MoE" not in name)
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler torch.compile would use on a CPU, if this machine has one."""
+    return next((cc for cc in ("c++", "g++", "clang++") if shutil.which(cc)), None)
+
+
 def check_compiler(device: torch.device) -> None:
     """torch.compile's backend can write kernels for ``device``: Triton for a GPU, a C++ compiler
     for a CPU. One line otherwise, before the model is touched."""
@@ -44,7 +49,7 @@ def check_compiler(device: torch.device) -> None:
         if not has_triton():  # pragma: no cover - torch's CUDA wheels carry Triton
             raise ConfigError("learner.compile on a GPU needs Triton (it ships with torch's CUDA wheels); install "
                               "triton or drop --learner.compile")
-    elif device.type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+    elif device.type == "cpu" and cpu_compiler() is None:
         raise ConfigError("learner.compile on a CPU needs a C++ compiler (torch.compile writes C++ kernels): "
                           "install g++ or drop --learner.compile")
 
