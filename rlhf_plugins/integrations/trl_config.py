@@ -167,7 +167,8 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
-    """Precision, output folder and name, optimizer and schedule, tool rounds, the vLLM engine."""
+    """Precision, output folder and name, prompt order, optimizer and schedule, tool rounds, the vLLM
+    engine."""
     if f.get("bf16"):
         _set(raw, "model.dtype", "bfloat16")
     elif f.get("fp16"):
@@ -176,6 +177,11 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
         _set(raw, "train.output_dir", str(f["output_dir"]))
     if f.get("run_name"):
         _set(raw, "train.run_name", str(f["run_name"]))
+    strategy = str(f.get("train_sampling_strategy") or "random")
+    if strategy not in ("random", "sequential"):
+        raise ConfigError(f"TRL train_sampling_strategy '{strategy}' has no equivalent; use random or sequential")
+    if strategy == "sequential":
+        _set(raw, "data.shuffle", False)
     _optimizer(f, raw)
     if f.get("max_tool_calling_iterations") is not None:  # rounds of tool calls: one more model turn
         _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
@@ -184,7 +190,7 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """model_init_kwargs (from_pretrained's arguments) and the sampler: what carries over."""
+    """model_init_kwargs (from_pretrained's arguments): what carries over."""
     kwargs = dict(f.get("model_init_kwargs") or {})
     dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", "auto"))).removeprefix("torch.")
     if dtype in DTYPES:
@@ -194,17 +200,13 @@ def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
                           f"{', '.join(DTYPES)}")
     if kwargs.pop("trust_remote_code", False):
         _set(raw, "model.trust_remote_code", True)
-    notes += [f"TRL model_init_kwargs '{k}' is ignored: {why}" for k, why in INIT_IGNORED.items() if kwargs.pop(k, None)
-              is not None]
+    for key, why in INIT_IGNORED.items():
+        if kwargs.pop(key, None) is not None:
+            notes.append(f"TRL model_init_kwargs '{key}' is ignored: {why}")
     if kwargs:
         keys = ", ".join(map(repr, sorted(kwargs)))
         raise ConfigError(f"TRL model_init_kwargs: no equivalent in rlhf-plugins for {keys}; remove them from the "
                           "TRL config")
-    strategy = str(f.get("train_sampling_strategy") or "random")
-    if strategy not in ("random", "sequential"):
-        raise ConfigError(f"TRL train_sampling_strategy '{strategy}' has no equivalent; use random or sequential")
-    if strategy == "sequential":
-        _set(raw, "data.shuffle", False)
 
 
 def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
