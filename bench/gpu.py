@@ -116,18 +116,27 @@ def profile_step(trainer: Any, step: int) -> None:
                                                           if torch.cuda.is_available() else [])
     prof = torch.profiler.profile(activities=activities)
 
+    wall = []
+
     def profiled(*args: Any, **kwargs: Any) -> Any:
         with prof:
+            start = time.perf_counter()
             out = train(*args, **kwargs)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
         return out
 
     learner.train = profiled
     m = trainer.step(step)
     learner.train = train
     print("profiled step:", {k: round(v, 3) for k, v in m.items() if k.startswith("time/")}, flush=True)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60),
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"update: {wall[0] * 1e3:.0f} ms wall, kernels busy {busy:.0f} ms over {sum(e.count for e in kernels)} "
+          "launches", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60),
           flush=True)
 
 

@@ -40,7 +40,7 @@ PYEOF
 # one deadline for the whole check (the device tool's call limit is set above it): the tests get at
 # most 300 s (150 s each, so one hang cannot take the rest), the benchmark what is left but 20 s
 DEADLINE=$(( start + ${DEVICE_CHECK_SECONDS:-500} ))
-timeout 300 "$PY" -m pytest -q -m gpu tests/gpu -rA --timeout 150 --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider
+timeout 300 "$PY" -m pytest -q -m gpu tests/gpu -rA --timeout 150 --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider -p no:logging
 tests=$?
 bench=skipped
 if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
