@@ -26,8 +26,14 @@ import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 from _trl import long_sums, step_clock, warm_trainer
 
 #: our side run again with one setting changed, after ours and TRL's (same invocation, same card)
-VARIANTS = {"ours-compile": "with the decoder's norms and MLPs compiled (--learner.compile)",
-            "ours-autocast": "with float32 weights under autocast (the precision of runs 1-3, docs/gpu.md)"}
+VARIANTS = {
+    "ours-compile": ("with the decoder's norms, MLPs and head's log-softmax compiled (--learner.compile)",
+                     {"compile": True}),
+    "ours-compile-4096": ("compiled, with a 4096 MB logits budget (run 5, docs/gpu.md: fewer chunks, fewer launches)",
+                          {"compile": True, "logits_memory_mb": 4096}),
+    "ours-autocast": ("with float32 weights under autocast (the precision of runs 1-3, docs/gpu.md)",
+                      {"master_weights": False}),
+}
 SETUP = {"prompts": 8, "group": 8, "prompt_tokens": 128, "new_tokens": 256, "lr": 1e-6, "beta": 0.001, "rows": 64}
 
 
@@ -40,8 +46,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=SETUP["new_tokens"])
     p.add_argument("--json", type=Path)
     p.add_argument("--sides", default="ours,trl", help="which sides to run (comma-separated): ours, trl, "
-                   "ours-compile (ours with --learner.compile) and ours-autocast (ours with float32 weights under "
-                   "autocast, --learner.master_weights false)")
+                   + ", ".join(f"{side} (ours {what})" for side, (what, _) in VARIANTS.items()))
     p.add_argument("--logits-mb", type=float, default=None, help="our learner.logits_memory_mb (default: ours)")
     p.add_argument("--only", choices=["ours", "trl", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -85,8 +90,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
            "train": {"prompts_per_step": SETUP["prompts"], "steps": args.warmup + args.steps},
            "generation": {"n_samples_per_prompt": SETUP["group"], "max_new_tokens": args.new_tokens},
            "learner": {"lr": SETUP["lr"], "gradient_checkpointing": False,
-                       "master_weights": args.only != "ours-autocast", "compile": args.only == "ours-compile",
-                       **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {})},
+                       **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {}),
+                       **VARIANTS.get(args.only, ("", {}))[1]},
            "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
     trainer = warm_trainer(raw, args.model, args.warmup)
     start, tokens = time.perf_counter(), 0.0
@@ -250,7 +255,7 @@ def main() -> None:
         write(args, results)
         results["trl"] = run_side(args, "trl", model, data, Path(tmp)) if "trl" in sides else {"error": "not run"}
         write(args, results)
-        for side, what in VARIANTS.items():
+        for side, (what, _) in VARIANTS.items():
             if side in sides:
                 other = results[side.replace("-", "_")] = run_side(args, side, model, data, Path(tmp))
                 if "error" not in other:

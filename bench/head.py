@@ -1,6 +1,7 @@
 """The policy's log-probs over a real vocabulary, forward + backward: the fused head
-(rlhf_plugins.models.fused_head) against autograd through a checkpoint per chunk (the path it replaced,
-still taken by heads that are not plain linear layers). The Qwen2.5-0.5B head (151,936 x 896, tied
+(rlhf_plugins.models.fused_head), eager and with its chunks' elementwise work compiled
+(--learner.compile), against autograd through a checkpoint per chunk (the path it replaced, still
+taken by heads that are not plain linear layers). The Qwen2.5-0.5B head (151,936 x 896, tied
 to the embedding), entropy computed and in the loss, the default logits budget (256 MB per chunk).
 
     python bench/head.py --json bench/results/head.json           # CPU: float32, 512 tokens
@@ -19,9 +20,14 @@ import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 import torch
 
 from rlhf_plugins.models import logits as logits_mod
+from rlhf_plugins.models.compiled import cpu_compiler
 from rlhf_plugins.models.forward import LOGITS_MEMORY_MB
+from rlhf_plugins.models.fused_head import COMPILED
 
 VOCAB, HIDDEN = 151936, 896
+#: the fused head, the same with its chunks' elementwise work compiled (--learner.compile), and the
+#: autograd + checkpoint path it replaced
+WAYS = ("fused", "fused, compiled", "autograd + checkpoint")
 
 
 def parse() -> argparse.Namespace:
@@ -35,10 +41,11 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def one(fused: bool, head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, chunk: int,
+def one(way: str, head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, chunk: int,
         autocast: bool) -> tuple[float, torch.Tensor]:
     """Seconds of one forward + backward, and the head's weight gradient."""
-    logits_mod.fusable = (lambda h: fused)
+    logits_mod.fusable = (lambda h: way != "autograd + checkpoint")
+    setattr(head, COMPILED, way == "fused, compiled")
     head.weight.grad = None
     h = hidden.detach().requires_grad_()
     sync = torch.cuda.synchronize if hidden.is_cuda else (lambda: None)
@@ -64,10 +71,10 @@ def main() -> None:
     fusable = logits_mod.fusable
     rows = {}
     try:
-        for name, fused in (("fused", True), ("autograd + checkpoint", False)):
-            one(fused, head, hidden, tokens, chunk, autocast)  # warm-up
-            times, grad = zip(*(one(fused, head, hidden, tokens, chunk, autocast) for _ in range(args.repeats)))
-            rows[name] = {"seconds": min(times), "grad": grad[-1]}
+        for way in WAYS if device.type == "cuda" or cpu_compiler() else WAYS[::2]:
+            one(way, head, hidden, tokens, chunk, autocast)  # warm-up (and the compilation)
+            times, grad = zip(*(one(way, head, hidden, tokens, chunk, autocast) for _ in range(args.repeats)))
+            rows[way] = {"seconds": min(times), "grad": grad[-1]}
     finally:
         logits_mod.fusable = fusable
     a, b = rows["fused"]["grad"], rows["autograd + checkpoint"]["grad"]
@@ -76,6 +83,10 @@ def main() -> None:
               "ms": {k: round(v["seconds"] * 1e3, 1) for k, v in rows.items()},
               "speedup": rows["autograd + checkpoint"]["seconds"] / rows["fused"]["seconds"],
               "weight_grad_rel_diff": float((a - b).norm() / b.norm())}
+    if "fused, compiled" in rows:
+        c = rows["fused, compiled"]["grad"]
+        result["compiled_speedup"] = rows["fused"]["seconds"] / rows["fused, compiled"]["seconds"]
+        result["compiled_weight_grad_rel_diff"] = float((c - a).norm() / a.norm())
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

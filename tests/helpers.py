@@ -265,12 +265,13 @@ def ppo_update(learner: Any, batch: dict[str, Any]) -> dict[str, float]:
     return learner.train(batch, Objective(policy_losses.ppo, prepare({}, autoload=False)[0].algo.policy_loss))
 
 
-def compiled_learner_gaps(dtype: str) -> dict[str, dict[str, float]]:
+def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str, float]]:
     """``--learner.compile`` against eager torch: a compiled and an eager learner in ``dtype`` and an
     eager float32 one make two SGD updates (old log-probs without gradient first) on batches of other
     shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
     float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
-    weights (the float32 masters of a 16-bit run). Also checks that what ran was compiled (dynamo made
+    weights (the float32 masters of a 16-bit run); ``learner_cfg``: more ``learner.*`` settings of all
+    three. Also checks that what ran was compiled (dynamo made
     the norm's and the MLP's graphs)."""
     from torch._dynamo.utils import counters
 
@@ -279,7 +280,7 @@ def compiled_learner_gaps(dtype: str) -> dict[str, dict[str, float]]:
 
     # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
     # which flips wherever a gradient is rounding noise)
-    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c)
+    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **learner_cfg)
                    for d, c in (("float32", False), (dtype, True), (dtype, False)))
     gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
     counters.clear()

@@ -10,6 +10,8 @@ from rlhf_plugins.models.compiled import cpu_compiler
 from tests.helpers import compiled_learner_gaps, run_subprocess, short_run, torch_learner
 
 pytestmark = pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler")
+#: a logits budget of 4 tokens of the default model's 366-entry vocabulary per chunk
+TINY_CHUNKS = 0.02
 
 
 def test_the_compiled_learner_trains_as_the_eager_one_in_float32():
@@ -25,12 +27,31 @@ def test_the_compiled_learner_trains_as_the_eager_one_in_float32():
     assert max(gaps["compiled"].values()) < 1e-4, gaps
 
 
-def test_the_compiled_bf16_learner_is_as_close_to_float32_as_the_eager_one():
+def test_the_compiled_head_trains_as_the_eager_one_in_float32(monkeypatch):
+    """A logits budget of a few tokens per chunk, so the fused head runs chunk by chunk: the compiled
+    learner marks its head, the chunks' log-softmax and gradient run through the compiled functions,
+    and old log-probs, gradient norm and weights stay the eager learner's to rounding."""
+    from rlhf_plugins.models import fused_head
+    from rlhf_plugins.models.logits import output_head
+
+    assert getattr(output_head(torch_learner("float32", compile=True).model), fused_head.COMPILED)
+    assert not getattr(output_head(torch_learner("float32").model), fused_head.COMPILED, False)
+    ran = []
+    compiled = fused_head._compiled
+    monkeypatch.setattr(fused_head, "_compiled", lambda fn: ran.append(fn.__name__) or compiled(fn))
+    gaps = compiled_learner_gaps("float32", logits_memory_mb=TINY_CHUNKS)
+    assert {"_chunk_stats", "_chunk_grad"} <= set(ran)
+    assert max(gaps["compiled"].values()) < 1e-4, gaps
+
+
+@pytest.mark.parametrize("logits_mb", [None, TINY_CHUNKS], ids=["whole-logits", "chunked-head"])
+def test_the_compiled_bf16_learner_is_as_close_to_float32_as_the_eager_one(logits_mb):
     """bf16 weights with float32 masters: the compiled learner keeps float32 inside its fused norms
     where eager torch rounds to bf16 between operations, so it cannot equal the eager bf16 learner; it
     stays at least as close to the float32 learner as that one does (its gradients reach the masters
-    through the compiled backward: a lost gradient would leave the weights far off)."""
-    gaps = compiled_learner_gaps("bfloat16")
+    through the compiled backward: a lost gradient would leave the weights far off). With the head in
+    chunks its compiled gradient reaches the head's float32 master directly."""
+    gaps = compiled_learner_gaps("bfloat16", **({"logits_memory_mb": logits_mb} if logits_mb else {}))
     for key, eager in gaps["eager"].items():
         assert 0 < gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 

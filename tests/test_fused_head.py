@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhf_plugins.models import logits as logits_mod
-from rlhf_plugins.models.fused_head import FusedHeadStats, fusable, head_stats
+from rlhf_plugins.models.fused_head import COMPILED, FusedHeadStats, fusable, head_stats
 
 VOCAB, HIDDEN = 5003, 24
 
@@ -65,6 +65,32 @@ def test_values_and_gradients_equal_the_formulas_in_float64(temperature, with_en
     loss_want = (want[0] * w[0]).sum() + ((want[1] * w[1]).sum() if with_entropy else 0)
     for a, b in zip(grads(loss_got, *params), grads(loss_want, *params)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature,with_entropy,bias", [(0.6, True, False), (1.3, False, True)])
+def test_compiled_chunks_equal_the_formulas_in_float64(temperature, with_entropy, bias):
+    """--learner.compile's head: each chunk's statistics and gradient through torch.compile'd
+    functions (dynamo made their graphs), the same values and gradients as the formulas."""
+    from torch._dynamo.utils import counters
+
+    from rlhf_plugins.models.compiled import cpu_compiler
+
+    if cpu_compiler() is None:
+        pytest.skip("torch.compile on a CPU needs a C++ compiler")
+    head, hidden, tokens, w = make(4, bias=bias)
+    setattr(head, COMPILED, True)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    torch._dynamo.reset()
+    counters.clear()
+    got = head_stats(head, hidden, tokens, temperature, with_entropy, chunk=5)
+    want = reference(head.weight, head.bias, hidden, tokens, temperature)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    loss_got = (got[0] * w[0]).sum() + ((got[1] * w[1]).sum() if with_entropy else 0)
+    loss_want = (want[0] * w[0]).sum() + ((want[1] * w[1]).sum() if with_entropy else 0)
+    for a, b in zip(grads(loss_got, *params), grads(loss_want, *params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] >= 2  # the statistics' graph and the gradient's
 
 
 def test_entropy_asked_for_but_unused_in_the_loss_and_log_probs_unused():

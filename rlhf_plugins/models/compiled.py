@@ -5,9 +5,10 @@ Around its matrix products a decoder layer does elementwise work that eager torc
 (and one trip through memory) per operation: an RMSNorm is five passes over the hidden states in
 float32 (square, mean, reciprocal square root, two products) forward and more backward, a SwiGLU MLP
 two more (SiLU of the gate, times the up projection). Compiled, each becomes one or two fused kernels
-forward and backward, which is what Liger's kernels do by hand. The matrix products are left to
-cuBLAS; attention (with this package's KV caches and masks) and the chunked output head (its own
-fused backward, :mod:`.fused_head`) are not compiled.
+forward and backward, which is what Liger's kernels do by hand. The output head, when it is a plain
+linear layer, is marked so that each chunk's log-softmax, gather, entropy and their gradient run
+compiled around its matrix products (:mod:`.fused_head`). The matrix products are left to cuBLAS;
+attention (with this package's KV caches and masks) is not compiled.
 
 What is compiled: every module whose class is an RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...) and
 every decoder layer's dense MLP (``mlp`` of a class named ``...MLP``; a mixture of experts' routing
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .fused_head import COMPILED, fusable
+from .logits import output_head
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -64,9 +67,13 @@ def compile_blocks(model: Any, device: torch.device, role: str = "actor") -> int
                           "drop --learner.compile")
     for block in blocks:
         block.compile(dynamic=True)
+    head = output_head(model)
+    marked = head is not None and fusable(head)
+    if marked:  # the chunked head's elementwise work (fused_head.py)
+        setattr(head, COMPILED, True)
     kinds = sorted({type(b).__name__ for b in blocks})
-    logger.info("learner.compile: %d blocks of the %s compiled (%s); its first update compiles their kernels",
-                len(blocks), role, ", ".join(kinds))
+    logger.info("learner.compile: %d blocks of the %s compiled (%s)%s; its first update compiles their kernels",
+                len(blocks), role, ", ".join(kinds), " and its output head's log-softmax" if marked else "")
     return len(blocks)
 
 

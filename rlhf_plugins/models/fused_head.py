@@ -17,6 +17,12 @@ added to the master's gradient directly, with no 16-bit gradient at all.
 Values and gradients equal the unfused computation; at most one chunk of logits exists at a time.
 It applies to a plain ``torch.nn.Linear`` head with ordinary tensors (not a LoRA-wrapped head, a
 ZeRO-3 partition or an FSDP2 shard, whose weights are gathered by their module's own forward).
+
+Under ``--learner.compile`` (:mod:`.compiled` marks the head) each chunk's elementwise work is compiled
+too: the log-sum-exp, gather and entropy as one kernel reading the matmul's 16-bit output, and the
+gradient ``(onehot - p) g`` as one kernel writing the 16-bit operand of the backward matmuls, where the
+eager chunk makes about twenty float32 passes over its logits. An H100 profile (docs/gpu.md, run 5)
+found those passes the largest item of the update after the matrix products.
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ import functools
 from typing import Any
 
 import torch
+
+#: set (to True) on a head whose chunks' elementwise work runs compiled (``--learner.compile``)
+COMPILED = "rlhf_compiled_head"
 
 
 def fusable(head: torch.nn.Module) -> bool:
@@ -50,11 +59,12 @@ def head_stats(head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     dtype = compute_dtype(head.weight)
     bias = head.bias if head.bias is not None else head.weight.new_zeros(0)
+    compiled = bool(getattr(head, COMPILED, False))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad or bias.requires_grad)
     if grad:
-        out = FusedHeadStats.apply(flat_h, head.weight, bias, flat_t, temperature, with_entropy, chunk, dtype)
+        out = FusedHeadStats.apply(flat_h, head.weight, bias, flat_t, temperature, with_entropy, chunk, dtype, compiled)
     else:
-        out = _forward(flat_h, head.weight.to(dtype), bias, flat_t, temperature, with_entropy, chunk)
+        out = _forward(flat_h, head.weight.to(dtype), bias, flat_t, temperature, with_entropy, chunk, compiled)
     return tuple(o.view(shape) for o in out[: 2 if with_entropy else 1])
 
 
@@ -63,22 +73,32 @@ def wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 (:func:`wide`) ``(hidden W^T + b) / T`` of one chunk, the matmul in the weight's dtype
-    (as the model's own head runs under autocast)."""
+def _matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``hidden W^T + b`` of one chunk in the weight's dtype (as the model's own head runs under autocast)."""
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight,
-                                            bias.to(weight.dtype) if bias.numel() else None)
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight,
+                                          bias.to(weight.dtype) if bias.numel() else None)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 (:func:`wide`) ``(hidden W^T + b) / T`` of one chunk."""
+    logits = _matmul(hidden, weight, bias)
     z = logits.to(wide(logits.dtype))
     del logits
     return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
-             temperature: float, with_entropy: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             temperature: float, with_entropy: bool, chunk: int,
+             compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token: log-prob of its token, entropy (zeros when not asked for) and log-sum-exp."""
     lps, ents, lses = [], [], []
     for h, t in zip(torch.split(hidden, chunk), torch.split(tokens, chunk)):
+        if compiled:
+            for out, part in zip((lps, ents, lses), _compiled(_chunk_stats)(_matmul(h, weight, bias), t, temperature,
+                                                                            with_entropy)):
+                out.append(part)
+            continue
         z = _logits(h, weight, bias, temperature)
         lse = torch.logsumexp(z, dim=-1)
         lps.append(z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse)
@@ -88,7 +108,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tok
         lses.append(lse)
         del z
     lp, lse = torch.cat(lps), torch.cat(lses)
-    return lp, torch.cat(ents) if with_entropy else torch.zeros_like(lp), lse
+    return lp, torch.cat(ents) if with_entropy and ents else torch.zeros_like(lp), lse
 
 
 class FusedHeadStats(torch.autograd.Function):
@@ -96,11 +116,13 @@ class FusedHeadStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
-                temperature: float, with_entropy: bool, chunk: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                temperature: float, with_entropy: bool, chunk: int, dtype: torch.dtype,
+                compiled: bool) -> tuple[torch.Tensor, ...]:
         w = weight.to(dtype)
-        lp, ent, lse = _forward(hidden, w, bias, tokens, temperature, with_entropy, chunk)
+        lp, ent, lse = _forward(hidden, w, bias, tokens, temperature, with_entropy, chunk, compiled)
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
         ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.dtype = temperature, with_entropy, chunk, dtype
+        ctx.compiled = compiled
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros to work through
         return lp, ent, lse
@@ -123,18 +145,24 @@ class FusedHeadStats(torch.autograd.Function):
         for h, t in zip(torch.split(hidden, ctx.chunk), torch.split(tokens, ctx.chunk)):
             part = slice(start, start + len(t))
             start += len(t)
-            g = _logits_grad(_logits(h, w, bias, ctx.temperature), t, lse[part], g_lp[part],
-                             None if g_ent is None else (ent[part], g_ent[part]), ctx.temperature)
+            entropy = None if g_ent is None else (ent[part], g_ent[part])
+            if ctx.compiled:
+                g16, g_sum = _compiled(_chunk_grad)(_matmul(h, w, bias), t, lse[part], g_lp[part], entropy,
+                                                    ctx.temperature, w.dtype, grad_b is not None)
+            else:
+                g = _logits_grad(_logits(h, w, bias, ctx.temperature), t, lse[part], g_lp[part], entropy,
+                                 ctx.temperature)
+                g_sum = g.sum(0) if grad_b is not None else None
+                g16 = g.to(w.dtype)
+                del g
             if grad_b is not None:
-                grad_b += g.sum(0)
-            g16 = g.to(w.dtype)
-            del g
+                grad_b += g_sum
             if grad_h is not None:
                 grad_h[part] = (g16 @ w).to(hidden.dtype)
             if grad_w is not None:
                 _accumulate(grad_w, g16.t(), h.to(w.dtype))
         grad_w = None if main is not None else _like(grad_w, weight)  # added to main_grad already
-        return grad_h, grad_w, _like(grad_b, bias), None, None, None, None, None
+        return grad_h, grad_w, _like(grad_b, bias), None, None, None, None, None, None
 
 
 def _like(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
@@ -156,6 +184,46 @@ def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp:
     rows = torch.arange(len(tokens), device=g.device)
     g[rows, tokens] += g_lp
     return g.div_(temperature) if temperature != 1.0 else g
+
+
+def _chunk_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward`'s per-token outputs for one chunk, from the head's matmul output as it is
+    (compiled: one kernel reads it and never writes a float32 copy)."""
+    z = logits.to(wide(logits.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lp)
+    return lp, ent, lse
+
+
+def _chunk_grad(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
+                entropy: tuple[torch.Tensor, torch.Tensor] | None, temperature: float, dtype: torch.dtype,
+                with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_logits_grad` written without in-place steps (for the compiler), returned in the matmul
+    dtype, with its sum over the chunk's tokens (the bias's gradient) when asked for."""
+    z = logits.to(lse.dtype)
+    if temperature != 1.0:
+        z = z / temperature
+    logp = z - lse.unsqueeze(-1)
+    p = logp.exp()
+    g_lp = g_lp.unsqueeze(-1)
+    onehot = torch.arange(z.shape[-1], device=z.device) == tokens.unsqueeze(-1)
+    g = torch.where(onehot, g_lp, 0.0) - p * g_lp
+    if entropy is not None:
+        ent, g_ent = entropy
+        g = g - p * (logp + ent.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+    if temperature != 1.0:
+        g = g / temperature
+    return g.to(dtype), (g.sum(0) if with_bias else None)
+
+
+@functools.cache
+def _compiled(fn: Any) -> Any:
+    """``fn`` compiled once per process, shapes dynamic (chunks of other lengths reuse its kernels)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
