@@ -91,7 +91,7 @@ def test_trl_torch_compile_turns_it_on_and_liger_is_a_note():
     raw, notes = from_grpo_fields({"torch_compile_mode": "max-autotune"})  # the Trainer compiles then too
     assert raw["learner"]["compile"] is True
     assert notes == ["TRL field 'torch_compile_mode' ('max-autotune') is ignored: --learner.compile compiles the "
-                     "decoder's norms and MLPs with inductor's default mode"]
+                     "decoder's norms, MLPs and head's log-softmax with inductor's default mode"]
     raw, notes = from_grpo_fields({"use_liger_kernel": True})
     assert "compile" not in raw.get("learner", {})
     assert [n for n in notes if "use_liger_kernel" in n] == [

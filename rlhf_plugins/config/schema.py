@@ -144,7 +144,7 @@ class LearnerConfig:
     gradient_checkpointing: bool = False
     #: 16-bit runs (torch learner): 16-bit weights + float32 masters; false: float32 weights under autocast
     master_weights: bool = True
-    #: torch and fsdp learners: compile the decoder's norms and MLPs with torch.compile (fused kernels)
+    #: torch and fsdp learners: compile the decoder's norms, MLPs and the head's log-softmax (torch.compile)
     compile: bool = False
     #: adamw | adam | sgd
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"

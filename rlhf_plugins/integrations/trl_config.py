@@ -210,13 +210,13 @@ def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
 
 
 def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """transformers' Trainer compiles when any of its three fields is set (we: norms and MLPs, inductor)."""
+    """transformers' Trainer compiles when any of its three fields is set (we: norms, MLPs, head; inductor)."""
     if f.get("torch_compile") or f.get("torch_compile_backend") or f.get("torch_compile_mode"):
         _set(raw, "learner.compile", True)
     for name in ("torch_compile_backend", "torch_compile_mode"):
         if f.get(name) not in (None, "inductor", "default"):
             notes.append(f"TRL field '{name}' ({f[name]!r}) is ignored: --learner.compile compiles the decoder's "
-                         "norms and MLPs with inductor's default mode")
+                         "norms, MLPs and head's log-softmax with inductor's default mode")
 
 
 def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
