@@ -82,9 +82,8 @@ def _matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 (:func:`wide`) ``(hidden W^T + b) / T`` of one chunk."""
-    logits = _matmul(hidden, weight, bias)
-    z = logits.to(wide(logits.dtype))
-    del logits
+    z = _matmul(hidden, weight, bias)
+    z = z.to(wide(z.dtype))
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -92,23 +91,26 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tok
              temperature: float, with_entropy: bool, chunk: int,
              compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token: log-prob of its token, entropy (zeros when not asked for) and log-sum-exp."""
-    lps, ents, lses = [], [], []
-    for h, t in zip(torch.split(hidden, chunk), torch.split(tokens, chunk)):
-        if compiled:
-            for out, part in zip((lps, ents, lses), _compiled(_chunk_stats)(_matmul(h, weight, bias), t, temperature,
-                                                                            with_entropy)):
-                out.append(part)
-            continue
-        z = _logits(h, weight, bias, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        lps.append(z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse)
-        if with_entropy:
-            p = (z - lse.unsqueeze(-1)).exp_()
-            ents.append(lse - p.mul_(z).sum(-1))
-        lses.append(lse)
-        del z
-    lp, lse = torch.cat(lps), torch.cat(lses)
-    return lp, torch.cat(ents) if with_entropy and ents else torch.zeros_like(lp), lse
+    stats = _compiled(_chunk_stats) if compiled else _eager_stats
+    parts = [stats(_matmul(h, weight, bias), t, temperature, with_entropy)
+             for h, t in zip(torch.split(hidden, chunk), torch.split(tokens, chunk))]
+    lp, ent, lse = (torch.cat(column) for column in zip(*parts))
+    return lp, ent, lse
+
+
+def _eager_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_stats` with in-place steps, one float32 copy of the logits at a time."""
+    z = logits.to(wide(logits.dtype))
+    del logits
+    if temperature != 1.0:
+        z.div_(temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return lp, torch.zeros_like(lp), lse
+    p = (z - lse.unsqueeze(-1)).exp_()
+    return lp, lse - p.mul_(z).sum(-1), lse
 
 
 class FusedHeadStats(torch.autograd.Function):
