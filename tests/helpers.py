@@ -265,14 +265,18 @@ def ppo_update(learner: Any, batch: dict[str, Any]) -> dict[str, float]:
     return learner.train(batch, Objective(policy_losses.ppo, prepare({}, autoload=False)[0].algo.policy_loss))
 
 
+#: ``learner.logits_memory_mb`` of 4 tokens of the default model's 366-entry vocabulary per chunk (its
+#: head then runs chunk by chunk, as a real vocabulary's does); the default budget holds its whole logits
+TINY_CHUNKS, WHOLE_LOGITS = 0.02, 256.0
+
+
 def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str, float]]:
     """``--learner.compile`` against eager torch: a compiled and an eager learner in ``dtype`` and an
     eager float32 one make two SGD updates (old log-probs without gradient first) on batches of other
     shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
     float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
     weights (the float32 masters of a 16-bit run); ``learner_cfg``: more ``learner.*`` settings of all
-    three. Also checks that what ran was compiled (dynamo made
-    the norm's and the MLP's graphs)."""
+    three. Also checks that what ran was compiled (dynamo made the norm's and the MLP's graphs)."""
     from torch._dynamo.utils import counters
 
     def weights(learner: Any) -> list[Any]:

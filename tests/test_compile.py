@@ -7,11 +7,9 @@ import pytest
 
 from rlhf_plugins.errors import ConfigError
 from rlhf_plugins.models.compiled import cpu_compiler
-from tests.helpers import compiled_learner_gaps, run_subprocess, short_run, torch_learner
+from tests.helpers import TINY_CHUNKS, WHOLE_LOGITS, compiled_learner_gaps, run_subprocess, short_run, torch_learner
 
 pytestmark = pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler")
-#: a logits budget of 4 tokens of the default model's 366-entry vocabulary per chunk
-TINY_CHUNKS = 0.02
 
 
 def test_the_compiled_learner_trains_as_the_eager_one_in_float32():
@@ -44,14 +42,14 @@ def test_the_compiled_head_trains_as_the_eager_one_in_float32(monkeypatch):
     assert max(gaps["compiled"].values()) < 1e-4, gaps
 
 
-@pytest.mark.parametrize("logits_mb", [None, TINY_CHUNKS], ids=["whole-logits", "chunked-head"])
+@pytest.mark.parametrize("logits_mb", [WHOLE_LOGITS, TINY_CHUNKS], ids=["whole-logits", "chunked-head"])
 def test_the_compiled_bf16_learner_is_as_close_to_float32_as_the_eager_one(logits_mb):
     """bf16 weights with float32 masters: the compiled learner keeps float32 inside its fused norms
     where eager torch rounds to bf16 between operations, so it cannot equal the eager bf16 learner; it
     stays at least as close to the float32 learner as that one does (its gradients reach the masters
     through the compiled backward: a lost gradient would leave the weights far off). With the head in
     chunks its compiled gradient reaches the head's float32 master directly."""
-    gaps = compiled_learner_gaps("bfloat16", **({"logits_memory_mb": logits_mb} if logits_mb else {}))
+    gaps = compiled_learner_gaps("bfloat16", logits_memory_mb=logits_mb)
     for key, eager in gaps["eager"].items():
         assert 0 < gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 

@@ -13,7 +13,14 @@ import torch
 
 from rlhf_plugins.api import prepare
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import assert_same_samples, compiled_learner_gaps, random_batch, torch_learner
+from tests.helpers import (
+    TINY_CHUNKS,
+    WHOLE_LOGITS,
+    assert_same_samples,
+    compiled_learner_gaps,
+    random_batch,
+    torch_learner,
+)
 
 #: "cpu" runs these bodies on the CPU (to check the tests themselves without a GPU); CUDA-only checks
 #: (NCCL, CUDA IPC) then expect their CPU twins (gloo, shared memory)
@@ -220,7 +227,7 @@ def test_fsdp_on_one_gpu_loads_its_shards_and_matches_the_torch_learner(report, 
     assert worst < (0.05 * lr if exact else 1e-3) and ref_gap < (1e-4 if exact else 0.1)
 
 
-@pytest.mark.parametrize("logits_mb", [None, 0.02], ids=["whole-logits", "chunked-head"])
+@pytest.mark.parametrize("logits_mb", [WHOLE_LOGITS, TINY_CHUNKS], ids=["whole-logits", "chunked-head"])
 def test_the_compiled_learner_trains_as_the_eager_one_on_cuda(report, logits_mb):
     """--learner.compile on the GPU (Triton kernels for the norms and MLPs, and with a logits budget of
     4 tokens per chunk for the head's log-softmax and gradient), bf16 weights with float32 masters: over
@@ -229,8 +236,8 @@ def test_the_compiled_learner_trains_as_the_eager_one_on_cuda(report, logits_mb)
     from rlhf_plugins.models.compiled import compiled_blocks
 
     assert len(compiled_blocks(torch_learner("bfloat16", compile=True).model)) == 7
-    gaps = compiled_learner_gaps("bfloat16", **({"logits_memory_mb": logits_mb} if logits_mb else {}))
-    report(f"compiled_bf16_gaps_to_float32_{'chunked_head' if logits_mb else 'whole_logits'}", gaps)
+    gaps = compiled_learner_gaps("bfloat16", logits_memory_mb=logits_mb)
+    report(f"compiled_bf16_gaps_to_float32_{'chunked_head' if logits_mb == TINY_CHUNKS else 'whole_logits'}", gaps)
     for key, eager in gaps["eager"].items():
         assert gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 
