@@ -52,19 +52,27 @@ def grads(loss, *tensors):
     return torch.autograd.grad(loss, tensors, retain_graph=True)
 
 
-@pytest.mark.parametrize("temperature,with_entropy,bias", [(1.0, True, True), (0.6, True, False), (1.3, False, True)])
-def test_values_and_gradients_equal_the_formulas_in_float64(temperature, with_entropy, bias):
-    head, hidden, tokens, w = make(0, bias=bias)
-    params = [hidden, head.weight] + ([head.bias] if bias else [])
-    got = head_stats(head, hidden, tokens, temperature, with_entropy, chunk=5)  # 8 chunks, a ragged last one
+def assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy):
+    """``head_stats`` in chunks of 5 tokens (a ragged last one): log-probs and entropy equal
+    :func:`reference`'s, and so do the gradients of a weighted sum of them for the hidden states, the
+    weight and the bias. Returns what ``head_stats`` gave."""
+    params = [hidden, head.weight] + ([head.bias] if head.bias is not None else [])
+    got = head_stats(head, hidden, tokens, temperature, with_entropy, chunk=5)
     want = reference(head.weight, head.bias, hidden, tokens, temperature)
-    assert made_by_fused(got[0])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     loss_got = (got[0] * w[0]).sum() + ((got[1] * w[1]).sum() if with_entropy else 0)
     loss_want = (want[0] * w[0]).sum() + ((want[1] * w[1]).sum() if with_entropy else 0)
     for a, b in zip(grads(loss_got, *params), grads(loss_want, *params)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    return got
+
+
+@pytest.mark.parametrize("temperature,with_entropy,bias", [(1.0, True, True), (0.6, True, False), (1.3, False, True)])
+def test_values_and_gradients_equal_the_formulas_in_float64(temperature, with_entropy, bias):
+    head, hidden, tokens, w = make(0, bias=bias)
+    got = assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy)
+    assert made_by_fused(got[0])
 
 
 @pytest.mark.parametrize("temperature,with_entropy,bias", [(0.6, True, False), (1.3, False, True)])
@@ -79,17 +87,9 @@ def test_compiled_chunks_equal_the_formulas_in_float64(temperature, with_entropy
         pytest.skip("torch.compile on a CPU needs a C++ compiler")
     head, hidden, tokens, w = make(4, bias=bias)
     setattr(head, COMPILED, True)
-    params = [hidden, head.weight] + ([head.bias] if bias else [])
     torch._dynamo.reset()
     counters.clear()
-    got = head_stats(head, hidden, tokens, temperature, with_entropy, chunk=5)
-    want = reference(head.weight, head.bias, hidden, tokens, temperature)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    loss_got = (got[0] * w[0]).sum() + ((got[1] * w[1]).sum() if with_entropy else 0)
-    loss_want = (want[0] * w[0]).sum() + ((want[1] * w[1]).sum() if with_entropy else 0)
-    for a, b in zip(grads(loss_got, *params), grads(loss_want, *params)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy)
     assert counters["stats"]["unique_graphs"] >= 2  # the statistics' graph and the gradient's
 
 

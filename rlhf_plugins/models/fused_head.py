@@ -143,14 +143,15 @@ class FusedHeadStats(torch.autograd.Function):
         grad_w = main if main is not None else (
             torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device) if need_w else None)
         grad_b = torch.zeros(bias.shape, dtype=wide(bias.dtype), device=bias.device) if need_b else None
+        compiled = _compiled(_chunk_grad) if ctx.compiled else None
         start = 0
         for h, t in zip(torch.split(hidden, ctx.chunk), torch.split(tokens, ctx.chunk)):
             part = slice(start, start + len(t))
             start += len(t)
             entropy = None if g_ent is None else (ent[part], g_ent[part])
-            if ctx.compiled:
-                g16, g_sum = _compiled(_chunk_grad)(_matmul(h, w, bias), t, lse[part], g_lp[part], entropy,
-                                                    ctx.temperature, w.dtype, grad_b is not None)
+            if compiled is not None:
+                g16, g_sum = compiled(_matmul(h, w, bias), t, lse[part], g_lp[part], entropy, ctx.temperature,
+                                      w.dtype, grad_b is not None)
             else:
                 g = _logits_grad(_logits(h, w, bias, ctx.temperature), t, lse[part], g_lp[part], entropy,
                                  ctx.temperature)
