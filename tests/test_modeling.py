@@ -403,6 +403,37 @@ def test_saving_a_model_imports_deepspeed_only_in_a_process_that_has(tiny_model,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+_DEEPSPEED_RUN = """
+import json, sys
+from rlhf_plugins.cli import main
+code = main(["train", "--learner.backend", "deepspeed", "--train.steps", "1", "--train.prompts_per_step", "2",
+             "--generation.n_samples_per_prompt", "2", "--eval.enabled", "false", "--train.progress", "false"])
+from deepspeed.autotuning import autotuner
+loaded = "mlflow" in sys.modules
+import mlflow
+print(json.dumps({"code": code, "loaded": loaded, "autotuner": autotuner.has_mlflow, "later": mlflow.__name__}))
+"""
+
+
+def test_a_deepspeed_learner_process_never_imports_mlflow(tmp_path):
+    """DeepSpeed's autotuner (never run by this package) imports MLflow when it is installed, about
+    1.4 s of every learner process's start; a whole DeepSpeed run imports DeepSpeed without it, and
+    MLflow stays importable in that process afterwards."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import clean_env
+
+    pytest.importorskip("mlflow")
+    pytest.importorskip("deepspeed")
+    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_RUN], capture_output=True, text=True, cwd=tmp_path,
+                          env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"code": 0, "loaded": False, "autotuner": False, "later": "mlflow"}
+
+
 def test_the_shipped_models_are_the_recorded_ones():
     """Every machine trains the same tiny models: they ship with the package, byte for byte."""
     import hashlib
