@@ -195,6 +195,43 @@ def test_a_role_failing_at_start_stops_set_up_and_leaves_no_actor(local_ray, tmp
     assert alive == []
 
 
+class Stopper:
+    """A role that can be kept busy, and that leaves a file when asked to stop."""
+
+    def __init__(self, where: str, tag: str) -> None:
+        self.where, self.tag = where, tag
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def shutdown(self) -> None:
+        from pathlib import Path
+
+        Path(self.where, f"{self.tag}-stopped").touch()
+
+
+def test_a_role_whose_call_timed_out_is_killed_without_waiting_for_it_to_stop(local_ray, tmp_path, monkeypatch):
+    """The run ends after a call did not return: the other roles are asked to stop (and do), the
+    hung one is killed at once instead of being waited on for the shutdown deadline."""
+    from rlhf_plugins.errors import RoleCallTimeout
+    from rlhf_plugins.placement import ray_placement
+
+    monkeypatch.setattr(ray_placement, "SHUTDOWN_SECONDS", 60.0)
+    p = RayPlacement(PlacementContext(config(call_timeout=1), ("actor", "reference")))
+    try:
+        groups = {r: p.create_role(r, Stopper, str(tmp_path), r) for r in ("actor", "reference")}
+        p.ready()
+        with pytest.raises(RoleCallTimeout, match="role 'actor' \\(rank 0\\) in 'busy' did not return within 1 s"):
+            groups["actor"].busy(600)
+        groups["reference"].busy(0)
+    finally:
+        began = time.monotonic()
+        p.shutdown()
+    assert time.monotonic() - began < 30  # not the 60 s deadline
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["reference-stopped"]
+    assert [a for a in ray.util.list_named_actors() if a.startswith(f"rlhf-{p.run_id}-")] == []
+
+
 def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
     """Decided from the cluster's resources: no placement group is asked for (none would ever be ready)."""
     groups = len(ray.util.placement_group_table())

@@ -20,6 +20,8 @@ from .ray_roles import NOSET_ENV, RoleGroup, RoleWorker, get
 logger = logging.getLogger("rlhf_plugins")
 
 #: roles that share one placement group (and split each bundle's GPU and CPU) per mode
+#: how long the workers of a run that ends get, together, to stop before they are killed
+SHUTDOWN_SECONDS = 10.0
 COLOCATE = {
     "none": (),
     "actor_ref": (("actor", "reference"),),
@@ -217,11 +219,14 @@ class RayPlacement:
     def shutdown(self) -> None:
         ray = self._ray
         self._starting.shutdown(wait=True)
+        # every worker is asked to stop at once (closing engines, process groups, shared buffers), with
+        # one deadline for all; a worker still inside a call that timed out could not answer, so it
+        # is not asked. Then all are killed.
+        hung = {w for group in self.groups.values() if group.hung for w in group.workers}
+        stopping = [worker.shutdown.remote() for worker in self.actors if worker not in hung]
+        if stopping:
+            ray.wait(stopping, num_returns=len(stopping), timeout=SHUTDOWN_SECONDS, fetch_local=False)
         for worker in self.actors:
-            try:
-                ray.get(worker.shutdown.remote(), timeout=10)
-            except Exception:
-                pass
             ray.kill(worker)
         self.actors.clear()
         self.groups.clear()

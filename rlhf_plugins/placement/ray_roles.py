@@ -187,6 +187,9 @@ class RoleGroup:
     def __init__(self, role: str, cls: type, workers: Any, timeout: float | None = None) -> None:
         self.role, self.cls, self.timeout = role, cls, timeout
         self._workers = workers
+        #: a call of this group's did not return in time: its workers are busy in it, so shutting
+        #: the run down kills them without asking them to stop first
+        self.hung = False
 
     @property
     def workers(self) -> list[Any]:
@@ -202,7 +205,11 @@ class RoleGroup:
         if rank is None and len(self.workers) == 1:
             rank = 0
         ranks = f"rank {rank}" if rank is not None else f"{len(self.workers)} ranks"
-        return get(refs, f"role '{self.role}' ({ranks}) in '{method}'", self.timeout)
+        try:
+            return get(refs, f"role '{self.role}' ({ranks}) in '{method}'", self.timeout)
+        except RoleCallTimeout:
+            self.hung = True
+            raise
 
     def run(self, fn: Any, *args: Any, rank: int | None = None) -> Any:
         name = getattr(fn, "__name__", str(fn))
