@@ -416,8 +416,8 @@ print(json.dumps({"code": code, "loaded": loaded, "autotuner": autotuner.has_mlf
 
 
 def test_a_deepspeed_learner_process_never_imports_mlflow(tmp_path):
-    """DeepSpeed's autotuner (never run by this package) imports MLflow when it is installed, about
-    1.4 s of every learner process's start; a whole DeepSpeed run imports DeepSpeed without it, and
+    """DeepSpeed's autotuner (never run by this package) imports MLflow when it is installed, about a
+    second of every learner process's start; a whole DeepSpeed run imports DeepSpeed without it, and
     MLflow stays importable in that process afterwards."""
     import json
     import subprocess

@@ -19,9 +19,9 @@ from .ray_roles import NOSET_ENV, RoleGroup, RoleWorker, get
 
 logger = logging.getLogger("rlhf_plugins")
 
-#: roles that share one placement group (and split each bundle's GPU and CPU) per mode
 #: how long the workers of a run that ends get, together, to stop before they are killed
 SHUTDOWN_SECONDS = 10.0
+#: roles that share one placement group (and split each bundle's GPU and CPU) per mode
 COLOCATE = {
     "none": (),
     "actor_ref": (("actor", "reference"),),
