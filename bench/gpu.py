@@ -31,6 +31,8 @@ VARIANTS = {
                      {"compile": True}),
     "ours-compile-4096": ("compiled, with a 4096 MB logits budget (run 5, docs/gpu.md: fewer chunks, fewer launches)",
                           {"compile": True, "logits_memory_mb": 4096}),
+    "ours-compile-layers-4096": ("compiled as whole decoder layers (--learner.compile_scope layers: fewer launches), "
+                                 "4096 MB logits", {"compile": True, "compile_scope": "layers", "logits_memory_mb": 4096}),
     "ours-autocast": ("with float32 weights under autocast (the precision of runs 1-3, docs/gpu.md)",
                       {"master_weights": False}),
 }

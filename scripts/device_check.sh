@@ -6,7 +6,8 @@
 # on an H200 (2026-11-25, tests and two bench sides); 344 s on an H100 (2026-11-26, run 4: tests,
 # bench/head.py and four bench sides). The whole check keeps to DEVICE_CHECK_SECONDS (default 500; 420
 # leaves a lent session's 15 minutes room for a rerun): the bench's sides run in order ours, trl,
-# ours-compile, ours-compile-4096 (BENCH_SIDES to choose; ours-autocast is the precision of runs 1-3)
+# ours-compile-4096, ours-compile-layers-4096, ours-compile (BENCH_SIDES to choose; ours-autocast is the
+# precision of runs 1-3)
 # and the JSON is written after each, so a short deadline drops the last sides first. DEVICE_CHECK_TESTS=0
 # runs the benchmarks alone (about 150 s for bench/head.py and one side).
 # Without CUDA (checking it here) the tests are skipped and the benchmarks are not run.
@@ -55,7 +56,7 @@ if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     timeout 90 "$PY" bench/head.py --device cuda --tokens 16384 --json "$OUT/head.json" || echo "bench/head.py failed ($?)"
     left=$(( DEADLINE - $(date +%s) - 20 ))
     echo "bench/gpu.py: $left s left"
-    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours,trl,ours-compile,ours-compile-4096}" --json "$OUT/gpu_bench.json" && bench=ok \
+    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours,trl,ours-compile-4096,ours-compile-layers-4096,ours-compile}" --json "$OUT/gpu_bench.json" && bench=ok \
         || bench="failed ($?)"
 else
     echo "no CUDA here: bench/gpu.py not run"

@@ -276,7 +276,7 @@ def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str,
     shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
     float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
     weights (the float32 masters of a 16-bit run); ``learner_cfg``: more ``learner.*`` settings of all
-    three. Also checks that what ran was compiled (dynamo made the norm's and the MLP's graphs)."""
+    three (``compile_scope``: of the compiled one). Also checks that what ran was compiled (dynamo made the norm's and the MLP's graphs)."""
     from torch._dynamo.utils import counters
 
     def weights(learner: Any) -> list[Any]:
@@ -284,7 +284,8 @@ def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str,
 
     # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
     # which flips wherever a gradient is rounding noise)
-    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **learner_cfg)
+    scope = {"compile_scope": learner_cfg.pop("compile_scope")} if "compile_scope" in learner_cfg else {}
+    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **(scope if c else {}), **learner_cfg)
                    for d, c in (("float32", False), (dtype, True), (dtype, False)))
     gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
     counters.clear()

@@ -3,6 +3,8 @@ torch.compile'd kernels and train as the eager learner does; learners and machin
 say so in one line; TRL's torch_compile maps onto it."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rlhf_plugins.errors import ConfigError
@@ -54,6 +56,43 @@ def test_the_compiled_bf16_learner_is_as_close_to_float32_as_the_eager_one(logit
         assert 0 < gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 
 
+def _recompile_reasons(run: Any) -> list[str]:
+    """What dynamo printed for each recompilation during ``run()`` (its ``recompiles`` log)."""
+    import logging
+
+    import torch
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        run()
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    return seen
+
+
+def test_whole_decoder_layers_compile_once_for_all_layers_and_train_as_the_eager_learner():
+    """--learner.compile_scope layers: each decoder layer is compiled whole (and the final norm, the
+    one block outside them), the two updates in float32 stay the eager learner's to rounding, and
+    no version was compiled for a layer's index or a KV cache layer's state: the recompilations
+    there are (shared prompt or not, gradient or not) hold for every layer at once."""
+    from rlhf_plugins.models.compiled import compiled_blocks
+
+    model = torch_learner("float32", compile=True, compile_scope="layers").model
+    assert compiled_blocks(model) == ["model.layers.0", "model.layers.1", "model.norm"]
+    gaps: dict = {}
+    reasons = _recompile_reasons(lambda: gaps.update(compiled_learner_gaps("float32", compile_scope="layers")))
+    assert max(gaps["compiled"].values()) < 1e-4, gaps
+    assert reasons, "the shared-prompt and the full forward compile apart; the log saw neither"
+    per_layer = [r for r in reasons if "layer_idx" in r or "layers[" in r]
+    assert not per_layer, per_layer[0]
+
+
 def test_a_learner_that_does_not_compile_refuses_the_flag():
     pytest.importorskip("deepspeed")
     from rlhf_plugins.api import prepare
@@ -61,6 +100,14 @@ def test_a_learner_that_does_not_compile_refuses_the_flag():
     with pytest.raises(ConfigError, match="the 'deepspeed' learner does not compile its model; use "
                                           "--learner.backend torch \\(or fsdp\\) or drop --learner.compile"):
         prepare({"learner": {"backend": "deepspeed", "compile": True}}, autoload=False)
+
+
+def test_a_compile_scope_without_compile_is_refused():
+    from rlhf_plugins.api import prepare
+
+    with pytest.raises(ConfigError, match="^learner.compile_scope layers says what --learner.compile compiles; add "
+                                          "--learner.compile true or drop --learner.compile_scope$"):
+        prepare({"learner": {"compile_scope": "layers"}}, autoload=False)
 
 
 def test_without_a_cpu_compiler_the_run_stops_in_one_line(tmp_path):

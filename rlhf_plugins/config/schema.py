@@ -146,6 +146,8 @@ class LearnerConfig:
     master_weights: bool = True
     #: torch and fsdp learners: compile the decoder's norms, MLPs and the head's log-softmax (torch.compile)
     compile: bool = False
+    #: what --learner.compile compiles: blocks (norms, MLPs) | layers (each whole decoder layer: fewer kernels)
+    compile_scope: Literal["blocks", "layers"] = "blocks"
     #: adamw | adam | sgd
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     #: Adam(W)'s beta1 and beta2

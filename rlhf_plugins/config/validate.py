@@ -156,6 +156,9 @@ def check_combinations(c: Config, plan: Plan) -> None:
     if c.learner.compile and not plan.learner.compiles:
         raise ConfigError(f"learner.compile: the '{plan.learner.name}' learner does not compile its model; use "
                           "--learner.backend torch (or fsdp) or drop --learner.compile")
+    if c.learner.compile_scope != "blocks" and not c.learner.compile:
+        raise ConfigError(f"learner.compile_scope {c.learner.compile_scope} says what --learner.compile compiles; "
+                          "add --learner.compile true or drop --learner.compile_scope")
     if plan.engine_workers < 1:
         raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
     if plan.engine_workers > 1 and not placement.multi_rank:

@@ -21,18 +21,10 @@ from typing import Any
 
 import torch
 
+from ..models.compiled import decoder_layers
 from ..models.empty_init import Source, empty_weights, load_shards, source_of
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
-
-
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The modules to shard one by one: those of the classes transformers marks as not to be split
-    (``_no_split_modules``: the decoder layers), found in the model or the model it wraps."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class LearnerForward(torch.nn.Module):
@@ -100,7 +92,7 @@ class FSDPLearner(Learner):
         if self.cfg.compile and not frozen:  # inside each FSDP unit: its gathered weights, compiled kernels
             from ..models.compiled import compile_blocks
 
-            compile_blocks(model, self.device, self.role)
+            compile_blocks(model, self.device, self.role, self.cfg.compile_scope)
         if not o.offload_params and source is None:
             model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))

@@ -1,5 +1,6 @@
-"""``--learner.compile``: the learner's decoder norms and MLPs compiled with ``torch.compile`` (the torch
-learner, and the FSDP2 learner inside each of its units, where they run on the gathered weights).
+"""``--learner.compile``: the learner's decoder norms and MLPs (or whole decoder layers) compiled with
+``torch.compile`` (the torch learner, and the FSDP2 learner inside each of its units, where they run on
+the gathered weights).
 
 Around its matrix products a decoder layer does elementwise work that eager torch runs as one kernel
 (and one trip through memory) per operation: an RMSNorm is five passes over the hidden states in
@@ -7,15 +8,23 @@ float32 (square, mean, reciprocal square root, two products) forward and more ba
 two more (SiLU of the gate, times the up projection). Compiled, each becomes one or two fused kernels
 forward and backward, which is what Liger's kernels do by hand. The output head, when it is a plain
 linear layer, is marked so that each chunk's log-softmax, gather, entropy and their gradient run
-compiled around its matrix products (:mod:`.fused_head`). The matrix products are left to cuBLAS;
-attention (with this package's KV caches and masks) is not compiled.
+compiled around its matrix products (:mod:`.fused_head`). The matrix products are left to cuBLAS.
 
-What is compiled: every module whose class is an RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...) and
-every decoder layer's dense MLP (``mlp`` of a class named ``...MLP``; a mixture of experts' routing
-block is left eager). Shapes are compiled dynamic from the first call: micro batches of other lengths,
+What is compiled (``--learner.compile_scope blocks``, the default): every module whose class is an
+RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...) and every decoder layer's dense MLP (``mlp`` of a
+class named ``...MLP``; a mixture of experts' routing block is left eager); attention (with this
+package's KV caches and masks) is not. Shapes are compiled dynamic from the first call: micro batches of other lengths,
 the shared-prefix forward's prompt and completion parts and the no-grad old-log-prob pass reuse the
 same kernels instead of compiling again. The first update pays the compilation (seconds on a
 CPU for a small model, more for a large one; Triton on a GPU).
+
+``--learner.compile_scope layers`` compiles each dense decoder layer whole (and the final norm): also
+the rotary embedding, the projections' reshapes and the residual adds, for fewer kernels per layer
+where a small model's update waits on launching them. All layers share one compiled code (their
+index is a symbolic integer, not a constant to recompile for), and the shared-prompt forward's KV
+cache is updated outside the graph (:class:`EagerUpdateCache`): otherwise each layer index and each
+cache state would be compiled apart, soon past dynamo's limit of eight versions (after which the
+layers run eagerly). A mixture-of-experts layer keeps its routing eager (its norms are compiled).
 """
 from __future__ import annotations
 
@@ -24,12 +33,16 @@ import shutil
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from ..errors import ConfigError
 from .fused_head import COMPILED, fusable
 from .logits import output_head
 
 logger = logging.getLogger("rlhf_plugins")
+
+#: set on a model whose decoder layers run compiled (``--learner.compile_scope layers``)
+LAYERS = "_rlhf_compiled_layers"
 
 
 def compilable(module: torch.nn.Module) -> bool:
@@ -57,26 +70,76 @@ def check_compiler(device: torch.device) -> None:
                           "install g++ or drop --learner.compile")
 
 
-def compile_blocks(model: Any, device: torch.device, role: str = "actor") -> int:
-    """Compile ``model``'s RMSNorms and dense MLPs in place (``nn.Module.compile``: the module keeps
-    its parameters, names and hooks; only its call runs compiled). Returns how many were compiled."""
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers: modules of the classes transformers marks as not to be split
+    (``_no_split_modules``), found in the model or the model it wraps."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def dense_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers ``--learner.compile_scope layers`` compiles whole: all but those holding a
+    mixture of experts (whose routing stays eager; their norms are compiled as blocks)."""
+    def moe(layer: torch.nn.Module) -> bool:
+        return any("Moe" in type(m).__name__ or "MoE" in type(m).__name__ for m in layer.modules())
+
+    return [layer for layer in decoder_layers(model) if not moe(layer)]
+
+
+def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope: str = "blocks") -> int:
+    """Compile ``model``'s RMSNorms and dense MLPs, or with ``scope="layers"`` its dense decoder layers
+    whole and the norms outside them, in place (``nn.Module.compile``: the module keeps its parameters,
+    names and hooks; only its call runs compiled). Returns how many modules were compiled."""
     check_compiler(device)
-    blocks = [m for m in model.modules() if compilable(m)]
-    if not blocks:
+    layers = dense_layers(model) if scope == "layers" else []
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    blocks = [m for m in model.modules() if compilable(m) and id(m) not in inside]
+    if not layers and not blocks:
         raise ConfigError(f"learner.compile: {type(model).__name__} has no RMSNorm or MLP block to compile; "
                           "drop --learner.compile")
     for block in blocks:
         block.compile(dynamic=True)
+    for layer in layers:
+        layer.compile(dynamic=True)
+        layer._compiled_call_impl = _unspecialized(layer._compiled_call_impl)
+    setattr(model, LAYERS, bool(layers))
     head = output_head(model)
     marked = head is not None and fusable(head)
     if marked:  # the chunked head's elementwise work (fused_head.py)
         setattr(head, COMPILED, True)
-    kinds = sorted({type(b).__name__ for b in blocks})
-    logger.info("learner.compile: %d blocks of the %s compiled (%s)%s; its first update compiles their kernels",
-                len(blocks), role, ", ".join(kinds), " and its output head's log-softmax" if marked else "")
-    return len(blocks)
+    kinds = sorted({type(b).__name__ for b in layers + blocks})
+    logger.info("learner.compile: %d modules of the %s compiled (%s)%s; its first update compiles their kernels",
+                len(layers) + len(blocks), role, ", ".join(kinds),
+                " and its output head's log-softmax" if marked else "")
+    return len(layers) + len(blocks)
 
 
 def compiled_blocks(model: Any) -> list[str]:
     """The names of ``model``'s modules whose call runs compiled."""
     return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def _unspecialized(compiled: Any) -> Any:
+    """A decoder layer's compiled call, traced with the module's integer attributes (its
+    ``layer_idx``) as symbolic inputs: every layer runs the same compiled code."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(*args, **kwargs)
+    return call
+
+
+class EagerUpdateCache(DynamicCache):
+    """transformers' dynamic cache, updated eagerly between two compiled parts of each layer: inside
+    the graph, the update would tie the compiled code to the layer's index and the cache's state."""
+
+    @torch.compiler.disable
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        return super().update(*args, **kwargs)
+
+
+def layer_cache(model: Any) -> EagerUpdateCache | None:
+    """The KV cache of ``model``'s shared-prompt forward: an :class:`EagerUpdateCache` when its decoder
+    layers run compiled, else None (transformers makes its own)."""
+    return EagerUpdateCache(config=model.config) if getattr(model, LAYERS, False) else None

@@ -47,10 +47,12 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
         out = model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=T + 1, use_cache=False)
         return out.logits[:, :-1, :]
+    from .compiled import layer_cache
+
     P = int(P)
     pmask = mask[::group, :P]
     out = model(input_ids=seq[::group, :P], attention_mask=pmask, position_ids=position_ids(pmask),
-                use_cache=True, logits_to_keep=1)
+                use_cache=True, past_key_values=layer_cache(model), logits_to_keep=1)
     first = out.logits[:, -1:, :].repeat_interleave(group, dim=0)
     if T == 1:
         return first

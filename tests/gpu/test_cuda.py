@@ -242,6 +242,19 @@ def test_the_compiled_learner_trains_as_the_eager_one_on_cuda(report, logits_mb)
         assert gaps["compiled"][key] <= 1.5 * eager, (key, gaps)
 
 
+def test_whole_decoder_layers_compiled_train_as_the_eager_learner_on_cuda(report):
+    """--learner.compile_scope layers on the GPU (Triton kernels for each whole decoder layer, the
+    shared-prompt forward's cache updated between its two graphs): in float32 two updates equal the
+    eager learner's (CUDA float32 matrix products, no TF32), as on CPUs (tests/test_compile.py)."""
+    from rlhf_plugins.models.compiled import compiled_blocks
+
+    model = torch_learner("float32", compile=True, compile_scope="layers").model
+    assert compiled_blocks(model) == ["model.layers.0", "model.layers.1", "model.norm"]
+    gaps = compiled_learner_gaps("float32", compile_scope="layers")
+    report("compiled_layers_float32_gaps_to_eager", gaps["compiled"])
+    assert max(gaps["compiled"].values()) < 1e-4, gaps
+
+
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):
     from rlhf_plugins.cli import main
 

@@ -1,0 +1,37 @@
+"""The GPU benchmark's sides are checked here, before any device time is spent on them: every side
+the device check runs by default exists in bench/gpu.py, and every variant's learner settings are a
+config the CLI accepts (a misspelt setting would otherwise cost a lent GPU's only run)."""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+def _variants() -> dict[str, tuple[str, dict]]:
+    tree = ast.parse((ROOT / "bench" / "gpu.py").read_text())
+    found = [node.value for node in tree.body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "VARIANTS" for t in node.targets)]
+    assert len(found) == 1, "bench/gpu.py defines VARIANTS once, as a literal"
+    return ast.literal_eval(found[0])
+
+
+def test_the_device_checks_default_sides_exist_in_the_benchmark():
+    script = (ROOT / "scripts" / "device_check.sh").read_text()
+    defaults = re.findall(r"\$\{BENCH_SIDES:-([a-z0-9,\-]+)\}", script)
+    assert len(defaults) == 1, defaults
+    sides = defaults[0].split(",")
+    assert sides[:2] == ["ours", "trl"] and set(sides[2:]) <= set(_variants()), sides
+
+
+@pytest.mark.parametrize("side", sorted(_variants()))
+def test_every_benchmark_variant_is_a_config_the_cli_accepts(side):
+    from rlhf_plugins.api import prepare
+
+    what, learner = _variants()[side]
+    assert what and learner
+    config, _, _ = prepare({"model": {"dtype": "bfloat16"}, "learner": dict(learner)}, autoload=False)
+    assert all(getattr(config.learner, key) == value for key, value in learner.items())
