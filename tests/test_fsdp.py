@@ -184,7 +184,8 @@ def test_a_reference_sharded_over_two_ranks_gives_the_whole_models_logprobs(loca
     finally:
         placement.shutdown()
     assert len(ranks) == 2 and all(local < 0.6 * total and not grad and not opt for local, total, grad, opt in ranks)
-    torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-6)
+    # float32 rounding: the gathered shards can take other matmul kernels (1.9e-6 at -10 seen on an EPYC)
+    torch.testing.assert_close(sharded, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_the_loader_builds_an_empty_model_only_for_a_checkpoint_under_its_own_names(tiny_model, tmp_path):
