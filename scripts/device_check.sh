@@ -7,9 +7,8 @@
 # bench/head.py and four bench sides). The whole check keeps to DEVICE_CHECK_SECONDS (default 500; 420
 # leaves a lent session's 15 minutes room for a rerun): the bench's sides run in order ours, trl,
 # ours-compile-4096, ours-compile-layers-4096, ours-compile (BENCH_SIDES to choose; ours-autocast is the
-# precision of runs 1-3)
-# and the JSON is written after each, so a short deadline drops the last sides first. DEVICE_CHECK_TESTS=0
-# runs the benchmarks alone (about 150 s for bench/head.py and one side).
+# precision of runs 1-3) and the JSON is written after each, so a short deadline drops the last sides
+# first. DEVICE_CHECK_TESTS=0 runs the benchmarks alone (about 150 s for bench/head.py and one side).
 # Without CUDA (checking it here) the tests are skipped and the benchmarks are not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -270,13 +270,14 @@ def ppo_update(learner: Any, batch: dict[str, Any]) -> dict[str, float]:
 TINY_CHUNKS, WHOLE_LOGITS = 0.02, 256.0
 
 
-def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str, float]]:
+def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", **learner_cfg: Any) -> dict[str, dict[str, float]]:
     """``--learner.compile`` against eager torch: a compiled and an eager learner in ``dtype`` and an
     eager float32 one make two SGD updates (old log-probs without gradient first) on batches of other
     shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
     float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
-    weights (the float32 masters of a 16-bit run); ``learner_cfg``: more ``learner.*`` settings of all
-    three (``compile_scope``: of the compiled one). Also checks that what ran was compiled (dynamo made the norm's and the MLP's graphs)."""
+    weights (the float32 masters of a 16-bit run); ``compile_scope``: the compiled learner's;
+    ``learner_cfg``: more ``learner.*`` settings of all three. Also checks that what ran was compiled
+    (dynamo made graphs)."""
     from torch._dynamo.utils import counters
 
     def weights(learner: Any) -> list[Any]:
@@ -284,8 +285,8 @@ def compiled_learner_gaps(dtype: str, **learner_cfg: Any) -> dict[str, dict[str,
 
     # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
     # which flips wherever a gradient is rounding noise)
-    scope = {"compile_scope": learner_cfg.pop("compile_scope")} if "compile_scope" in learner_cfg else {}
-    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **(scope if c else {}), **learner_cfg)
+    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, compile_scope=compile_scope if c else "blocks",
+                                 **learner_cfg)
                    for d, c in (("float32", False), (dtype, True), (dtype, False)))
     gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
     counters.clear()

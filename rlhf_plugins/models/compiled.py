@@ -13,9 +13,9 @@ compiled around its matrix products (:mod:`.fused_head`). The matrix products ar
 What is compiled (``--learner.compile_scope blocks``, the default): every module whose class is an
 RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...) and every decoder layer's dense MLP (``mlp`` of a
 class named ``...MLP``; a mixture of experts' routing block is left eager); attention (with this
-package's KV caches and masks) is not. Shapes are compiled dynamic from the first call: micro batches of other lengths,
-the shared-prefix forward's prompt and completion parts and the no-grad old-log-prob pass reuse the
-same kernels instead of compiling again. The first update pays the compilation (seconds on a
+package's KV caches and masks) is not. Shapes are compiled dynamic from the first call: micro batches
+of other lengths, the shared-prefix forward's prompt and completion parts and the no-grad
+old-log-prob pass reuse the same kernels instead of compiling again. The first update pays the compilation (seconds on a
 CPU for a small model, more for a large one; Triton on a GPU).
 
 ``--learner.compile_scope layers`` compiles each dense decoder layer whole (and the final norm): also
@@ -45,10 +45,15 @@ logger = logging.getLogger("rlhf_plugins")
 LAYERS = "_rlhf_compiled_layers"
 
 
+def _mixture_of_experts(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return "Moe" in name or "MoE" in name
+
+
 def compilable(module: torch.nn.Module) -> bool:
     """An RMSNorm, or a dense MLP block (not a mixture of experts)."""
     name = type(module).__name__
-    return name.endswith("RMSNorm") or (name.endswith("MLP") and "Moe" not in name and "MoE" not in name)
+    return name.endswith("RMSNorm") or (name.endswith("MLP") and not _mixture_of_experts(module))
 
 
 def cpu_compiler() -> str | None:
@@ -82,10 +87,7 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 def dense_layers(model: Any) -> list[torch.nn.Module]:
     """The decoder layers ``--learner.compile_scope layers`` compiles whole: all but those holding a
     mixture of experts (whose routing stays eager; their norms are compiled as blocks)."""
-    def moe(layer: torch.nn.Module) -> bool:
-        return any("Moe" in type(m).__name__ or "MoE" in type(m).__name__ for m in layer.modules())
-
-    return [layer for layer in decoder_layers(model) if not moe(layer)]
+    return [layer for layer in decoder_layers(model) if not any(map(_mixture_of_experts, layer.modules()))]
 
 
 def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope: str = "blocks") -> int:
