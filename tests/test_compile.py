@@ -93,6 +93,30 @@ def test_whole_decoder_layers_compile_once_for_all_layers_and_train_as_the_eager
     assert not per_layer, per_layer[0]
 
 
+def test_a_mixture_of_experts_keeps_its_routing_eager_and_its_dense_layer_compiles_whole():
+    """Qwen3-MoE with layer 0 dense (``mlp_only_layers``): under ``layers`` layer 0 is compiled whole,
+    layer 1 (a sparse block: data-dependent routing) keeps its block eager with its norms compiled;
+    under ``blocks`` the dense MLP and every norm are compiled, the sparse block is not."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_plugins.models.compiled import compile_blocks, compiled_blocks
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, mlp_only_layers=[0])
+    norms = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"]
+    want = {"layers": ["model.layers.0", *(f"model.layers.1.{n}" for n in norms), "model.norm"],
+            "blocks": [*(f"model.layers.0.{n}" for n in ("self_attn.q_norm", "self_attn.k_norm", "mlp",
+                                                          "input_layernorm", "post_attention_layernorm")),
+                       *(f"model.layers.1.{n}" for n in norms), "model.norm"]}
+    for scope, names in want.items():
+        model = AutoModelForCausalLM.from_config(config)
+        compile_blocks(model, torch.device("cpu"), scope=scope)
+        assert type(model.model.layers[1].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+        assert sorted(compiled_blocks(model)) == sorted(names), scope
+
+
 def test_a_learner_that_does_not_compile_refuses_the_flag():
     pytest.importorskip("deepspeed")
     from rlhf_plugins.api import prepare

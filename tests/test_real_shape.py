@@ -1,7 +1,8 @@
 """A real vocabulary through every execution path, in CI: a random-weight Qwen2.5 shape reduced to
 two narrow layers (151,936 tokens, tied embeddings, grouped-query attention) trains two steps locally
 with chunked logits, with vLLM, and in the seeds' production layout (Ray, DeepSpeed ZeRO-3 over two
-ranks, a reference, vLLM, broadcast sync). The full-size runs are bench/scale.py's."""
+ranks, a reference, vLLM, broadcast sync); a reduced Qwen3-30B-A3B (a mixture of experts) syncs into
+vLLM. The full-size runs are bench/scale.py's."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +69,25 @@ def test_a_tied_output_head_follows_every_sync_into_vllm(reduced):
     """Tied embeddings: the learners send the embedding alone (no lm_head tensor); vLLM's output head
     must follow it on every sync -- whole and part by part -- not keep what it derived from the
     checkpoint's (vLLM's CPU build packs the head's weight for its kernels)."""
+    _follows_every_sync_into_vllm(reduced)
+
+
+@pytest.mark.integration
+def test_a_mixture_of_experts_follows_every_sync_into_vllm():
+    """A reduced Qwen3-30B-A3B (128 experts, 8 per token): the learner sends transformers' fused
+    expert tensors (``experts.gate_up_proj``, ``experts.down_proj``), which the engine must accept by
+    name and load so that it samples from the learner's experts. vLLM's CPU expert kernel packs the
+    expert weights at start and its reload left new weights unpacked: log-probs off by 0.1."""
+    path = reduced_model_path("qwen3-30b-a3b")
+    shape = ModelShape.of_folder(path)
+    assert shape.vocab == 151936 and not shape.tied
+    _follows_every_sync_into_vllm(path)
+
+
+def _follows_every_sync_into_vllm(path: str) -> None:
+    """Perturb every weight of a transformers copy of ``path``, sync it into a vLLM engine whole, then
+    again part by part (broadcast's buckets), under the names a learner sends (a tied tensor once);
+    each time the engine's log-probs of its own samples equal the copy's."""
     import os
 
     import torch
@@ -76,22 +96,25 @@ def test_a_tied_output_head_follows_every_sync_into_vllm(reduced):
     from rlhf_plugins import SamplingParams
     from rlhf_plugins.api import prepare
     from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.models.weights import tied_aliases
     from rlhf_plugins.sync import verify_parity
-    from rlhf_plugins.sync.broadcast import buckets, commit_worker, receive
+    from rlhf_plugins.sync.broadcast import buckets, check_names, commit_worker, receive
     from rlhf_plugins.testing import backend_context
     from tests.helpers import Actor, batch_of, prompts
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": reduced}}, autoload=False)
-    engine = VLLMEngine(backend_context(config, "generation", reduced, pm))
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": path}}, autoload=False)
+    engine = VLLMEngine(backend_context(config, "generation", path, pm))
     try:
-        model = AutoModelForCausalLM.from_pretrained(reduced)
-        ids = prompts(reduced)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        aliases = tied_aliases(model)
+        ids = prompts(path)
         for part_by_part in (False, True):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
-            named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+            named = [(n, t) for n, t in model.state_dict().items() if n not in aliases]
+            check_names({n: (tuple(t.shape), str(t.dtype)) for n, t in named}, engine.weight_shapes())
             if part_by_part:
                 for bucket, parts in buckets(iter(named), 2**20):
                     engine.model_workers(receive, list(bucket.unpack(torch.cat(parts))))

@@ -89,6 +89,7 @@ class VLLMEngine:
         self.opts = o
         self.cpu = not torch.cuda.is_available()
         self.model_path = model_path
+        self.trust_remote_code = config.model.trust_remote_code
         self.sleep_enabled = bool(o.sleep) and not self.cpu
         if o.sleep and self.cpu:
             logger.warning("vLLM sleep mode is not available on CPU; the engine stays awake (no memory is freed)")
@@ -203,10 +204,14 @@ class VLLMEngine:
         return self.model_workers(load, named)[0]
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The checkpoint names and shapes vLLM's loader accepts (read from the model folder)."""
+        """The names and shapes vLLM's loader accepts: the checkpoint's (read from the model folder),
+        and transformers' own where they differ (a mixture of experts' fused expert tensors, which
+        vLLM's expert loader takes whole)."""
         from safetensors import safe_open
 
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        from ..models.weights import transformers_shapes
+
+        out = transformers_shapes(self.model_path, self.trust_remote_code)
         for file in sorted(Path(self.model_path).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():

@@ -37,6 +37,7 @@ class VLLMModelWorker:
         model = self.worker.model_runner.get_model()
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             if not self.state.get(READING):
+                repack_experts_on_reload(model)
                 initialize_layerwise_reload(model)
                 self.state[READING] = True
             model.load_weights(iter(named))
@@ -81,6 +82,47 @@ def refresh_tied(model: torch.nn.Module) -> int:
                     process(module)
                 done += 1
     return done
+
+
+def repack_experts_on_reload(model: torch.nn.Module) -> int:
+    """Make a reload repack mixture-of-experts weights for vLLM's CPU expert kernel.
+
+    vLLM (0.32) packs a layer's expert weights into its CPU kernel's layout
+    (``CPUUnquantizedExperts.process_weights_after_loading``) only when the weights are first
+    processed; a reload processes the layer again but skips that step as a "weight update" and leaves
+    the new weights in the checkpoint's layout, which the kernel then reads as packed: after the first
+    sync an MoE model samples from scrambled experts (log-probs off by 0.1 on the reduced
+    Qwen3-30B-A3B shape, with no error). Each such layer's processing is wrapped to run the pack when
+    vLLM's own processing did not. Returns how many layers were wrapped (once per layer)."""
+    wrapped = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or "CPUUnquantizedExperts" not in {k.__name__ for k in type(experts).__mro__}:
+            continue
+        if getattr(method, "_rlhf_repacks", False):
+            continue
+        method.process_weights_after_loading = _packing(method.process_weights_after_loading, experts)
+        method._rlhf_repacks = True
+        wrapped += 1
+    return wrapped
+
+
+def _packing(process: Any, experts: Any) -> Any:
+    """``process`` (a layer's weight processing), followed by the expert kernel's pack unless
+    ``process`` ran it itself (a later vLLM that packs on updates is left alone)."""
+    pack = experts.process_weights_after_loading
+
+    def process_and_pack(layer: torch.nn.Module) -> None:
+        ran: list[bool] = []
+        experts.process_weights_after_loading = lambda lay: (ran.append(True), pack(lay))[1]
+        try:
+            process(layer)
+        finally:
+            del experts.process_weights_after_loading  # the class's method again
+        if not ran:
+            pack(layer)
+    return process_and_pack
 
 
 def _moved(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:

@@ -46,8 +46,11 @@ LAYERS = "_rlhf_compiled_layers"
 
 
 def _mixture_of_experts(module: torch.nn.Module) -> bool:
+    """A block routing tokens among experts: it holds an ``experts`` module (Mixtral, Qwen-MoE,
+    DeepSeek, gpt-oss, whose block is named ``GptOssMLP``) or its class says so. A dense MLP of an
+    MoE model (``Qwen3MoeMLP``: a shared expert, an ``mlp_only_layers`` layer) is not one."""
     name = type(module).__name__
-    return "Moe" in name or "MoE" in name
+    return "experts" in module._modules or "SparseMoe" in name or name.endswith(("MoE", "Moe"))
 
 
 def compilable(module: torch.nn.Module) -> bool:

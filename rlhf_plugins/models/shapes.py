@@ -32,6 +32,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}),
+    # a mixture of experts: 128 experts per layer, 8 of them per token (30.5B parameters, 3.3B active)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+        norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 
@@ -52,9 +58,12 @@ def shape_config(name: str, *, layers: int | None = None, hidden: int | None = N
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         ratio = fields["num_attention_heads"] // fields["num_key_value_heads"]
         heads = max(2, hidden // head_dim)
-        fields.update(hidden_size=hidden, intermediate_size=max(hidden, fields["intermediate_size"] * hidden
-                                                                 // fields["hidden_size"]),
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio), head_dim=head_dim)
+        widths = {"intermediate_size": max(hidden, fields["intermediate_size"] * hidden // fields["hidden_size"])}
+        if "moe_intermediate_size" in fields:  # a multiple of 32, as real models' expert widths are
+            width = fields["moe_intermediate_size"] * hidden // fields["hidden_size"]
+            widths["moe_intermediate_size"] = -(-width // 32) * 32
+        fields.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio),
+                      head_dim=head_dim, **widths)
     return AutoConfig.for_model(model_type, **fields)
 
 

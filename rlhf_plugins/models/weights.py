@@ -17,6 +17,21 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return every - {name for name, _ in model.named_parameters()}
 
 
+def transformers_shapes(path: str, trust_remote_code: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of the tensors transformers holds for the model at ``path`` (built on
+    the meta device: only its config is read), the names a learner of that model sends. They differ
+    from the checkpoint's where transformers fuses tensors on load: a mixture of experts' per-expert
+    projections become one ``experts.gate_up_proj`` and one ``experts.down_proj`` per layer. A tied
+    tensor is named once, as learners send it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    aliases = tied_aliases(model)
+    return {name: (tuple(t.shape), str(t.dtype)) for name, t in model.state_dict().items() if name not in aliases}
+
+
 class WeightSyncError(UsageError):
     """Weights that do not fit the receiving model (names, shapes)."""
 
