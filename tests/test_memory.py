@@ -46,7 +46,9 @@ def _record_storage(params: set[int], saved: dict[int, int], t: torch.Tensor) ->
 def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtype, compiled):
     """The per-token, per-layer activation bytes of the memory model against the tensors autograd
     actually saves (parameters aside) in a Qwen2 forward: within 15% at two widths; also with the
-    norms and MLPs compiled (--learner.compile), which keep about a quarter less."""
+    norms and MLPs compiled (--learner.compile), which keep about a quarter less. A Qwen3-MoE forward
+    (8 of 128 experts per token, its routed block eager when compiled) keeps two thirds more than a
+    dense MLP of its config's width: the estimate follows it within 15% too."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_plugins.models.compiled import compile_blocks, cpu_compiler
@@ -54,8 +56,8 @@ def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtyp
 
     if compiled and cpu_compiler() is None:
         pytest.skip("torch.compile on a CPU needs a C++ compiler")
-    for hidden, layers in ((896, 2), (256, 3)):
-        config = shape_config("qwen2.5-0.5b", layers=layers, hidden=hidden)
+    for name, hidden, layers in (("qwen2.5-0.5b", 896, 2), ("qwen2.5-0.5b", 256, 3), ("qwen3-30b-a3b", 256, 2)):
+        config = shape_config(name, layers=layers, hidden=hidden)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         if compiled:
@@ -68,8 +70,8 @@ def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtyp
         measured = sum(saved.values()) / batch["sequences"].numel() / layers
         shape = ModelShape.from_config(config)
         estimate = shape.activation_elements_per_token(compiled) * dtype.itemsize
-        assert estimate == pytest.approx(measured, rel=0.15), (hidden, measured, estimate)
-        if compiled:  # what compiling saves is real: well under the eager estimate
+        assert estimate == pytest.approx(measured, rel=0.15), (name, hidden, measured, estimate)
+        if compiled and not shape.experts:  # what compiling saves is real: well under the eager estimate
             assert measured < 0.85 * shape.activation_elements_per_token() * dtype.itemsize
 
 

@@ -41,6 +41,10 @@ class ModelShape:
     tied: bool
     #: the longest context the model takes (max_position_embeddings), when it says
     max_positions: int | None = None
+    #: a mixture of experts: experts per layer, experts per token and one expert's width (0: dense)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -54,9 +58,17 @@ class ModelShape:
         ``compiled`` (``--learner.compile``): the compiled norms keep their inputs and recompute their
         outputs in the backward pass, the compiled MLP recomputes its activation (2 hidden-sized and 3
         intermediate-sized elements instead of 6 and 4), checked the same way."""
-        if compiled:
-            return 2 * self.hidden + 6 * self.q_dim + 4 * self.kv_dim + 3 * self.intermediate
-        return 6 * self.hidden + 6 * self.q_dim + 4 * self.kv_dim + 4 * self.intermediate
+        norms_attention = (2 if compiled else 6) * self.hidden + 6 * self.q_dim + 4 * self.kv_dim
+        if self.experts_per_token:  # the routed block (eager even when compiled)
+            return norms_attention + self.moe_elements_per_token()
+        return norms_attention + (3 if compiled else 4) * self.intermediate
+
+    def moe_elements_per_token(self) -> int:
+        """A mixture-of-experts block (transformers' experts loop): per token, each of its k experts
+        keeps the gathered input, gate-up output, activation, product and weighted output (2kH + 4kI),
+        the router its probabilities (2E); within 2% of the saved tensors of a Qwen3-MoE forward."""
+        k, width = self.experts_per_token, self.expert_intermediate
+        return 2 * k * self.hidden + 4 * k * width + 2 * self.experts
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -83,6 +95,7 @@ class ModelShape:
             kv_dim=kv_heads * head_dim,
             tied=out is not None and out.weight is model.get_input_embeddings().weight,
             max_positions=getattr(config, "max_position_embeddings", None),
+            **_experts(config),
         )
 
     @classmethod
@@ -95,6 +108,17 @@ def _shape_of(path: str, trust_remote_code: bool) -> ModelShape:
     from transformers import AutoConfig
 
     return ModelShape.from_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def _experts(config: Any) -> dict[str, int]:
+    """A mixture of experts' sizes from its config (Qwen-MoE ``num_experts``, Mixtral
+    ``num_local_experts``; an expert's width is ``moe_intermediate_size`` or else the MLP's)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    per_token = getattr(config, "num_experts_per_tok", None) or 0
+    if not experts or not per_token:
+        return {}
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return dict(experts=int(experts), experts_per_token=int(per_token), expert_intermediate=int(width))
 
 
 def _decoder_layers(model: Any) -> list[Any]:
