@@ -51,6 +51,19 @@ def test_local_path_with_vllm(rlhf, reduced):
 
 
 @pytest.mark.integration
+def test_a_mixture_of_experts_trains_with_vllm_in_parity(rlhf):
+    """The reduced Qwen3-30B-A3B through the plan, the torch learner (gradients through transformers'
+    experts) and vLLM with in-process sync, checked against the learner after every sync."""
+    path = reduced_model_path("qwen3-30b-a3b")
+    code, out, err = rlhf("train", "--model.path", path, "--generation.backend", "vllm", "--sync.verify", "true",
+                          *STEPS)
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    _ran(rows, ("generation", "actor", "reference"))
+    assert all(r["mismatch/abs_log_ratio"] < 1e-5 for r in rows)
+
+
+@pytest.mark.integration
 def test_the_seeds_production_layout(local_ray, rlhf, reduced):
     """Ray + DeepSpeed ZeRO-3 x 2 ranks + reference + vLLM with broadcast sync: each role in its own
     process, each reporting its peak, the engine matching the learner after every sync."""
