@@ -351,3 +351,39 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
     assert policy.config.vocab_size == len(trainer.processing_class) and policy.name_or_path.endswith("final")
     saved = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
     assert saved["data"]["shuffle"] is False and saved["data"]["template_strings"] is False
+
+
+@pytest.mark.parametrize("kind, lora", [
+    # "all-linear" on Qwen3-MoE: PEFT adapts the fused expert tensors (laid out experts x out x in),
+    # nested on one module, and the router's 2-D weight
+    ("qwen3_moe", dict(target_modules="all-linear")),
+    # gpt-oss lays its experts out experts x in x out; PEFT's all-linear leaves them, so name them
+    ("gpt_oss", dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+], ids=["qwen3-moe-all-linear", "gpt-oss-expert-parameters"])
+def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
+    """The merged export the engines load (one low-rank pair per expert folded into each fused 3-D
+    expert tensor) equals PEFT's own merge_and_unload, tensor for tensor."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_plugins.models.lora import export_weights, param_wrappers
+
+    experts = dict(moe_intermediate_size=24, num_experts=4) if kind == "qwen3_moe" else dict(
+        num_local_experts=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    config = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=24, num_experts_per_tok=2,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  **experts)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, lora_alpha=8, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: nothing would be merged
+                p.normal_(0, 0.1)
+    assert {k for k, (_, n, _) in param_wrappers(model).items() if n > 1} == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    ours = dict(export_weights(model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]))
+    want = model.merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
