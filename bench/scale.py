@@ -136,10 +136,10 @@ def resume_check(model: str, flags: list[str], cwd: Path, steps: int) -> dict:
 
 def main() -> None:
     from rlhf_plugins.models.memory import ModelShape
-    from rlhf_plugins.models.shapes import SHAPES
+    from rlhf_plugins.models.shapes import REDUCED_ONLY, SHAPES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s not in REDUCED_ONLY], choices=list(SHAPES))
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-scale-models")

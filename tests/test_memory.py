@@ -33,6 +33,15 @@ def test_shapes_have_the_public_models_parameter_counts(name, parameters):
     assert shape.largest_tensor == shape.vocab * shape.hidden
 
 
+def test_the_mixture_of_experts_shape_has_the_public_parameter_count():
+    """Qwen3-30B-A3B: 30,532,122,624 parameters (untied), 128 experts of width 768, 8 per token; its
+    largest tensor is a layer's fused expert gate-up projection, not the embedding."""
+    shape = ModelShape.from_config(shape_config("qwen3-30b-a3b"))
+    assert shape.parameters == 30_532_122_624 and not shape.tied
+    assert (shape.experts, shape.experts_per_token, shape.expert_intermediate) == (128, 8, 768)
+    assert shape.largest_tensor == 128 * 2 * 768 * 2048
+
+
 def _record_storage(params: set[int], saved: dict[int, int], t: torch.Tensor) -> torch.Tensor:
     """A saved-tensors hook: the bytes of each storage autograd keeps that is not a parameter's."""
     storage = t.untyped_storage()
