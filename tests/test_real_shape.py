@@ -63,6 +63,21 @@ def test_a_mixture_of_experts_trains_with_vllm_in_parity(rlhf):
     assert all(r["mismatch/abs_log_ratio"] < 1e-5 for r in rows)
 
 
+def test_zero3_with_lora_on_the_experts_is_refused_in_one_line(rlhf):
+    """DeepSpeed ZeRO-3 cannot reduce the gradients of PEFT's LoRA on fused expert tensors: exit 2, one
+    line naming the tensor and the ways that train (ZeRO-2, FSDP2, LoRA off the experts), no run left."""
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed")
+    code, _, err = rlhf("train", "--model.path", reduced_model_path("qwen3-30b-a3b"), "--learner.backend", "deepspeed",
+                        "--deepspeed.zero_stage", "3", "--lora.rank", "4", *STEPS)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("rlhf: error: LoRA on a mixture of experts' fused expert tensors (model.layers.")
+    assert "--deepspeed.zero_stage 2" in line and "--lora.target_modules q_proj,k_proj,v_proj,o_proj" in line
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())
+
+
 @pytest.mark.integration
 def test_the_seeds_production_layout(local_ray, rlhf, reduced):
     """Ray + DeepSpeed ZeRO-3 x 2 ranks + reference + vLLM with broadcast sync: each role in its own

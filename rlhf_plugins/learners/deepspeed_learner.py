@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -137,6 +138,19 @@ def init_distributed() -> None:
     import_deepspeed().init_distributed(dist_backend=process_group_backend(), verbose=False)
 
 
+def _refuse_expert_lora(model: Any) -> None:
+    """PEFT's LoRA on a mixture of experts' fused expert tensors (its parameter LoRA) stops ZeRO-3's
+    first backward: DeepSpeed 0.19 asserts that no parameter comes twice in a gradient bucket. Refused
+    before the engine starts; ZeRO-2 and FSDP2 train it."""
+    from ..models.lora import param_wrappers
+
+    adapted = [name for name, (_, experts, _) in param_wrappers(model).items() if experts > 1]
+    if adapted:
+        raise UsageError(f"LoRA on a mixture of experts' fused expert tensors ({adapted[0]}) does not train under "
+                         "DeepSpeed ZeRO-3; use --deepspeed.zero_stage 2 or --learner.backend fsdp, or leave the "
+                         "experts out: --lora.target_modules q_proj,k_proj,v_proj,o_proj")
+
+
 class DeepSpeedLearner(Learner):
     def __init__(self, ctx: BackendContext) -> None:
         import torch.distributed as dist
@@ -158,6 +172,8 @@ class DeepSpeedLearner(Learner):
             # other models of this process (a local reference model) load whole
             hf_ds_config = HfDeepSpeedConfig(ds_config)
         model = ctx.load_model()
+        if self.stage == 3:
+            _refuse_expert_lora(model)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
