@@ -218,7 +218,9 @@ def test_a_role_whose_call_timed_out_is_killed_without_waiting_for_it_to_stop(lo
     from rlhf_plugins.placement import ray_placement
 
     monkeypatch.setattr(ray_placement, "SHUTDOWN_SECONDS", 5.0)  # a regression fails in seconds
-    p = RayPlacement(PlacementContext(config(call_timeout=1), ("actor", "reference")))
+    # a start waits up to the ready timeout (config's 5 s: one CI run's loaded 2-core machine took longer
+    # to start a role's process); the call under test is bounded by call_timeout alone
+    p = RayPlacement(PlacementContext(config(call_timeout=1, ready_timeout=120), ("actor", "reference")))
     waits, real_wait = [], ray.wait
 
     def watched_wait(refs, **kwargs):  # the shutdown's wait: how many stops it asked for, how many came
