@@ -115,7 +115,12 @@ def _packing(process: Any, experts: Any) -> Any:
 
     def process_and_pack(layer: torch.nn.Module) -> None:
         ran: list[bool] = []
-        experts.process_weights_after_loading = lambda lay: (ran.append(True), pack(lay))[1]
+
+        def flagged_pack(lay: torch.nn.Module) -> None:
+            ran.append(True)
+            pack(lay)
+
+        experts.process_weights_after_loading = flagged_pack
         try:
             process(layer)
         finally:
