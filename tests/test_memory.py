@@ -33,6 +33,14 @@ def test_shapes_have_the_public_models_parameter_counts(name, parameters):
     assert shape.largest_tensor == shape.vocab * shape.hidden
 
 
+@pytest.mark.parametrize("name, parameters, experts", [("olmo-2-1b", 1_484_916_736, 0),
+                                                       ("gpt-oss-20b", 20_914_757_184, 32)])
+def test_untied_shapes_have_the_public_parameter_counts(name, parameters, experts):
+    """OLMo-2-0425-1B and gpt-oss-20b (32 experts, 4 per token): the counts of their published weights."""
+    shape = ModelShape.from_config(shape_config(name))
+    assert shape.parameters == parameters and not shape.tied and shape.experts == experts
+
+
 def test_the_mixture_of_experts_shape_has_the_public_parameter_count():
     """Qwen3-30B-A3B: 30,532,122,624 parameters (untied), 128 experts of width 768, 8 per token; its
     largest tensor is a layer's fused expert gate-up projection, not the embedding."""

@@ -27,7 +27,8 @@ import torch
 from ..errors import UsageError
 from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
-from .vllm_worker import VLLMModelWorker, load, on_worker
+from .vllm_classes import vllm_class_patches_confined
+from .vllm_worker import VLLMModelWorker, load, on_worker, reclass_model
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -104,8 +105,10 @@ class VLLMEngine:
         try:
             # vLLM on the CPU sizes its KV cache from this process's resident memory: memory kept for
             # reuse (--train.reuse_freed_memory) goes back first, and loading does not keep any
-            with returned_to_the_system():
+            with returned_to_the_system(), vllm_class_patches_confined(model_path, self.trust_remote_code) as moved:
                 self.llm = LLM(**kwargs)
+            if moved:  # vLLM's own instances keep what vLLM patched into their classes
+                self.llm.collective_rpc(on_worker, args=(reclass_model, moved))
             # some shapes start but fail at the first step (CPU attention head sizes): find out now
             self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:

@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
+from .vllm_reload import DirectCopies, process_taken
+
 READING = "vllm_reload_open"
+#: the layers a sync's loads took out of vLLM's reload (:mod:`.vllm_reload`)
+TAKEN = "vllm_reload_taken"
 
 
 class VLLMModelWorker:
@@ -40,7 +44,8 @@ class VLLMModelWorker:
                 repack_experts_on_reload(model)
                 initialize_layerwise_reload(model)
                 self.state[READING] = True
-            model.load_weights(iter(named))
+            with DirectCopies(model, self.state.setdefault(TAKEN, [])):
+                model.load_weights(iter(named))
         return _moved(named)
 
     def finish_weights(self) -> dict[str, Any]:
@@ -54,6 +59,7 @@ class VLLMModelWorker:
         runner = self.worker.model_runner
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             finalize_layerwise_reload(runner.get_model(), self.worker.vllm_config.model_config)
+            process_taken(self.state.pop(TAKEN, []))
         refresh_tied(runner.get_model())
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(runner, reset, lambda: None)()
@@ -132,6 +138,13 @@ def _packing(process: Any, experts: Any) -> Any:
 
 def _moved(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     return {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+
+def reclass_model(worker: VLLMModelWorker, moved: dict[type, type]) -> int:
+    """Give the worker's model the classes vLLM patched (:mod:`.vllm_classes`)."""
+    from .vllm_classes import reclass
+
+    return reclass(worker.worker.model_runner.get_model(), moved)
 
 
 def on_worker(worker: Any, fn: Any, *args: Any) -> Any:  # pragma: no cover - runs in vLLM's workers

@@ -38,11 +38,25 @@ SHAPES: dict[str, dict[str, Any]] = {
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
         norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # a mixture of experts with attention sinks, biased experts (experts x in x out) and alternating
+    # sliding-window layers (21B parameters, 3.6B active)
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, swiglu_limit=7.0, max_position_embeddings=131072, rope_theta=150000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096}),
+    # an architecture vLLM serves through its Transformers backend (transformers' own modeling classes)
+    "olmo-2-1b": dict(
+        model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 
-#: shapes built only reduced on our machines (full size: 61 GB in bfloat16, more than a 24 GB node)
-REDUCED_ONLY = ("qwen3-30b-a3b",)
+#: shapes built only reduced on our machines (full size: 61 and 42 GB in bfloat16, more than a 24 GB node)
+REDUCED_ONLY = ("qwen3-30b-a3b", "gpt-oss-20b")
 
 
 def shape_config(name: str, *, layers: int | None = None, hidden: int | None = None) -> Any:
