@@ -74,6 +74,30 @@ def test_zero_step_matches_the_torch_learner(local_ray, tiny_model, stage, aggre
     assert moved > 0.5 * lr and worst < 0.05 * lr, (moved, worst)
 
 
+def test_zero3_trains_with_gradient_checkpointing_after_a_log_prob_pass(local_ray, tiny_model):
+    """ZeRO-3 keeps a small parameter gathered once it was (a norm's weight). A log-prob pass between
+    two steps (``--sync.verify``'s parity check after a sync) gathered it under inference mode, and the
+    next step, with gradient checkpointing (on by default at real sizes), failed: "Inference tensors
+    cannot be saved for backward"."""
+    config, pm, plan = prepare({
+        "placement": {"strategy": "ray"}, "learner": {"backend": "deepspeed", "gradient_checkpointing": True},
+        "deepspeed": {"zero_stage": 3}, "ray": {"actor_workers": 2},
+        "train": {"prompts_per_step": 4}, "generation": {"n_samples_per_prompt": 4},
+    }, autoload=False)
+    batch = the_batch()
+    placement = RayPlacement(PlacementContext(config, ("actor",), plugin_spec=pm.spec))
+    try:
+        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
+        objective = Objective(policy_losses.ppo, config.algo.policy_loss)
+        group.train(batch, objective)
+        logprobs = group.logprobs(batch)
+        stats = group.train(batch, objective)
+    finally:
+        placement.shutdown()
+    assert logprobs.shape == batch["action_mask"].shape and bool((logprobs <= 0).all())
+    assert stats["grad_norm"] > 0 and stats["loss/policy"] == stats["loss/policy"]  # a step, finite
+
+
 @pytest.mark.slow
 def test_ray_zero3_run_learns_like_the_local_run(local_ray, rlhf):
     steps = ["--train.steps", "40", "--train.progress", "false"]

@@ -152,6 +152,11 @@ def _refuse_expert_lora(model: Any) -> None:
 
 
 class DeepSpeedLearner(Learner):
+    #: ZeRO-3 gathers a small parameter once and keeps it (below ``stage3_param_persistence_threshold``):
+    #: gathered under inference mode it stays an inference tensor, and a training step that saves it for
+    #: backward (a norm's weight under gradient checkpointing) failed after a log-prob pass came first
+    no_grad = staticmethod(torch.no_grad)
+
     def __init__(self, ctx: BackendContext) -> None:
         import torch.distributed as dist
 
