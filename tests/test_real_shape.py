@@ -1,9 +1,12 @@
 """A real vocabulary through every execution path, in CI: a random-weight Qwen2.5 shape reduced to
 two narrow layers (151,936 tokens, tied embeddings, grouped-query attention) trains two steps locally
 with chunked logits, with vLLM, and in the seeds' production layout (Ray, DeepSpeed ZeRO-3 over two
-ranks, a reference, vLLM, broadcast sync); a reduced Qwen3-30B-A3B (a mixture of experts) syncs into
-vLLM. The full-size runs are bench/scale.py's."""
+ranks, a reference, vLLM, broadcast sync); reduced Qwen3-30B-A3B and gpt-oss-20b (mixtures of experts)
+sync into vLLM, and a reduced OLMo-2 (served by vLLM with transformers' classes) trains beside it. The
+full-size runs are bench/scale.py's."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +144,18 @@ def test_an_architecture_vllm_serves_with_transformers_classes_trains_beside_the
     rows = metrics_of(the_run())
     _ran(rows, ("generation", "actor", "reference"))
     assert all(r["mismatch/abs_log_ratio"] < 1e-5 for r in rows)
+
+
+@pytest.mark.integration
+def test_adapter_sync_of_a_mixture_of_experts_on_cpu_says_to_sync_merged_weights(rlhf):
+    """vLLM applies LoRA to expert layers with Triton kernels, which its CPU build lacks: its own error
+    ("module 'triton.language' has no attribute 'float32'") gains what to do instead."""
+    code, _, err = rlhf("train", "--model.path", reduced_model_path("gpt-oss-20b"), "--generation.backend", "vllm",
+                        "--lora.rank", "8", "--sync.method", "adapter", *STEPS)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "vLLM could not start an engine" in line and "drop --sync.method adapter" in line, err
+    assert not Path("runs").exists() or not any(Path("runs").iterdir())  # no half-made run left
 
 
 def test_class_patches_are_confined_to_the_engines_own_instances():

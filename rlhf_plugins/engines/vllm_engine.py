@@ -43,6 +43,14 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if lines else text
 
 
+def _start_hint(exc: BaseException, adapter_sync: bool, cpu: bool) -> str:
+    """What to do about an engine that did not start, where we know better than vLLM's own message."""
+    if adapter_sync and cpu and "triton" in str(exc).lower():
+        return ("; vLLM applies LoRA to this architecture (a mixture of experts) with Triton kernels, which its "
+                "CPU build lacks: drop --sync.method adapter (the merged weights sync instead)")
+    return ""
+
+
 def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> dict[str, Any]:
     """vLLM's ``LLM`` arguments for this run (LoRA and tensor-parallel ones are added by the engine)."""
     from ..builtin_plugins.generation_vllm import context_length, kv_cache_bytes, starts_empty
@@ -113,7 +121,8 @@ class VLLMEngine:
             self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:
             self.shutdown()  # free what was allocated: the next engine in this process needs it
-            raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {_first_line(exc)}") from exc
+            reason = _first_line(exc) + _start_hint(exc, ctx.adapter_sync, self.cpu)
+            raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {reason}") from exc
 
     # --- generation ------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
