@@ -184,6 +184,55 @@ def test_class_patches_are_confined_to_the_engines_own_instances():
     assert confine(snapshot([Decoder])) == {}  # nothing changed since: nothing moved
 
 
+
+@pytest.mark.parametrize("order", ["loader-then-copy", "copy-then-loader", "copies-only"])
+def test_a_layer_mixing_loader_loads_and_direct_copies_stops_the_sync_in_one_line(order):
+    """vLLM's reload of a layer taken out for direct copies (gpt-oss's experts) would lose a tensor
+    of the same layer loaded through its weight loader (buffered before the take-out, dropped after):
+    the sync stops naming the layer and both tensors. Copies alone land, and the layer's loaders are
+    its own again once the sync ends."""
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from rlhf_plugins.engines.vllm_reload import DirectCopies, process_taken
+    from rlhf_plugins.models.weights import WeightSyncError
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = (torch.nn.Parameter(torch.zeros(3), requires_grad=False) for _ in range(2))
+            self.up.weight_loader = self.down.weight_loader = default_weight_loader
+
+    model = torch.nn.Sequential(Experts())
+    record_metadata_for_reloading(model)
+    initialize_layerwise_reload(model)
+    up, down = model[0].up, model[0].down  # the meta placeholders a load_weights looks up
+    taken: list[torch.nn.Module] = []
+    with DirectCopies(model, taken):
+        if order == "copies-only":
+            up.data.copy_(torch.full((3,), 7.0))
+            down.copy_(torch.full((3,), 2.0))
+        else:
+            with pytest.raises(WeightSyncError) as err:
+                if order == "loader-then-copy":
+                    up.weight_loader(up, torch.ones(3))
+                down.copy_(torch.full((3,), 2.0))
+                up.weight_loader(up, torch.ones(3))
+            assert "layer '0' (Experts) gets up through its weight loaders and down by a direct copy" in str(err.value)
+            return
+    assert process_taken(taken) == 0 and taken == []
+    assert model[0].up.tolist() == [7.0] * 3 and model[0].down.tolist() == [2.0] * 3
+    assert model[0].up.weight_loader is default_weight_loader and model[0].down.weight_loader is default_weight_loader
+    initialize_layerwise_reload(model)  # the next sync: vLLM registers the same placeholders again
+    with DirectCopies(model, taken):
+        for param, value in ((model[0].up, 1.0), (model[0].down, 3.0)):
+            param.weight_loader(param, torch.full((3,), value))  # through vLLM's own reload, not refused
+    assert taken == [] and model[0].up.tolist() == [1.0] * 3 and model[0].down.tolist() == [3.0] * 3
+
 def _follows_every_sync_into_vllm(path: str) -> None:
     """Perturb every weight of a transformers copy of ``path``, sync it into a vLLM engine whole, then
     again part by part (broadcast's buckets), under the names a learner sends (a tied tensor once);
