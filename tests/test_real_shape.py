@@ -1,7 +1,7 @@
 """A real vocabulary through every execution path, in CI: a random-weight Qwen2.5 shape reduced to
 two narrow layers (151,936 tokens, tied embeddings, grouped-query attention) trains two steps locally
 with chunked logits, with vLLM, and in the seeds' production layout (Ray, DeepSpeed ZeRO-3 over two
-ranks, a reference, vLLM, broadcast sync); reduced Qwen3-30B-A3B and gpt-oss-20b (mixtures of experts)
+ranks, a reference, vLLM, broadcast sync); reduced Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B (mixtures of experts)
 sync into vLLM, and a reduced OLMo-2 (served by vLLM with transformers' classes) trains beside it. The
 full-size runs are bench/scale.py's."""
 from __future__ import annotations
@@ -125,6 +125,50 @@ def test_gpt_oss_follows_every_sync_into_vllm():
     shape = ModelShape.of_folder(path)
     assert shape.vocab == 201088 and shape.experts == 32 and not shape.tied
     _follows_every_sync_into_vllm(path)
+
+
+@pytest.mark.integration
+def test_mixtral_follows_every_sync_into_vllm():
+    """A reduced Mixtral-8x7B: transformers renames its checkpoint's ``block_sparse_moe`` to ``mlp`` and
+    fuses the per-expert ``w1`` / ``w3`` / ``w2`` when it loads, so a learner sends names vLLM's Mixtral
+    loader does not know ("no module or parameter named 'layers.0.mlp'" at the first sync); the
+    engine loads the checkpoint's names instead, whole and part by part."""
+    path = reduced_model_path("mixtral-8x7b")
+    shape = ModelShape.of_folder(path)
+    assert shape.vocab == 32000 and (shape.experts, shape.experts_per_token) == (8, 2) and not shape.tied
+    _follows_every_sync_into_vllm(path)
+
+
+def test_synced_names_become_the_checkpoints_in_their_order_one_layer_at_a_time():
+    """What a learner of a reduced Mixtral sends, turned into the checkpoint's names: every checkpoint
+    tensor once, equal to the slice of the fused tensor it came from (the down projections views of
+    it); a name the checkpoint has passes as it is, in its place; and the turning is lazy: taking the
+    first tensor turns nothing yet."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.engines.vllm_names import CheckpointNames
+    from rlhf_plugins.models.weights import checkpoint_shapes
+
+    path = reduced_model_path("mixtral-8x7b")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    sent = list(model.state_dict().items())
+    names = CheckpointNames(path)
+    stream = names(sent)
+    assert next(stream)[0] == sent[0][0] == "model.embed_tokens.weight" and names._model is None
+    got = [(sent[0][0], sent[0][1]), *stream]
+    order = [n for n, _ in got]
+    assert sorted(order) == sorted(checkpoint_shapes(path)) and len(set(order)) == len(order)
+    assert order[-1] == sent[-1][0] == "lm_head.weight"
+    gate_up, down = (dict(sent)[f"model.layers.1.mlp.experts.{n}"] for n in ("gate_up_proj", "down_proj"))
+    width, tensors = gate_up.shape[1] // 2, dict(got)
+    for expert in (0, 7):
+        moe = f"model.layers.1.block_sparse_moe.experts.{expert}"
+        assert torch.equal(tensors[f"{moe}.w1.weight"], gate_up[expert, :width])
+        assert torch.equal(tensors[f"{moe}.w3.weight"], gate_up[expert, width:])
+        w2 = tensors[f"{moe}.w2.weight"]
+        assert torch.equal(w2, down[expert]) and w2.untyped_storage().data_ptr() == down.untyped_storage().data_ptr()
+    assert torch.equal(tensors["model.layers.0.block_sparse_moe.gate.weight"], dict(sent)["model.layers.0.mlp.gate.weight"])
 
 
 @pytest.mark.integration

@@ -218,18 +218,10 @@ class VLLMEngine:
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """The names and shapes vLLM's loader accepts: the checkpoint's (read from the model folder),
         and transformers' own where they differ (a mixture of experts' fused expert tensors, which
-        vLLM's expert loader takes whole)."""
-        from safetensors import safe_open
+        the engine's workers turn into the checkpoint's: :mod:`.vllm_names`)."""
+        from ..models.weights import checkpoint_shapes, transformers_shapes
 
-        from ..models.weights import transformers_shapes
-
-        out = transformers_shapes(self.model_path, self.trust_remote_code)
-        for file in sorted(Path(self.model_path).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    out[name] = (tuple(sl.get_shape()), str(getattr(torch, _DTYPES.get(sl.get_dtype(), "float32"))))
-        return out
+        return {**transformers_shapes(self.model_path, self.trust_remote_code), **checkpoint_shapes(self.model_path)}
 
     def load_adapter(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
         """LoRA adapter sync: write the adapter where vLLM reads it; the next request reloads it in place."""
@@ -274,5 +266,3 @@ class VLLMEngine:
         self.__dict__.pop("llm", None)
         gc.collect()
 
-
-_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32"}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .vllm_names import checkpoint_names
 from .vllm_reload import DirectCopies, process_taken
 
 READING = "vllm_reload_open"
@@ -45,7 +46,7 @@ class VLLMModelWorker:
                 initialize_layerwise_reload(model)
                 self.state[READING] = True
             with DirectCopies(model, self.state.setdefault(TAKEN, [])):
-                model.load_weights(iter(named))
+                model.load_weights(checkpoint_names(self)(named))
         return _moved(named)
 
     def finish_weights(self) -> dict[str, Any]:

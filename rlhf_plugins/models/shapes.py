@@ -47,6 +47,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                       "original_max_position_embeddings": 4096}),
+    # a mixture of experts whose checkpoint names transformers changes on load (block_sparse_moe -> mlp,
+    # per-expert w1 / w3 / w2 -> fused gate_up_proj / down_proj): 8 experts, 2 per token (46.7B parameters)
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False),
     # an architecture vLLM serves through its Transformers backend (transformers' own modeling classes)
     "olmo-2-1b": dict(
         model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -55,8 +62,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-#: shapes built only reduced on our machines (full size: 61 and 42 GB in bfloat16, more than a 24 GB node)
-REDUCED_ONLY = ("qwen3-30b-a3b", "gpt-oss-20b")
+#: shapes built only reduced on our machines (full size: 61, 42 and 93 GB in bfloat16, more than a 24 GB node)
+REDUCED_ONLY = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
 
 
 def shape_config(name: str, *, layers: int | None = None, hidden: int | None = None) -> Any:

@@ -17,19 +17,43 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return every - {name for name, _ in model.named_parameters()}
 
 
+def meta_model(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+    """transformers' model of the folder at ``path`` on the meta device (only its config is read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def transformers_shapes(path: str, trust_remote_code: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, dtype) of the tensors transformers holds for the model at ``path`` (built on
     the meta device: only its config is read), the names a learner of that model sends. They differ
     from the checkpoint's where transformers fuses tensors on load: a mixture of experts' per-expert
     projections become one ``experts.gate_up_proj`` and one ``experts.down_proj`` per layer. A tied
     tensor is named once, as learners send it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model = meta_model(path, trust_remote_code)
     aliases = tied_aliases(model)
     return {name: (tuple(t.shape), str(t.dtype)) for name, t in model.state_dict().items() if name not in aliases}
+
+
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32"}
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of the tensors in the safetensors files of the folder at ``path`` (their
+    headers only)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), str(getattr(torch, _DTYPES.get(sl.get_dtype(), "float32"))))
+    return out
 
 
 class WeightSyncError(UsageError):
