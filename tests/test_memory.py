@@ -35,10 +35,12 @@ def test_shapes_have_the_public_models_parameter_counts(name, parameters):
 
 @pytest.mark.parametrize("name, parameters, experts", [("olmo-2-1b", 1_484_916_736, 0),
                                                        ("gpt-oss-20b", 20_914_757_184, 32),
-                                                       ("mixtral-8x7b", 46_702_792_704, 8)])
+                                                       ("mixtral-8x7b", 46_702_792_704, 8),
+                                                       ("qwen1.5-moe-a2.7b", 14_315_784_192, 60)])
 def test_untied_shapes_have_the_public_parameter_counts(name, parameters, experts):
-    """OLMo-2-0425-1B, gpt-oss-20b (32 experts, 4 per token) and Mixtral-8x7B (8 experts, 2 per
-    token): the counts of their published weights."""
+    """OLMo-2-0425-1B, gpt-oss-20b (32 experts, 4 per token), Mixtral-8x7B (8 experts, 2 per token)
+    and Qwen1.5-MoE-A2.7B (60 experts, 4 per token, a shared expert): the counts of their published
+    weights."""
     shape = ModelShape.from_config(shape_config(name))
     assert shape.parameters == parameters and not shape.tied and shape.experts == experts
 

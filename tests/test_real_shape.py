@@ -7,6 +7,7 @@ full-size runs are bench/scale.py's."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +138,18 @@ def test_mixtral_follows_every_sync_into_vllm():
     shape = ModelShape.of_folder(path)
     assert shape.vocab == 32000 and (shape.experts, shape.experts_per_token) == (8, 2) and not shape.tied
     _follows_every_sync_into_vllm(path)
+
+
+@pytest.mark.integration
+def test_an_engine_running_transformers_code_keeps_an_moe_vllm_computes_otherwise_in_parity():
+    """A reduced Qwen1.5-MoE-A2.7B (a gated shared expert beside 60 routed ones): vLLM 0.32's own
+    implementation computes it differently from transformers on CPU (log-probs 0.4 apart before any
+    sync); with --vllm.model_impl transformers the engine runs transformers' classes under vLLM and
+    follows every sync, whole and part by part, in parity."""
+    path = reduced_model_path("qwen1.5-moe-a2.7b")
+    assert ModelShape.of_folder(path).experts == 60
+    engine_model = _follows_every_sync_into_vllm(path, model_impl="transformers")
+    assert "Transformers" in engine_model.__name__  # vLLM's Transformers backend, not its Qwen2MoeForCausalLM
 
 
 def test_synced_names_become_the_checkpoints_in_their_order_one_layer_at_a_time():
@@ -277,10 +290,11 @@ def test_a_layer_mixing_loader_loads_and_direct_copies_stops_the_sync_in_one_lin
             param.weight_loader(param, torch.full((3,), value))  # through vLLM's own reload, not refused
     assert taken == [] and model[0].up.tolist() == [1.0] * 3 and model[0].down.tolist() == [3.0] * 3
 
-def _follows_every_sync_into_vllm(path: str) -> None:
-    """Perturb every weight of a transformers copy of ``path``, sync it into a vLLM engine whole, then
-    again part by part (broadcast's buckets), under the names a learner sends (a tied tensor once);
-    each time the engine's log-probs of its own samples equal the copy's."""
+def _follows_every_sync_into_vllm(path: str, **vllm: str) -> Any:
+    """Perturb every weight of a transformers copy of ``path``, sync it into a vLLM engine (``vllm``:
+    its options) whole, then again part by part (broadcast's buckets), under the names a learner
+    sends (a tied tensor once); each time the engine's log-probs of its own samples equal the copy's.
+    Returns the class of the engine's model."""
     import os
 
     import torch
@@ -296,7 +310,7 @@ def _follows_every_sync_into_vllm(path: str) -> None:
     from tests.helpers import Actor, batch_of, prompts
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": path}}, autoload=False)
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": path}, "vllm": vllm}, autoload=False)
     engine = VLLMEngine(backend_context(config, "generation", path, pm))
     try:
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -316,5 +330,6 @@ def _follows_every_sync_into_vllm(path: str) -> None:
                 engine.load_weights(named)
             batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
             assert verify_parity(Actor(model), engine, batch) < 1e-4
+        return engine.model_workers(lambda worker: type(worker.worker.model_runner.get_model()))[0]
     finally:
         engine.shutdown()

@@ -23,11 +23,11 @@ def test_grpo_fields_map_by_hand():
         "learning_rate": 3e-6, "num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
         "steps_per_generation": 4, "max_completion_length": 64, "beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28,
         "loss_type": "dr_grpo", "scale_rewards": "none", "num_iterations": 2, "max_steps": 10, "top_k": None,
-        "logging_steps": 5, "lr_scheduler_type": "cosine",
+        "logging_steps": 5, "lr_scheduler_type": "cosine", "vllm_model_impl": "transformers",
     })
     assert raw["learner"]["lr"] == 3e-6 and raw["learner"]["epochs"] == 2
     assert raw["generation"]["n_samples_per_prompt"] == 4 and raw["generation"]["max_new_tokens"] == 64
-    assert raw["generation"]["top_k"] == 0
+    assert raw["generation"]["top_k"] == 0 and raw["vllm"]["model_impl"] == "transformers"
     # 8 per device x 4 steps per generation = 32 completions = 8 prompts; 8 x 2 per optimizer step
     assert raw["train"]["prompts_per_step"] == 8
     assert raw["learner"]["mini_batch_size"] == 16 and raw["learner"]["micro_batch_size"] == 8

@@ -36,6 +36,11 @@ class VLLMOptions:
     dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = "model"
     #: no CUDA graphs (faster start, slower decode)
     enforce_eager: bool = True
+    #: the engine's modeling code: ``vllm`` (vLLM's own implementation of the architecture),
+    #: ``transformers`` (transformers' classes, the code the learner runs, under vLLM's kernels), ``auto``
+    #: (vLLM's own where it has one). Where --sync.verify finds vLLM's own computing the model differently
+    #: from the learner, ``transformers`` agrees with it
+    model_impl: Literal["auto", "vllm", "transformers"] = "auto"
     #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt, earlier turns)
     enable_prefix_caching: bool = True
     #: tokens per KV-cache block; prefix hits come in whole blocks. Empty: vLLM's choice (16 on GPU,

@@ -66,6 +66,7 @@ def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> di
         gpu_memory_utilization=o.gpu_memory_utilization or (0.2 if cpu else 0.85),
         max_model_len=context_length(config, shape.max_positions),
         enforce_eager=o.enforce_eager,
+        model_impl=o.model_impl,
         enable_prefix_caching=o.enable_prefix_caching,
         tensor_parallel_size=o.tensor_parallel_size,
         logprobs_mode="processed_logprobs",

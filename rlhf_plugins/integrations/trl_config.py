@@ -38,6 +38,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size", int),
     "vllm_max_model_length": ("vllm.max_model_len", lambda v: None if v is None else int(v)),
     "vllm_enable_sleep_mode": ("vllm.sleep", bool),
+    "vllm_model_impl": ("vllm.model_impl", str),
     "shuffle_dataset": ("data.shuffle", bool),
 }
 #: fields handled by hand below

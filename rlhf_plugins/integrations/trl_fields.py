@@ -48,4 +48,4 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
                         "resume_from_checkpoint", "restore_callback", "overwrite_output_dir", "do_", "debug",
                         "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
                         "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
-                        "vllm_server", "vllm_group_port", "vllm_model_impl", "disable_tqdm")
+                        "vllm_server", "vllm_group_port", "disable_tqdm")

@@ -54,6 +54,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
         tie_word_embeddings=False),
+    # a mixture of experts with a gated shared expert beside 60 routed ones, 4 per token (14.3B
+    # parameters); vLLM 0.32's own implementation computes it differently from transformers on CPU
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+        decoder_sparse_step=1, norm_topk_prob=False, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
     # an architecture vLLM serves through its Transformers backend (transformers' own modeling classes)
     "olmo-2-1b": dict(
         model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -62,8 +70,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-#: shapes built only reduced on our machines (full size: 61, 42 and 93 GB in bfloat16, more than a 24 GB node)
-REDUCED_ONLY = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+#: shapes built only reduced on our machines (full size: 61, 42, 93 and 29 GB in bfloat16, more than a 24 GB node)
+REDUCED_ONLY = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b", "qwen1.5-moe-a2.7b")
 
 
 def shape_config(name: str, *, layers: int | None = None, hidden: int | None = None) -> Any:

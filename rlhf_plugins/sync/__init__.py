@@ -28,6 +28,8 @@ def verify_parity(actor: Any, engine: Any, probe: dict[str, torch.Tensor], tol: 
     diff = float((a - e).abs()[mask].max()) if mask.any() else 0.0
     if diff > tol:
         raise SyncParityError(
-            f"weight sync parity failed: engine and learner log-probs differ by {diff:.2e} (> {tol:.1e})"
+            f"weight sync parity failed: engine and learner log-probs differ by {diff:.2e} (> {tol:.1e}); if the "
+            "engine computes this architecture with code of its own (vLLM's implementation of it), "
+            "--vllm.model_impl transformers runs the learner's transformers code in the engine"
         )
     return diff
