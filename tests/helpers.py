@@ -304,3 +304,35 @@ def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", **learner_c
             g["weights"] = max(g["weights"], max(float((a - b).detach().abs().max()) for a, b in zip(weights(side), weights(ref))))
     assert counters["stats"]["unique_graphs"] >= 2
     return gaps
+
+
+def hybrid_model_path() -> str:
+    """A cached random Granite-4.0-H-like model (transformers' ``granitemoehybrid``): a Mamba-2 layer,
+    then an attention layer, experts in each; 128 wide, weights drawn ten times wider than transformers'
+    default (a state that leaks from one sample into another shows in the log-probs); the embedded
+    tokenizer beside it."""
+    from rlhf_plugins.models.tiny_model import cached_build
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
+        from rlhf_plugins.testing import tiny_model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+        config = AutoConfig.for_model(
+            "granitemoehybrid", vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16,
+            mamba_n_groups=1, shared_intermediate_size=128, tie_word_embeddings=True, initializer_range=0.2,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        save_pretrained(model, out)
+        save_tokenizer(tokenizer, out)
+
+    return cached_build("granite-hybrid-2x128-v2", build, quiet=True)

@@ -41,7 +41,8 @@ class VLLMOptions:
     #: (vLLM's own where it has one). Where --sync.verify finds vLLM's own computing the model differently
     #: from the learner, ``transformers`` agrees with it
     model_impl: Literal["auto", "vllm", "transformers"] = "auto"
-    #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt, earlier turns)
+    #: reuse the KV cache of shared prompt prefixes (the n samples of a prompt, earlier turns); off on
+    #: CPU for models with recurrent layers (Mamba), whose prefixes vLLM caches only with chunked prefill
     enable_prefix_caching: bool = True
     #: tokens per KV-cache block; prefix hits come in whole blocks. Empty: vLLM's choice (16 on GPU,
     #: 128 on CPU, where short multi-turn contexts then get no hits; the CPU backend takes multiples of 32)

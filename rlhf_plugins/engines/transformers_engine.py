@@ -15,6 +15,7 @@ import torch
 from ..models import attention, empty_init, speedups
 from ..models.forward import position_ids
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
+from ..models.recurrent import keeps_recurrent_state
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 from .static_decode import StaticDecode
@@ -64,15 +65,19 @@ class TransformersEngine:
                                     device=self.device)
         #: decode steps read each prompt's keys and values once for all its samples (cascade attention)
         self.shared_prefix = attention.enable(self.model)
+        #: some layers keep a recurrent state, which samples of one prompt cannot share
+        self.recurrent = keeps_recurrent_state(self.model)
         #: on a GPU, decode steps of one fixed shape replayed as a CUDA graph (:mod:`.static_decode`)
         self.cuda_graphs = ctx.config.generation.cuda_graphs and self.device.type == "cuda"
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         empty_init.check_filled(self.model, "the generation engine")
-        n, device = params.n, self.device
+        device = self.device
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
-        input_ids, attention = input_ids.to(device), attention.to(device)
+        # a recurrent state (Mamba, gated delta-net layers) is not shared: each sample prefills its prompt
+        n = 1 if self.recurrent else params.n
+        input_ids, attention = (t.repeat_interleave(params.n // n, dim=0).to(device) for t in (input_ids, attention))
         U, P = input_ids.shape
         pos = position_ids(attention)
         # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept

@@ -37,7 +37,12 @@ class EngineStartError(UsageError):
     """vLLM refused the model or the options."""
 
 
-def _first_line(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
+    """vLLM's reason in one line: its last line, or what a pydantic validation of its config says
+    (whose last line is only a link to pydantic's docs)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        return "; ".join(str(e.get("msg", "")).strip() for e in errors())
     text = str(exc).strip() or type(exc).__name__
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else text
@@ -49,6 +54,14 @@ def _start_hint(exc: BaseException, adapter_sync: bool, cpu: bool) -> str:
         return ("; vLLM applies LoRA to this architecture (a mixture of experts) with Triton kernels, which its "
                 "CPU build lacks: drop --sync.method adapter (the merged weights sync instead)")
     return ""
+
+
+def _recurrent(model_path: str, config: Any) -> bool:
+    from transformers import AutoConfig
+
+    from ..models.recurrent import recurrent_config
+
+    return recurrent_config(AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code))
 
 
 def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> dict[str, Any]:
@@ -83,8 +96,10 @@ def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> di
     if cpu:
         # every request carries a seed, and vLLM rewinds a seeded request's generator after a
         # partial (chunked) prefill with CUDA-only generator calls ("CPU Generator does not use
-        # offset"): on CPU, prompts are prefilled whole (vLLM then sizes a step to hold the context)
+        # offset"): on CPU, prompts are prefilled whole (vLLM then sizes a step to hold the context).
+        # vLLM caches a recurrent model's prefixes only with chunked prefill (its Mamba "align" mode)
         kwargs["enable_chunked_prefill"] = False
+        kwargs["enable_prefix_caching"] = o.enable_prefix_caching and not _recurrent(model_path, config)
     return kwargs
 
 
@@ -122,7 +137,7 @@ class VLLMEngine:
             self.generate([[self.llm.get_tokenizer().bos_token_id or 0]], SamplingParams(n=1, max_new_tokens=1))
         except Exception as exc:
             self.shutdown()  # free what was allocated: the next engine in this process needs it
-            reason = _first_line(exc) + _start_hint(exc, ctx.adapter_sync, self.cpu)
+            reason = _reason(exc) + _start_hint(exc, ctx.adapter_sync, self.cpu)
             raise EngineStartError(f"vLLM could not start an engine for '{model_path}': {reason}") from exc
 
     # --- generation ------------------------------------------------------------------

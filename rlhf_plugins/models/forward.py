@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .logits import chunking, head_deferred, head_token_stats, token_stats
+from .recurrent import keeps_recurrent_state
 
 #: default budget of one chunk of logits (``--learner.logits_memory_mb``); see :mod:`.logits`
 LOGITS_MEMORY_MB = 256.0
@@ -27,7 +28,8 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     When the batch holds ``group_size`` consecutive samples per prompt (and the
     prompt width ``prompt_width``), each prompt is encoded once and its KV cache
     shared by its samples: the forward runs on ``B / group * P + B * T`` tokens
-    instead of ``B * (P + T)``. Gradients flow through the shared prefix.
+    instead of ``B * (P + T)``. Gradients flow through the shared prefix. Models with recurrent
+    layers (:mod:`.recurrent`) run every sample whole.
     """
     if batch.get("packed"):  # a token-budget micro batch: one packed row, no padding
         from .packing import packed_completion_logits
@@ -42,6 +44,7 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
         and group > 1
         and seq.shape[0] % group == 0
         and not getattr(model, "is_gradient_checkpointing", False)
+        and not keeps_recurrent_state(model)
     )
     if not shared:
         out = model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),

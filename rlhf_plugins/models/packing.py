@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import attention
+from .recurrent import keeps_recurrent_state
 
 #: a micro batch marked for the packed forward
 PACKED = "packed"
@@ -64,15 +65,17 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     block-diagonal mask and costs a row's length squared, so the samples are packed first-fit
     (longest first) into rows as long as the longest sample: no row costs more than a padded one,
     and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
-    (positions restart), and nothing reads them."""
+    (positions restart), and nothing reads them. A model with recurrent layers (Mamba: their state
+    would run from one sample into the next) gets one sample a row."""
     seq, mask = batch["sequences"], batch["attention_mask"].bool()
     B, W = seq.shape
     T = batch["action_mask"].shape[1]
     P = W - T
     lengths = mask.sum(-1).tolist()
-    per_sample = attention.enable(model)
+    recurrent = keeps_recurrent_state(model)  # a state runs along a row: one sample a row, its pad slots after it
+    per_sample = not recurrent and attention.enable(model)
     R = max(sum(lengths) if per_sample else max(lengths), 1)
-    rows = first_fit(lengths, R)
+    rows = [[b] for b in range(B)] if recurrent else first_fit(lengths, R)
     ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
     pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
