@@ -75,9 +75,10 @@ class TransformersEngine:
         empty_init.check_filled(self.model, "the generation engine")
         device = self.device
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
-        # a recurrent state (Mamba, gated delta-net layers) is not shared: each sample prefills its prompt
-        n = 1 if self.recurrent else params.n
-        input_ids, attention = (t.repeat_interleave(params.n // n, dim=0).to(device) for t in (input_ids, attention))
+        n = params.n
+        if self.recurrent:  # a recurrent state (Mamba, gated delta-net layers) is not shared: each sample prefills
+            input_ids, attention, n = input_ids.repeat_interleave(n, dim=0), attention.repeat_interleave(n, dim=0), 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
         U, P = input_ids.shape
         pos = position_ids(attention)
         # prefill each prompt once, then share its KV cache among its n samples (prefix sharing): kept
