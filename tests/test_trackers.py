@@ -59,6 +59,35 @@ def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rl
     assert sys.exit is exit_before  # wandb's exit hook does not outlive the run
 
 
+def test_wandb_run_files_are_complete_when_training_returns_even_if_wandbs_service_lags(rlhf, monkeypatch):
+    """wandb's service writes an offline run file in 32 KB blocks and its last block when it closes
+    the run, after ``run.finish()`` has returned (finish is announced to the service, not awaited).
+    The service is held stopped across that announcement for two seconds: the history read right
+    after training returns is whole only if training waited for the service."""
+    pytest.importorskip("wandb")
+    import threading
+
+    import psutil
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    announce, held = ServiceConnection.inform_finish, []
+
+    def lagging(self, run_id: str) -> None:
+        held.extend(p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb-core"))
+        for process in held:
+            process.suspend()
+        threading.Timer(2.0, lambda: [p.resume() for p in held]).start()
+        announce(self, run_id)
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", lagging)
+    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.run_name", "w")
+    code, _, err = rlhf("train", *short_run(), *flags)
+    assert code == 0, err
+    assert held  # the service was there and was held back
+    history = wandb_history(Path("runs/w"))
+    assert [int(r["step"]) for r in history if "reward/mean" in r] == [r["step"] for r in metrics_of(Path("runs/w"))]
+
+
 def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient

@@ -78,7 +78,15 @@ class WandbTracker(Tracker):
     def finish(self, failed: bool) -> None:
         import sys
 
+        import wandb
+
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() only announces the end to wandb's service, which writes the run's offline file in
+        # 32 KB blocks and the last block when it closes the run, later: shutting the service down
+        # waits for that, so the run's files are complete when training returns (also in-process).
+        # Only when no other W&B run lives in this process (our start finished any earlier one).
+        if wandb.run is None:
+            wandb.teardown(exit_code=1 if failed else 0)
         sys.exit = self.sys_exit
 
 
