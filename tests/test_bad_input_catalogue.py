@@ -97,6 +97,17 @@ FLAGS = [
      "it empty to start a local cluster"),
     ("builtin-data-unknown", ["--data.path", "builtin:nope"],
      "unknown built-in dataset 'nope'; choose one of: builtin:addition, builtin:addition-train, builtin:addition-test, builtin:calculator, builtin:calculator-train, builtin:calculator-test"),
+    ("input-template-without-place", ["--data.apply_chat_template", "false", "--data.input_template", "Q: "],
+     "data.input_template must hold one {} where the prompt goes (a literal brace doubled: {{ }}), e.g. "
+     "'User: {}\\nAssistant: '; got 'Q: '"),
+    ("input-template-two-places", ["--data.apply_chat_template", "false", "--data.input_template", "{} {}"],
+     "data.input_template must hold one {} where the prompt goes (a literal brace doubled: {{ }}), e.g. "
+     "'User: {}\\nAssistant: '; got '{} {}'"),
+    ("input-template-with-chat-template", ["--data.input_template", "Q: {}"],
+     "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt with "
+     "the tokenizer's chat template; add --data.apply_chat_template false (OpenRLHF's default) or drop "
+     "--data.input_template"),
+    ("max-samples-negative", ["--data.max_samples", "-1"], "config key 'data.max_samples' must be >= 0; got -1"),
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
     ("resume-nowhere", ["--resume", "nowhere"], "--resume 'nowhere' does not exist; give a run directory or a checkpoint folder"),
@@ -229,6 +240,14 @@ def _files() -> list:
         return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
             f"dataset file '{t}/d.jsonl' line 2 is not valid JSON (Expecting value, column 29); each line must be " \
             "one JSON object"
+
+    @case("input-template-on-chat-messages")
+    def _(t):
+        rows(t / "d.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}])
+        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match", "--data.template_strings",
+                "false", "--data.input_template", "Q: {}"], \
+            f"data.input_template puts plain-text prompts in place, but every prompt of '{t}/d.jsonl' is chat " \
+            "messages, which the chat template renders; drop --data.input_template"
 
     @case("data-csv")
     def _(t):

@@ -42,6 +42,24 @@ def test_yaml_11_words_stay_text_in_text_keys_and_work_in_boolean_keys(word, fla
     assert c.train.run_name == word and c.train.progress is flag
 
 
+@pytest.mark.parametrize("text", ["User: {}\\nAssistant: ", "Q: {}", "{}", "- {}", "[{}]"])
+def test_a_flag_whose_text_yaml_reads_as_a_mapping_or_list_stays_text_in_a_text_key(text):
+    c = build_config(parse_overrides(["--data.input_template", text, "--train.run_name", text]))
+    assert c.data.input_template == text and c.train.run_name == text
+
+
+def test_flag_mappings_and_lists_stay_values_elsewhere_and_save_as_plain_yaml():
+    from rlhf_plugins.config.loading import build_dataclass
+    from rlhf_plugins.stages.config import StageConfig
+
+    c = build_config(parse_overrides(["--learner.betas", "[0.8, 0.9]", "--reward.weights", "[1, 2]"]))
+    assert c.learner.betas == [0.8, 0.9] and c.reward.weights == [1.0, 2.0]
+    s = build_dataclass(parse_overrides(["--trl.model_init_kwargs", "{dtype: bfloat16}"]), StageConfig)
+    assert s.trl == {"model_init_kwargs": {"dtype": "bfloat16"}}
+    assert yaml.safe_load(yaml.safe_dump(s.to_dict()))["trl"] == s.trl  # plain dicts: safe_dump takes them
+    assert yaml.safe_load(yaml.safe_dump(c.to_dict()))["learner"]["betas"] == [0.8, 0.9]
+
+
 @pytest.mark.parametrize(
     "raw, message",
     [

@@ -4,6 +4,7 @@ OpenRLHF's commands into configs that rlhf accepts, carrying OpenRLHF's defaults
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,8 @@ def test_openrlhfs_readme_command_converts_to_a_config_rlhf_train_accepts(tmp_pa
     # OpenRLHF's defaults where ours differ: GAE, KL k1 in the reward
     assert config["algo"]["advantage"]["estimator"] == "gae"
     assert config["algo"]["kl"] == {"coef": 0.01, "estimator": "k1", "in_reward": True}
-    assert "--max_samples" in dict(conv.skipped) and "--micro_rollout_batch_size" in dict(conv.skipped)
+    assert config["data"]["max_samples"] == 1000 and "--max_samples" not in dict(conv.skipped)
+    assert "--micro_rollout_batch_size" in dict(conv.skipped)
     assert "config is valid" in out
 
 
@@ -121,3 +123,54 @@ def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeyp
     (tmp_path / "sft.yaml").write_text(text)
     code, out, err = rlhf("sft", "--config", str(tmp_path / "sft.yaml"), "--dry-run")
     assert code == 0, err
+
+
+def test_input_template_and_max_samples_shape_the_prompts_the_engine_gets(rlhf, tmp_path, tiny_model):
+    """OpenRLHF's --input_template puts each plain prompt at its {} (the chat template off, as there)
+    and --max_samples keeps the first rows, off which the held-out split is then taken."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+1", "label": str(a + 1)}) + "\n" for a in range(10)))
+    seen = tmp_path / "seen.jsonl"
+    plugin = tmp_path / "spy.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            open({str(seen)!r}, "a").write(json.dumps([rollout.prompts, rollout.prompt_ids]) + "\\n")
+    """))
+    template = "Q: {} =\nA:"
+    code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", str(path), "--data.apply_chat_template",
+                        "false", "--data.input_template", template, "--data.max_samples", "4", "--reward.functions",
+                        "exact_match", *short_run("--eval.enabled", "true", "--eval.split", "0.25"))
+    assert code == 0, err
+    steps = [json.loads(line) for line in seen.read_text().splitlines()]
+    prompts = {p for step_prompts, _ in steps for p in step_prompts}
+    first_four = {template.format(f"{a}+1") for a in range(4)}
+    assert prompts < first_four and len(prompts) == 3  # one of the four held out, rows 5-10 never used
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for step_prompts, ids in steps:
+        assert ids == [tok(p)["input_ids"] for p in step_prompts]
+
+
+def test_stage_rows_take_the_input_template_and_max_samples(tmp_path):
+    from rlhf_plugins.errors import DataError
+    from rlhf_plugins.stages.config import StageConfig, StageData
+    from rlhf_plugins.stages.data import load
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+1", "completion": str(a + 1)}) + "\n" for a in range(10)))
+    cfg = StageConfig(data=StageData(path=str(path), input_template="User: {}\nAssistant: ", max_samples=5,
+                                     eval_split=0.2))
+    train, held, _ = load("sft", cfg)
+    assert len(train) + len(held) == 5 and len(held) == 1
+    assert {r["prompt"]: r["completion"] for r in train + held} == \
+        {f"User: {a}+1\nAssistant: ": str(a + 1) for a in range(5)}  # the first five rows, each in place
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant",
+                                                                                  "content": "2"}]}) + "\n")
+    cfg = StageConfig(data=StageData(path=str(chat), input_template="Q: {}"))
+    with pytest.raises(DataError, match="drop --data.input_template"):
+        load("sft", cfg)

@@ -62,12 +62,23 @@ def check_ranges(c: Config) -> None:
     for key, folder in (("model.path", c.model.path), ("critic.path", c.critic.path)):
         if folder:
             check_model_folder(folder, key, trust_remote_code=c.model.trust_remote_code, tokenizer=key == "model.path")
-    from ..data.prompts import builtin_rows, data_files
+    check_data(c)
+    check_best_metric(c)
+
+
+def check_data(c: Config) -> None:
+    """The data files exist and are of a kind we read; the input template has its place and applies."""
+    from ..data.prompts import builtin_rows, check_input_template, data_files
 
     for key, folder in (("data.path", c.data.path), ("eval.path", c.eval.path)):
         if folder and builtin_rows(folder) is None:
             data_files(Path(folder).expanduser(), key)
-    check_best_metric(c)
+    d = c.data
+    check_input_template(d.input_template)
+    _require(d.input_template is None or not (d.apply_chat_template and d.template_strings),
+             "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt "
+             "with the tokenizer's chat template; add --data.apply_chat_template false (OpenRLHF's default) or drop "
+             "--data.input_template")
 
 
 def eval_metric_names(c: Config) -> list[str]:

@@ -15,6 +15,35 @@ from ..errors import ConfigError
 BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
 
 
+class FlagMapping(dict):
+    """A flag's value that YAML read as a mapping, with the text it was read from: a text key takes
+    the text (``--data.input_template "Q: {}"`` is a template, not ``{"Q": {}}``)."""
+
+    text = ""
+
+
+class FlagList(list):
+    """A flag's value that YAML read as a list, with the text it was read from (see FlagMapping)."""
+
+    text = ""
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every flag-read mapping or list inside it made a plain one."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _takes_text(tp: Any) -> bool:
+    """A text key: ``str`` or ``str | None``."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)] == [str]
+    return tp is str
+
+
 def _deepest(key: str, value: Any) -> str:
     """The dotted key of the first leaf under an unknown section (``actor.adam.lr``, not ``actor``),
     when that is a flag of OpenRLHF's: its hint names the whole flag."""
@@ -80,9 +109,13 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
     """``value`` as the type ``tp`` of the config key ``path`` (``known``: every key, for hints)."""
+    if isinstance(value, (FlagMapping, FlagList)):
+        if _takes_text(tp):
+            return value.text
+        value = dict(value) if isinstance(value, dict) else list(value)
     origin = typing.get_origin(tp)
     if tp is Any:
-        return value
+        return _plain(value)
     if origin in (Union, types.UnionType):
         return _coerce_union(value, tp, path, known)
     if origin is Literal:
@@ -99,7 +132,7 @@ def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
             value = [value]
         return [_coerce(v, arg, f"{path}[{i}]", known) for i, v in enumerate(value)]
     if origin is dict and isinstance(value, dict):
-        return dict(value)
+        return _plain(value)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _coerce_section(value, tp, path, known)
     if tp in (bool, int, float, str):

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .coerce import _coerce, _deepest, _hints, _unknown
+from .coerce import FlagList, FlagMapping, _coerce, _deepest, _hints, _unknown
 from .options import OptionRegistry
 from .schema import Config
 
@@ -68,6 +68,10 @@ def _parse_scalar(raw: str) -> Any:
         return raw
     if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
         return raw
+    if isinstance(value, (dict, list)):  # the text stays at hand for a text key
+        kept = FlagMapping(value) if isinstance(value, dict) else FlagList(value)
+        kept.text = raw
+        return kept
     return value
 
 

@@ -44,6 +44,12 @@ class DataConfig:
     #: tokenized as it is, and only chat-message prompts are templated -- TRL's "standard" and
     #: "conversational" formats; the TRL drop-in and --trl-config set false)
     template_strings: bool = True
+    #: a plain-text prompt the chat template does not render is put in this text at its one ``{}``
+    #: (OpenRLHF's --input_template, e.g. "User: {}\nAssistant: "); needs apply_chat_template false
+    #: (or template_strings false)
+    input_template: str | None = None
+    #: train on the first N rows of data.path only (0: every row; OpenRLHF's --max_samples)
+    max_samples: int = setting(0, ge=0)
     #: longer prompts are dropped (with a warning)
     max_prompt_tokens: int = setting(256, ge=1)
     #: sample prompts in a seeded random order each pass (false: file order)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -173,11 +173,39 @@ def _utf8(path: str) -> bool:
         return False
 
 
-def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = None) -> PromptSet:
-    """Read (or take ``rows``), template and tokenize every prompt; check keys and emptiness first."""
+def check_input_template(template: str | None, key: str = "data.input_template") -> None:
+    """OpenRLHF's ``--input_template``: a format string with one ``{}`` where the prompt goes."""
+    if template is None:
+        return
+    try:
+        filled = template.format("\0")
+    except (IndexError, KeyError, ValueError):
+        filled = ""
+    if filled.count("\0") != 1:
+        raise ConfigError(f"{key} must hold one {{}} where the prompt goes (a literal brace doubled: {{{{ }}}}), "
+                          f"e.g. 'User: {{}}\\nAssistant: '; got {template!r}")
+
+
+def fill_template(template: str | None, prompt: Any) -> Any:
+    """A plain-text prompt put in its place in ``template`` (chat messages and no template: as they are)."""
+    return template.format(prompt) if template and isinstance(prompt, str) else prompt
+
+
+def first_rows(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """The first ``limit`` rows (all of them when ``limit`` is 0): OpenRLHF's ``--max_samples``."""
+    if not limit or len(rows) <= limit:
+        return rows
+    logger.info("using the first %d of %d rows (--data.max_samples)", limit, len(rows))
+    return rows[:limit]
+
+
+def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = None, limit: int = 0) -> PromptSet:
+    """Read (or take ``rows``), keep the first ``limit`` (0: all), template and tokenize every prompt;
+    check keys and emptiness first."""
     path = "the given rows" if rows is not None else (cfg.path or DEFAULT_DATA)
     if rows is None:
         rows = read_rows(path)
+    rows = first_rows(rows, limit)
     if not rows:
         raise DataError(f"dataset '{path}' is empty; it needs at least one row with a '{cfg.prompt_key}' field")
     if cfg.prompt_key not in rows[0]:
@@ -189,7 +217,7 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
     if cfg.apply_chat_template and templated and not getattr(tokenizer, "chat_template", None):
         raise DataError("the model's tokenizer has no chat template; set --data.apply_chat_template false")
     prompts, ids, dropped = [], [], 0
-    empty = too_long = 0
+    empty = too_long = filled = 0
     columns: dict[str, list[Any]] = {}
     for number, row in enumerate(rows, 1):
         prompt = row[cfg.prompt_key]
@@ -197,8 +225,10 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             dropped, empty = dropped + 1, empty + 1
             continue
         check_prompt(prompt, number, path, cfg.prompt_key)
-        tokens = encode_prompt(prompt, tokenizer, cfg.apply_chat_template and (cfg.template_strings
-                                                                             or not isinstance(prompt, str)))
+        chat = cfg.apply_chat_template and (cfg.template_strings or not isinstance(prompt, str))
+        if cfg.input_template and not chat and isinstance(prompt, str):
+            prompt, filled = cfg.input_template.format(prompt), filled + 1
+        tokens = encode_prompt(prompt, tokenizer, chat)
         if len(tokens) > cfg.max_prompt_tokens:
             dropped, too_long = dropped + 1, too_long + 1
             continue
@@ -213,6 +243,9 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             f"dataset '{path}' has no usable prompt: all {len(rows)} are empty or longer than "
             f"--data.max_prompt_tokens {cfg.max_prompt_tokens}"
         )
+    if cfg.input_template and not filled:
+        raise DataError(f"data.input_template puts plain-text prompts in place, but every prompt of '{path}' is chat "
+                        "messages, which the chat template renders; drop --data.input_template")
     if dropped:
         why = [f"{empty} empty"] * bool(empty) + [f"{too_long} longer than --data.max_prompt_tokens "
                                                  f"{cfg.max_prompt_tokens}"] * bool(too_long)
@@ -243,39 +276,3 @@ def encode_prompt(prompt: Any, tokenizer: Any, chat: bool) -> list[int]:
     if not isinstance(prompt, str):
         raise DataError("a chat-message prompt needs --data.apply_chat_template true")
     return tokenizer(prompt)["input_ids"]
-
-
-class PromptSampler:
-    """Seeded epochs over the prompt set; its position is part of a checkpoint."""
-
-    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch, self.cursor = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.size))
-        import torch
-
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.size, generator=g).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            if self.cursor >= self.size:
-                self.epoch += 1
-                self.cursor = 0
-                self._order = self._permutation()
-            step = min(k - len(out), self.size - self.cursor)
-            out.extend(self._order[self.cursor : self.cursor + step])
-            self.cursor += step
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
-        self._order = self._permutation()

@@ -33,6 +33,11 @@ class StageData:
     #: RM / DPO: the preferred and the other answer
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    #: a plain-text prompt is put in this text at its one ``{}`` (OpenRLHF's --input_template,
+    #: e.g. "User: {}\nAssistant: "); chat-message prompts are rendered by the chat template
+    input_template: str | None = None
+    #: train on the first N rows of ``path`` only (0: every row; OpenRLHF's --max_samples)
+    max_samples: int = setting(0, ge=0)
     #: embedded preference data: wrong answers per prompt (of the 18 there are)
     pairs_per_prompt: int = setting(18, ge=1)
 
@@ -111,5 +116,11 @@ def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
 
 
 def check(cfg: StageConfig) -> None:
-    """Every key within its declared bounds (LoRA's included)."""
+    """Every key within its declared bounds (LoRA's included), the input template's one ``{}``."""
+    from ..data.prompts import check_input_template
+
     check_bounds(cfg)
+    check_input_template(cfg.data.input_template)
+    if cfg.data.input_template is not None and cfg.data.path is None:
+        raise ConfigError("data.input_template puts the plain-text prompts of --data.path in place; the embedded data "
+                          "is chat messages: give --data.path or drop --data.input_template")

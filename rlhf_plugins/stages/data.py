@@ -6,7 +6,7 @@ import logging
 import random
 from typing import Any
 
-from ..data.prompts import read_rows
+from ..data.prompts import fill_template, first_rows, read_rows
 from ..errors import DataError
 from .config import StageConfig
 
@@ -71,6 +71,17 @@ def _split(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
+def templated(rows: list[dict[str, Any]], template: str | None, path: str) -> list[dict[str, Any]]:
+    """Rows whose plain-text prompts sit in ``template`` (OpenRLHF's --input_template); a template
+    that no prompt can take (chat messages, which the chat template renders) is one line."""
+    if template is None:
+        return rows
+    if not any(isinstance(r.get("prompt"), str) for r in rows):
+        raise DataError(f"data.input_template puts plain-text prompts in place, but the prompts of '{path}' are chat "
+                        "messages, which the chat template renders; drop --data.input_template")
+    return [{**r, "prompt": fill_template(template, r["prompt"])} if "prompt" in r else r for r in rows]
+
+
 def load(stage: str, cfg: StageConfig, tokenizer: Any = None
          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
     """(training rows, held-out rows, counts to report) in TRL's column names."""
@@ -83,7 +94,7 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
             return demonstrations(train), demonstrations(held), {}
         markers = turn_markers(tokenizer) if tokenizer is not None else ()
         return (preference_pairs(train, d.pairs_per_prompt, seed, markers), preference_pairs(held, 4, seed + 1), {})
-    rows = read_rows(d.path)
+    rows = first_rows(read_rows(d.path), d.max_samples)
     if stage == "sft":
         if rows and "messages" in rows[0]:
             keys = {"messages": "messages"}
@@ -93,7 +104,7 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
     else:
         _require(rows, [d.prompt_key, d.chosen_key, d.rejected_key], d.path)
         keys = {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
-    rows = [{ours: r[theirs] for ours, theirs in keys.items()} for r in rows]
+    rows = templated([{ours: r[theirs] for ours, theirs in keys.items()} for r in rows], d.input_template, d.path)
     counts: dict[str, int] = {}
     if stage != "sft":
         same = [r for r in rows if r["chosen"] == r["rejected"]]
@@ -107,7 +118,8 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
     if d.eval_path:
         held_rows = read_rows(d.eval_path)
         _require(held_rows, list(keys.values()), d.eval_path)
-        held = [{ours: r[theirs] for ours, theirs in keys.items()} for r in held_rows]
+        held = templated([{ours: r[theirs] for ours, theirs in keys.items()} for r in held_rows], d.input_template,
+                         d.eval_path)
         return rows, held, counts
     train, held = _split(rows, d.eval_split, seed)
     return train, held, counts

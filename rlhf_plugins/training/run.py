@@ -44,15 +44,15 @@ def load_data(config: Config, plan: Plan, tokenizer: Any, rows: list[dict[str, A
     """(training prompts, held-out prompts or None), both checked against the engine's length."""
     import dataclasses
 
-    from ..data.prompts import DEFAULT_DATA, SPLIT, eval_source, load_prompts, read_rows, split_rows
+    from ..data.prompts import DEFAULT_DATA, SPLIT, eval_source, first_rows, load_prompts, read_rows, split_rows
 
     source = eval_source(config, rows_given=rows is not None)
-    held = None
-    if source == SPLIT:
-        rows, held_rows = split_rows(rows if rows is not None else read_rows(config.data.path or DEFAULT_DATA),
-                                     config.eval.split, config.train.seed)
+    held, limit = None, config.data.max_samples
+    if source == SPLIT:  # the first max_samples rows are the data: held-out rows are split off them
+        rows = first_rows(rows if rows is not None else read_rows(config.data.path or DEFAULT_DATA), limit)
+        rows, held_rows = split_rows(rows, config.eval.split, config.train.seed)
         held = load_prompts(config.data, tokenizer, rows=held_rows)
-    prompts = load_prompts(config.data, tokenizer, rows=rows)
+    prompts = load_prompts(config.data, tokenizer, rows=rows, limit=limit)
     if source not in (None, SPLIT):
         held = load_prompts(dataclasses.replace(config.data, path=source), tokenizer)
     if plan.environment is not None or config.env.column in prompts.columns:  # multi-turn: the trajectory budget

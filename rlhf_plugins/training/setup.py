@@ -13,7 +13,7 @@ from ..algorithms.kl_control import make_controller
 from ..algorithms.objective import Objective
 from ..algorithms.shaping import RewardShaper
 from ..algorithms.value import ValueObjective
-from ..data.prompts import PromptSampler
+from ..data.sampler import PromptSampler
 from ..environments import make_env_runner
 from ..protocols import PlacementContext, SamplingParams
 from .reward_role import RewardRole
