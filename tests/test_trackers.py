@@ -10,12 +10,12 @@ import pytest
 from tests.helpers import block_import, eval_rows_of, metrics_of, short_run, with_eval
 
 
-def wandb_history(run_dir: Path) -> list[dict[str, float]]:
-    """The history rows of every offline W&B run under ``run_dir``, read from wandb's own record
-    files (LevelDB-style log blocks of ``wandb.proto`` Record messages)."""
+def wandb_records(run_dir: Path) -> list:
+    """Every record of every offline W&B run under ``run_dir``, read from wandb's own record files
+    (LevelDB-style log blocks of ``wandb.proto`` Record messages)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    rows = []
+    records = []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         data, pos, block, pending, payloads = path.read_bytes(), 7, 32768, b"", []
         while pos + 7 <= len(data):
@@ -29,11 +29,15 @@ def wandb_history(run_dir: Path) -> list[dict[str, float]]:
             if kind in (1, 4):
                 payloads.append(pending)
         for payload in payloads:
-            record = pb.Record()
-            record.ParseFromString(payload)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): float(i.value_json) for i in record.history.item})
-    return rows
+            records.append(pb.Record())
+            records[-1].ParseFromString(payload)
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, float]]:
+    """The history rows of every offline W&B run under ``run_dir``."""
+    return [{(i.key or "/".join(i.nested_key)): float(i.value_json) for i in record.history.item}
+            for record in wandb_records(run_dir) if record.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rlhf):
@@ -80,12 +84,14 @@ def test_wandb_run_files_are_complete_when_training_returns_even_if_wandbs_servi
         announce(self, run_id)
 
     monkeypatch.setattr(ServiceConnection, "inform_finish", lagging)
-    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.run_name", "w")
+    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.run_name", "w", "--log.wandb_group", "g")
     code, _, err = rlhf("train", *short_run(), *flags)
     assert code == 0, err
     assert held  # the service was there and was held back
     history = wandb_history(Path("runs/w"))
     assert [int(r["step"]) for r in history if "reward/mean" in r] == [r["step"] for r in metrics_of(Path("runs/w"))]
+    runs = [r.run for r in wandb_records(Path("runs/w")) if r.WhichOneof("record_type") == "run"]
+    assert runs and {(r.display_name, r.run_group) for r in runs} == {("w", "g")}  # OpenRLHF's --wandb_group
 
 
 def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):

@@ -29,6 +29,8 @@ class LogOptions:
     wandb_project: str | None = None
     #: W&B entity (team or user; empty: your default)
     wandb_entity: str | None = None
+    #: W&B run group (empty: none, or WANDB_RUN_GROUP; OpenRLHF's --wandb_group)
+    wandb_group: str | None = None
     #: online | offline | disabled (empty: wandb's default, or WANDB_MODE)
     wandb_mode: str | None = None
     #: send metrics to MLflow (pip install mlflow-skinny)
@@ -64,8 +66,8 @@ class WandbTracker(Tracker):
         self.sys_exit = sys.exit  # wandb hooks sys.exit for the run's lifetime; given back in finish()
         o = config.section("log")
         self.run = wandb.init(project=o.wandb_project or "rlhf-plugins", entity=o.wandb_entity, name=run_dir.name,
-                              dir=str(run_dir), config=config.to_dict(), mode=o.wandb_mode, id=self.run_id,
-                              resume="allow" if self.run_id else None, reinit="finish_previous")
+                              group=o.wandb_group, dir=str(run_dir), config=config.to_dict(), mode=o.wandb_mode,
+                              id=self.run_id, resume="allow" if self.run_id else None, reinit="finish_previous")
         self.run_id = self.run.id
         # our step is a metric of its own: W&B's internal step must only grow, and an evaluation
         # and the training step of the same policy share a step (also across a resume)
