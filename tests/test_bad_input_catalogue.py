@@ -107,6 +107,15 @@ FLAGS = [
      "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt with "
      "the tokenizer's chat template; add --data.apply_chat_template false (OpenRLHF's default) or drop "
      "--data.input_template"),
+    ("probs-without-datasets", ["--data.probs", "0.5,0.5"],
+     "data.probs weighs the datasets of data.path; name them there, comma-separated"),
+    ("probs-for-another-count", ["--data.path", "builtin:addition-train,builtin:addition-test", "--data.probs", "1"],
+     "data.probs [1.0] must give each of the 2 datasets of data.path a probability >= 0 (not all 0), in their order"),
+    ("probs-all-zero", ["--data.path", "builtin:addition-train,builtin:addition-test", "--data.probs", "0,0"],
+     "data.probs [0.0, 0.0] must give each of the 2 datasets of data.path a probability >= 0 (not all 0), in their "
+     "order"),
+    ("one-of-several-datasets-missing", ["--data.path", "builtin:addition-train,nowhere.jsonl"],
+     "dataset 'nowhere.jsonl' does not exist; set --data.path to a .jsonl/.json/.parquet file or folder"),
     ("max-samples-negative", ["--data.max_samples", "-1"], "config key 'data.max_samples' must be >= 0; got -1"),
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),

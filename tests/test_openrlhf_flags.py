@@ -174,3 +174,16 @@ def test_stage_rows_take_the_input_template_and_max_samples(tmp_path):
     cfg = StageConfig(data=StageData(path=str(chat), input_template="Q: {}"))
     with pytest.raises(DataError, match="drop --data.input_template"):
         load("sft", cfg)
+
+
+def test_openrlhfs_dataset_list_and_probs_convert_to_a_mixture_rlhf_accepts(tmp_path, rlhf, tiny_model, monkeypatch):
+    argv = ["python3", "-m", "openrlhf.cli.train_ppo_ray", "--pretrain", "MODEL", "--prompt_data",
+            "builtin:addition-train,builtin:addition-test", "--prompt_data_probs", "0.3,0.7", "--max_samples", "50",
+            "--input_template", "Q: {}\nA: "]
+    conv, config, code, out, err = _accepted(tmp_path, rlhf, tiny_model, monkeypatch, argv)
+    assert code == 0, err
+    assert config["data"]["path"] == "builtin:addition-train,builtin:addition-test"
+    assert [float(p) for p in str(config["data"]["probs"]).strip("[]").split(",")] == [0.3, 0.7]
+    assert config["data"]["max_samples"] == 50 and config["data"]["input_template"] == "Q: {}\nA: "
+    assert config["data"]["apply_chat_template"] is False  # OpenRLHF's default, where the template applies
+    assert not {"--prompt_data_probs", "--max_samples", "--input_template"} & set(dict(conv.skipped))

@@ -69,6 +69,8 @@ def _scalar(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, (dict, list)):  # OpenRLHF's argparse gives one value its text ("Q: {}" is a template)
+        return text
     if isinstance(value, str):  # YAML 1.1 reads 5e-7 as text
         try:
             return float(value)

@@ -3,8 +3,6 @@ bounds, the rules that tie several keys together, the folders it names, and the 
 asynchronous training. Each fails with one line naming the key and how to fix it."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..algorithms import AGGREGATIONS
 from ..errors import ConfigError
 from ..settings import check_bounds
@@ -68,12 +66,12 @@ def check_ranges(c: Config) -> None:
 
 def check_data(c: Config) -> None:
     """The data files exist and are of a kind we read; the input template has its place and applies."""
-    from ..data.prompts import builtin_rows, check_input_template, data_files
+    from ..data.prompts import check_input_template
+    from ..data.sources import check_datasets
 
-    for key, folder in (("data.path", c.data.path), ("eval.path", c.eval.path)):
-        if folder and builtin_rows(folder) is None:
-            data_files(Path(folder).expanduser(), key)
     d = c.data
+    check_datasets(d.path, d.probs, "data")
+    check_datasets(c.eval.path, [], "eval")
     check_input_template(d.input_template)
     _require(d.input_template is None or not (d.apply_chat_template and d.template_strings),
              "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt "

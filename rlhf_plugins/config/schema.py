@@ -32,8 +32,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    #: JSONL / JSON / parquet file or a folder of them; empty means the built-in addition task
+    #: JSONL / JSON / parquet file, a folder of them or one datasets' save_to_disk wrote; several
+    #: comma-separated (a.jsonl,b.parquet) are concatenated, or mixed by ``probs``; empty means the
+    #: built-in addition task
     path: str | None = None
+    #: with several datasets in ``path``: the probability of drawing each row from each (normalized;
+    #: seeded; until every dataset has given all its rows; OpenRLHF's --prompt_data_probs)
+    probs: list[float] = field(default_factory=list)
     #: column holding the prompt: a string, or a list of chat messages
     prompt_key: str = "prompt"
     #: column passed to reward functions as ``label`` (other columns are passed under their own names)
@@ -48,7 +53,7 @@ class DataConfig:
     #: (OpenRLHF's --input_template, e.g. "User: {}\nAssistant: "); needs apply_chat_template false
     #: (or template_strings false)
     input_template: str | None = None
-    #: train on the first N rows of data.path only (0: every row; OpenRLHF's --max_samples)
+    #: train on the first N rows of each dataset of data.path only (0: every row; OpenRLHF's --max_samples)
     max_samples: int = setting(0, ge=0)
     #: longer prompts are dropped (with a warning)
     max_prompt_tokens: int = setting(256, ge=1)

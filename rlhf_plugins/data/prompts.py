@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL / JSON / parquet files or folders, read with ``datasets``.
+"""Prompt datasets: rows (``sources``) made prompts -- templated, tokenized, checked.
 
 Each row gives a prompt (a string, or a list of chat messages) and optionally a
 label; every column reaches the reward functions as a keyword argument (the
@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError
+from .sources import BUILTIN, builtin_rows, data_files, first_rows, read_rows
+
+__all__ = ["PromptSet", "builtin_rows", "data_files", "first_rows", "load_prompts", "read_rows"]
 
 logger = logging.getLogger("rlhf_plugins")
-
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 @dataclass
@@ -36,30 +36,6 @@ class PromptSet:
             return self
         columns = {k: v[:n] for k, v in self.columns.items()}
         return PromptSet(self.prompts[:n], self.prompt_ids[:n], columns, self.dropped)
-
-
-def data_files(path: Path, key: str = "data.path") -> tuple[str, list[str]]:
-    """The ``datasets`` builder and the files behind a dataset path (checked, not read); ``key``
-    names the config key that gave the path."""
-    if path.is_file():
-        builder = BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise DataError(f"dataset file '{path}' has an unsupported type; use .jsonl, .json or .parquet")
-        return builder, [str(path)]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in BUILDERS and p.is_file())
-        if not files:
-            raise DataError(f"dataset folder '{path}' holds no .jsonl, .json or .parquet file")
-        kinds = {BUILDERS[p.suffix.lower()] for p in files}
-        if len(kinds) > 1:
-            raise DataError(f"dataset folder '{path}' mixes JSON and parquet files; keep one kind")
-        return kinds.pop(), [str(p) for p in files]
-    raise DataError(f"dataset '{path}' does not exist; set --{key} to a .jsonl/.json/.parquet file or folder")
-
-
-#: built-in datasets by name (``--data.path builtin:addition-test``): task and split
-BUILTIN = {f"{task}{suffix}": (task, split) for task in ("addition", "calculator")
-           for suffix, split in (("", "all"), ("-train", "train"), ("-test", "test"))}
 
 
 #: what ``rlhf train`` trains on without --data.path: the built-in task's training split
@@ -99,80 +75,6 @@ def split_rows(rows: list[dict[str, Any]], fraction: float,
     return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
 
 
-def builtin_rows(path: str | Path) -> list[dict[str, Any]] | None:
-    """The rows of ``builtin:NAME``, ``None`` for any other path (an unknown name is an error)."""
-    text = str(path)
-    if not text.startswith("builtin:"):
-        return None
-    name = text.removeprefix("builtin:")
-    if name not in BUILTIN:
-        raise DataError(f"unknown built-in dataset '{name}'; choose one of: "
-                        f"{', '.join('builtin:' + n for n in BUILTIN)}")
-    task, split = BUILTIN[name]
-    if task == "calculator":
-        from ..models.tool_model import calculator_rows
-
-        return calculator_rows(split)
-    from ..models.tiny_model import task_rows
-
-    return task_rows(split)
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    import datasets
-
-    builtin = builtin_rows(path)
-    if builtin is not None:
-        return builtin
-    builder, files = data_files(Path(path))
-    for f in files:
-        if not f.endswith(".parquet") and not _utf8(f):
-            raise DataError(f"dataset file '{f}' is not UTF-8 text; convert it (e.g. iconv -t UTF-8)")
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: our one line says why
-    try:
-        return datasets.load_dataset(builder, data_files=files, split="train").to_list()
-    except Exception as exc:
-        if all(_blank(f) for f in files):
-            return []
-        where = next(filter(None, map(_bad_json_line, files)), "") if builder == "json" else ""
-        raise DataError(where or f"dataset '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) \
-            from exc
-
-
-def _bad_json_line(file: str) -> str:
-    """For a JSON-lines file that ``datasets`` could not read: its first malformed line, named."""
-    import json
-
-    if not file.endswith(".jsonl"):
-        return ""
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                row = json.loads(line.rstrip("\r\n")) if line.strip() else {}
-            except ValueError as exc:
-                return (f"dataset file '{file}' line {number} is not valid JSON ({exc.msg}, column {exc.colno}); "
-                        "each line must be one JSON object")
-            if not isinstance(row, dict):
-                return f"dataset file '{file}' line {number} is a JSON {type(row).__name__}, not an object"
-    return ""
-
-
-def _blank(path: str) -> bool:
-    p = Path(path)
-    return p.stat().st_size == 0 or (p.suffix != ".parquet" and p.stat().st_size < 4096 and not p.read_bytes().strip())
-
-
-def _utf8(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            while fh.read(1 << 20):
-                pass
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
 def check_input_template(template: str | None, key: str = "data.input_template") -> None:
     """OpenRLHF's ``--input_template``: a format string with one ``{}`` where the prompt goes."""
     if template is None:
@@ -191,21 +93,13 @@ def fill_template(template: str | None, prompt: Any) -> Any:
     return template.format(prompt) if template and isinstance(prompt, str) else prompt
 
 
-def first_rows(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
-    """The first ``limit`` rows (all of them when ``limit`` is 0): OpenRLHF's ``--max_samples``."""
-    if not limit or len(rows) <= limit:
-        return rows
-    logger.info("using the first %d of %d rows (--data.max_samples)", limit, len(rows))
-    return rows[:limit]
-
-
-def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = None, limit: int = 0) -> PromptSet:
-    """Read (or take ``rows``), keep the first ``limit`` (0: all), template and tokenize every prompt;
-    check keys and emptiness first."""
-    path = "the given rows" if rows is not None else (cfg.path or DEFAULT_DATA)
+def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = None,
+                 name: str | None = None) -> PromptSet:
+    """Read (or take ``rows``, read from ``name``), template and tokenize every prompt; check keys
+    and emptiness first."""
+    path = name or ("the given rows" if rows is not None else (cfg.path or DEFAULT_DATA))
     if rows is None:
         rows = read_rows(path)
-    rows = first_rows(rows, limit)
     if not rows:
         raise DataError(f"dataset '{path}' is empty; it needs at least one row with a '{cfg.prompt_key}' field")
     if cfg.prompt_key not in rows[0]:

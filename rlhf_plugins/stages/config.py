@@ -21,8 +21,12 @@ class StageModel:
 
 @dataclass
 class StageData:
-    #: JSONL / JSON / parquet file or folder; empty: embedded data made for the default task
+    #: JSONL / JSON / parquet file or folder, or a save_to_disk folder; several comma-separated are
+    #: concatenated, or mixed by ``probs``; empty: embedded data made for the default task
     path: str | None = None
+    #: with several datasets in ``path``: the probability of drawing each row from each (OpenRLHF's
+    #: --dataset_probs)
+    probs: list[float] = field(default_factory=list)
     #: held-out rows for the reported figure; empty: a held-out split of ``path`` (``eval_split``),
     #: or the built-in task's test split with the embedded data
     eval_path: str | None = None
@@ -118,8 +122,10 @@ def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
 def check(cfg: StageConfig) -> None:
     """Every key within its declared bounds (LoRA's included), the input template's one ``{}``."""
     from ..data.prompts import check_input_template
+    from ..data.sources import check_datasets
 
     check_bounds(cfg)
+    check_datasets(cfg.data.path, cfg.data.probs, "data")
     check_input_template(cfg.data.input_template)
     if cfg.data.input_template is not None and cfg.data.path is None:
         raise ConfigError("data.input_template puts the plain-text prompts of --data.path in place; the embedded data "

@@ -6,7 +6,7 @@ import logging
 import random
 from typing import Any
 
-from ..data.prompts import fill_template, first_rows, read_rows
+from ..data.prompts import fill_template, read_rows
 from ..errors import DataError
 from .config import StageConfig
 
@@ -94,7 +94,7 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
             return demonstrations(train), demonstrations(held), {}
         markers = turn_markers(tokenizer) if tokenizer is not None else ()
         return (preference_pairs(train, d.pairs_per_prompt, seed, markers), preference_pairs(held, 4, seed + 1), {})
-    rows = first_rows(read_rows(d.path), d.max_samples)
+    rows = read_rows(d.path, d.probs, seed, d.max_samples)
     if stage == "sft":
         if rows and "messages" in rows[0]:
             keys = {"messages": "messages"}

@@ -47,12 +47,16 @@ def load_data(config: Config, plan: Plan, tokenizer: Any, rows: list[dict[str, A
     from ..data.prompts import DEFAULT_DATA, SPLIT, eval_source, first_rows, load_prompts, read_rows, split_rows
 
     source = eval_source(config, rows_given=rows is not None)
-    held, limit = None, config.data.max_samples
-    if source == SPLIT:  # the first max_samples rows are the data: held-out rows are split off them
-        rows = first_rows(rows if rows is not None else read_rows(config.data.path or DEFAULT_DATA), limit)
+    d, held, name = config.data, None, None
+    if rows is None:  # the first max_samples rows of each dataset, mixed by data.probs
+        name = d.path or DEFAULT_DATA
+        rows = read_rows(name, d.probs, config.train.seed, d.max_samples)
+    else:
+        rows = first_rows(rows, d.max_samples)
+    if source == SPLIT:  # held-out rows are split off the data as it is
         rows, held_rows = split_rows(rows, config.eval.split, config.train.seed)
-        held = load_prompts(config.data, tokenizer, rows=held_rows)
-    prompts = load_prompts(config.data, tokenizer, rows=rows, limit=limit)
+        held = load_prompts(d, tokenizer, rows=held_rows, name=name)
+    prompts = load_prompts(d, tokenizer, rows=rows, name=name)
     if source not in (None, SPLIT):
         held = load_prompts(dataclasses.replace(config.data, path=source), tokenizer)
     if plan.environment is not None or config.env.column in prompts.columns:  # multi-turn: the trajectory budget
