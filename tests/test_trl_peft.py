@@ -24,6 +24,7 @@ def test_grpo_fields_map_by_hand():
         "steps_per_generation": 4, "max_completion_length": 64, "beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28,
         "loss_type": "dr_grpo", "scale_rewards": "none", "num_iterations": 2, "max_steps": 10, "top_k": None,
         "logging_steps": 5, "lr_scheduler_type": "cosine", "vllm_model_impl": "transformers",
+        "mask_truncated_completions": True,
     })
     assert raw["learner"]["lr"] == 3e-6 and raw["learner"]["epochs"] == 2
     assert raw["generation"]["n_samples_per_prompt"] == 4 and raw["generation"]["max_new_tokens"] == 64
@@ -36,6 +37,7 @@ def test_grpo_fields_map_by_hand():
     assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3"}
     assert raw["algo"]["policy_loss"]["clip_low"] == 0.2 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
     assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
+    assert raw["algo"]["policy_loss"]["mask_truncated"] is True
     assert raw["algo"]["advantage"]["estimator"] == "dr_grpo"
     # the optimizer and schedule run as TRL's Trainer would run them
     assert raw["learner"]["lr_scheduler"] == "cosine" and raw["learner"]["optimizer"] == "adamw"
@@ -144,10 +146,10 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
 
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
     cfg = tmp_path / "grpo.yaml"
-    cfg.write_text("mask_truncated_completions: true\n")
+    cfg.write_text("sync_ref_model: true\n")
     code, _, err = rlhf("train", "--trl-config", str(cfg))
     assert code == 2 and err.strip().count("\n") == 0
-    assert "TRL field 'mask_truncated_completions' (True) has no equivalent" in err
+    assert "TRL field 'sync_ref_model' (True) has no equivalent" in err
 
 
 def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):

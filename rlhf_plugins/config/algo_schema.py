@@ -35,6 +35,10 @@ class PolicyLossConfig:
     norm_length: int | None = setting(None, ge=1)
     #: entropy bonus coefficient (0: none)
     entropy_coef: float = setting(0.0)
+    #: completions cut off by the budget (no stop) leave the loss -- policy, KL, entropy and value
+    #: terms -- after advantages are computed, so their rewards still count in their group's baseline
+    #: (DAPO's overlong filtering; TRL's mask_truncated_completions)
+    mask_truncated: bool = False
     #: correct the generation engine / learner mismatch with the engine's log-probs:
     #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
     mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"

@@ -40,6 +40,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vllm_enable_sleep_mode": ("vllm.sleep", bool),
     "vllm_model_impl": ("vllm.model_impl", str),
     "shuffle_dataset": ("data.shuffle", bool),
+    "mask_truncated_completions": ("algo.policy_loss.mask_truncated", bool),
 }
 #: fields handled by hand below
 DERIVED = {

@@ -27,7 +27,7 @@ from ..protocols import SamplingParams
 from ..sync import verify_parity
 from .memory_watch import role_memory
 from .reward_role import RewardBatch
-from .rollout import Rollout, make_batch, rollout_metrics, step_timings
+from .rollout import Rollout, make_batch, mask_truncated, rollout_metrics, step_timings
 from .rollout_sources import step_rollout
 
 
@@ -183,6 +183,7 @@ class Trainer:
         timings = self.forward_passes(batch)
         kl_coef = self.kl_control.value
         kl_penalty = self.advantages(batch, rollout, kl_coef)
+        shown = mask_truncated(batch, rollout) if c.algo.policy_loss.mask_truncated else batch
         t_prep = time.perf_counter()
         objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef)
         self.phase = "update"
@@ -192,18 +193,18 @@ class Trainer:
             metrics.update(self.critic.train(batch, self.value_objective))
         t_train = time.perf_counter()
         if self.probe is None:
-            self.probe = {k: batch[k][:8] for k in ("sequences", "attention_mask", "action_mask")}
+            self.probe = {k: shown[k][:8] for k in ("sequences", "attention_mask", "action_mask")}
         if sync:
             self.sync_engine(step)
         t_end = time.perf_counter()
-        metrics.update(rollout_metrics(rollout, batch, kl_penalty, self.kl_control.value))
+        metrics.update(rollout_metrics(rollout, shown, kl_penalty, self.kl_control.value))
         if self.reference is not None:
             measured = metrics.get("kl", metrics.get("kl/rollout", 0.0))
             self.kl_control.update(measured, len(rollout))
             metrics["kl/coef"] = kl_coef
             if step == 1:  # this step's policy has had exactly one update
                 warn_first_update(measured, c)
-        metrics.update(step_timings(batch, timings, t0, t_gen, t_prep, t_train, t_end))
+        metrics.update(step_timings(shown, timings, t0, t_gen, t_prep, t_train, t_end))
         metrics.update(role_memory({"generation": self.engine, "actor": self.actor, "reference": self.reference,
                                     "critic": self.critic, "reward": self.reward}))
         if c.reward.max_retries:

@@ -164,6 +164,16 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     return out
 
 
+def mask_truncated(batch: dict[str, Any], rollout: Rollout) -> dict[str, Any]:
+    """Take the completions that did not stop (cut off by the budget) out of the loss: their
+    ``action_mask`` rows become 0 (a new tensor; the one before is left as it was). Returns the batch
+    as generated, for the step's metrics (lengths, tokens per second)."""
+    shown = dict(batch)
+    keep = torch.tensor([r == "stop" for r in rollout.finish_reasons], dtype=batch["action_mask"].dtype)
+    batch["action_mask"] = batch["action_mask"] * keep[:, None]
+    return shown
+
+
 #: the seconds of each forward pass, by batch key, as metric names
 PASS_NAMES = {"old_logprobs": "actor_logprobs", "ref_logprobs": "reference", "values": "critic_values"}
 
