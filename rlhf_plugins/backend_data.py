@@ -35,6 +35,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    #: tokens below this fraction of the most likely token's probability are not drawn (0: off)
+    min_p: float = 0.0
+    #: a token already in the prompt or the completion has its logit divided by this when positive,
+    #: multiplied when negative, before the temperature (HF's and vLLM's rule; 1: off)
+    repetition_penalty: float = 1.0
 
 
 @dataclass

@@ -336,3 +336,23 @@ def hybrid_model_path() -> str:
         save_tokenizer(tokenizer, out)
 
     return cached_build("granite-hybrid-2x128-v2", build, quiet=True)
+
+
+def sampling_logprobs(model: Any, prompt: list[int], completion: list[int], temperature: float,
+                      repetition_penalty: float = 1.0) -> tuple[Any, Any]:
+    """By hand, for one sample: each completion token's log-prob under the tempered distribution
+    with the repetition penalty applied (a token of the prompt or of the completion before it: logit
+    divided by the penalty when positive, multiplied when negative), and that whole distribution's
+    probabilities per position ``[T, V]``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double()
+    rows = []
+    for t in range(len(completion)):
+        row = logits[t].clone()
+        seen = torch.tensor(sorted(set(prompt) | set(completion[:t])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / repetition_penalty, row[seen] * repetition_penalty)
+        rows.append(torch.log_softmax(row / temperature, -1))
+    table = torch.stack(rows)
+    return table.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1), table.exp()

@@ -3,6 +3,7 @@ weight sync parity by every method, Ray engines, and a training run."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -78,6 +79,25 @@ class TestEngine:
         mask = batch["action_mask"].bool()
         assert (learner - batch["rollout_logprobs"]).abs()[mask].max() < 1e-4
 
+
+    def test_the_repetition_penalty_and_min_p_sample_as_by_hand(self, engine, tiny_model):
+        """vLLM's processed log-probs are of the penalized, tempered distribution (renormalized after
+        min-p, so the log-probs are compared without it); min-p draws nothing below its share."""
+        from transformers import AutoModelForCausalLM
+
+        from tests.helpers import sampling_logprobs
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        ids = prompts(tiny_model)
+        penalized = SamplingParams(n=3, max_new_tokens=8, temperature=0.8, repetition_penalty=1.5, seed=5)
+        for params in (penalized, dataclasses.replace(penalized, min_p=0.02)):
+            samples = engine.generate(ids, params)
+            for i, completion, logprobs in zip(samples.prompt_index, samples.completion_ids, samples.logprobs):
+                want, probs = sampling_logprobs(model, ids[i], completion, 0.8, 1.5)
+                drawn = probs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+                assert (drawn >= params.min_p * probs.max(-1).values).all()
+                if not params.min_p:
+                    assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), want, atol=1e-4)
 
     def test_inprocess_sync_changes_the_engine_and_keeps_parity(self, engine, tiny_model):
         from transformers import AutoModelForCausalLM

@@ -75,6 +75,10 @@ class GenerationConfig:
     top_p: float = setting(1.0, gt=0, le=1)
     #: 0 disables top-k
     top_k: int = setting(0, ge=0)
+    #: min-p sampling: tokens below this fraction of the top token's probability are not drawn (0: off)
+    min_p: float = setting(0.0, ge=0, le=1)
+    #: > 1 makes tokens of the prompt and the completion so far less likely (HF's and vLLM's rule; 1: off)
+    repetition_penalty: float = setting(1.0, gt=0)
     #: with train.max_staleness >= 1: generate in chunks, taking new weights between chunks (a long
     #: generation continues from its prefix with the newest policy; tokens record their version)
     partial_rollout: bool = False

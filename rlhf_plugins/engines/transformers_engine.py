@@ -21,7 +21,11 @@ from ..protocols import BackendContext, Samples, SamplingParams
 from .static_decode import StaticDecode
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Tempered ``logits`` with the tokens min-p, top-k and top-p leave out at -inf (in that order, as vLLM)."""
+    if min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -102,7 +106,12 @@ class TransformersEngine:
                                 graph=self.cuda_graphs).step
         else:
             step = self._growing_step(out.past_key_values, mask, next_pos, P, cache if shared else None)
-        return self._decode(out.logits[:, -1, :], params, step)
+        seen = None
+        if params.repetition_penalty != 1.0:  # each sample's prompt tokens (pads left out), then its own
+            V = out.logits.shape[-1]
+            index = input_ids.repeat_interleave(n, dim=0).masked_fill(attention == 0, V)
+            seen = torch.zeros((index.shape[0], V + 1), dtype=torch.bool, device=device).scatter_(1, index, True)[:, :V]
+        return self._decode(out.logits[:, -1, :], params, step, seen)
 
     def _growing_step(self, past: Any, mask: torch.Tensor, next_pos: torch.Tensor, prompt_width: int,
                       shared: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -119,10 +128,10 @@ class TransformersEngine:
             return out.logits[:, -1, :]
         return step
 
-    def _decode(self, logits: torch.Tensor, params: SamplingParams,
-                step: Callable[[torch.Tensor, int], torch.Tensor]) -> Samples:
+    def _decode(self, logits: torch.Tensor, params: SamplingParams, step: Callable[[torch.Tensor, int], torch.Tensor],
+                seen: torch.Tensor | None = None) -> Samples:
         """Sample token by token from the prefill's last ``logits``, feeding each token to ``step``,
-        until every sample stopped or the budget is spent."""
+        until every sample stopped or the budget is spent; ``seen``: the repetition penalty's tokens."""
         B, device = logits.shape[0], self.device
         tokens = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((B, params.max_new_tokens), device=device)
@@ -132,8 +141,10 @@ class TransformersEngine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         uniforms = torch.rand((params.max_new_tokens, B), generator=gen).to(device)
         for t in range(params.max_new_tokens):
-            token, logp = sample_token(logits, params, uniforms[t])
+            token, logp = sample_token(logits, params, uniforms[t], seen)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            if seen is not None:
+                seen[torch.arange(B, device=device), token] |= ~done
             tokens[:, t] = token
             logps[:, t] = logp.masked_fill(done, 0.0)
             finished_now = ~done & torch.isin(token, self.eos_ids)
@@ -223,20 +234,24 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention
 
 
-def sample_token(last_logits: torch.Tensor, params: SamplingParams,
-                 uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row at the sampling temperature (top-k / top-p filtered when asked), drawn by
-    inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered distribution.
-    Temperature 0 is greedy decoding, as in vLLM (log-probs then of the untempered distribution)."""
+def sample_token(last_logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor,
+                 seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row at the sampling temperature (min-p / top-k / top-p filtered when asked),
+    drawn by inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered
+    distribution (vLLM's processed log-probs). ``seen`` ``[B, V]``: the tokens the repetition
+    penalty applies to. Temperature 0 is greedy decoding, as in vLLM (log-probs then untempered)."""
     logits = last_logits.float()
+    if seen is not None:
+        rp = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
     if params.temperature <= 0:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     if params.temperature != 1.0:
         logits = logits / params.temperature
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    if params.top_k or params.top_p < 1.0:
-        probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), -1)
+    if params.top_k or params.top_p < 1.0 or params.min_p > 0:
+        probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p, params.min_p), -1)
     else:
         probs = logprobs_all.exp()
     token = sample_from(probs, uniform)

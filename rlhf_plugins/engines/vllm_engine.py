@@ -151,6 +151,8 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             seed=params.seed,
             logprobs=0,
             detokenize=False,  # the loop decodes what it needs; vLLM's incremental detokenizer is per token

@@ -24,6 +24,8 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "temperature": ("generation.temperature", float),
     "top_p": ("generation.top_p", float),
     "top_k": ("generation.top_k", lambda v: int(v or 0)),
+    "min_p": ("generation.min_p", lambda v: float(v or 0)),
+    "repetition_penalty": ("generation.repetition_penalty", float),
     "beta": ("algo.kl.coef", float),
     "epsilon": ("algo.policy_loss.clip_low", float),
     "num_iterations": ("learner.epochs", int),

@@ -8,8 +8,6 @@ from __future__ import annotations
 UNSUPPORTED = {
     "sync_ref_model": "the reference model stays the initial policy",
     "top_entropy_quantile": "no entropy-quantile token masking",
-    "repetition_penalty": "no repetition penalty in sampling",
-    "min_p": "no min-p sampling",
     "multi_objective_aggregation": "rewards are combined as a weighted sum",
     "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",

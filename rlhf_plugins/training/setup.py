@@ -85,4 +85,6 @@ def build_algorithm(trainer: Trainer) -> None:
         temperature=c.generation.temperature,
         top_p=c.generation.top_p,
         top_k=c.generation.top_k,
+        min_p=c.generation.min_p,
+        repetition_penalty=c.generation.repetition_penalty,
     )
