@@ -143,3 +143,24 @@ def test_readme_third_party_estimator_is_picked_by_name(rlhf, tmp_path):
     import yaml
 
     assert yaml.safe_load((the_run() / "config.yaml").read_text())["algo"]["advantage"]["estimator"] == "median"
+
+
+def test_the_actor_waits_while_the_critic_warms_up(rlhf):
+    """OpenRLHF's --freezing_actor_steps: the first steps train the critic alone; KL in the reward
+    measures the actor against the reference, which it still is until its first update."""
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", "--critic.freezing_steps", "2",
+                        "--algo.kl.in_reward", "true", "--algo.kl.coef", "0.05",
+                        *short_run("--train.steps", "4", "--train.run_name", "warm"))
+    assert code == 0, err
+    rows = metrics_of(Path("runs/warm"))
+    assert ["loss/policy" in r for r in rows] == [False, False, True, True]
+    assert all("critic/loss" in r for r in rows), rows[0].keys()
+    kl = [r["kl/rollout"] for r in rows]
+    assert kl[:3] == [0.0, 0.0, 0.0] and kl[3] > 0  # steps 0-2 sampled the reference's very weights
+
+
+def test_freezing_the_actor_without_a_critic_is_one_line(rlhf):
+    code, _, err = rlhf("train", "--critic.freezing_steps", "2", *short_run())
+    assert code == 2
+    assert err.strip() == ("rlhf: error: critic.freezing_steps trains the critic alone for a while, but this run has "
+                           "no critic (estimator 'group_norm'); drop it or use --algo.advantage.estimator gae")

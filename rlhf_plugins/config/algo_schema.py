@@ -80,6 +80,8 @@ class CriticConfig:
     lr: float = setting(5e-3, gt=0)
     #: value-loss clipping around the rollout-time values; empty disables it
     value_clip: float | None = setting(0.2, gt=0)
+    #: the first N steps train only the critic, the actor waits (OpenRLHF's --freezing_actor_steps)
+    freezing_steps: int = setting(0, ge=0)
 
 
 @dataclass

@@ -212,5 +212,8 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
     plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled
+    if c.critic.freezing_steps and not plan.needs_critic:
+        raise ConfigError(f"critic.freezing_steps trains the critic alone for a while, but this run has no critic "
+                          f"(estimator '{plan.estimator.name}'); drop it or use --algo.advantage.estimator gae")
     pm.configure(c, plan)
     return plan

@@ -188,7 +188,8 @@ class Trainer:
         objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef)
         self.phase = "update"
         batch["balance_tokens"] = bool(c.learner.max_tokens_per_micro_batch)  # shards of equal tokens per rank
-        metrics.update(self.actor.train(batch, objective))
+        if step >= c.critic.freezing_steps:  # the critic's warm-up: the actor waits
+            metrics.update(self.actor.train(batch, objective))
         if self.critic is not None:
             metrics.update(self.critic.train(batch, self.value_objective))
         t_train = time.perf_counter()
