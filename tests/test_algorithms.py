@@ -224,6 +224,26 @@ def test_ppo_matches_loop(dual):
         assert 0 < dual_bound and float(m["loss/dual_clip_frac"]) == pytest.approx(dual_bound / tokens, abs=1e-6)
 
 
+def test_trls_two_sided_delta_clip_is_the_dual_clip_above_one_plus_epsilon_high():
+    """TRL's ``delta`` (INTELLECT-2): ``-min(min(r, delta) A, clip(r) A)``, written as TRL does, equals
+    our dual clip with c = delta, in value and gradient, for every delta above 1 + epsilon_high."""
+    r = ragged(seed=9)
+    lp = torch.randn(r.B, r.T, generator=r.g) * 0.5
+    old = lp.detach() + torch.randn(r.B, r.T, generator=r.g) * 1.5
+    adv = torch.randn(r.B, r.T, generator=r.g) * 2
+    for delta in (1.3, 2.0, 4.0):
+        ours_lp, theirs_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+        ours, _ = L.ppo(L.PolicyLossInputs(ours_lp, old, adv, r.mask), opts(dual_clip=delta))
+        ratio = torch.exp(theirs_lp - old)
+        theirs = -torch.min(torch.clamp(ratio, max=delta) * adv, torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * adv)
+        mask = r.mask.bool()
+        assert torch.allclose(ours[mask], theirs[mask], rtol=1e-5, atol=1e-6)
+        (ours * r.mask).sum().backward()
+        (theirs * r.mask).sum().backward()
+        assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-6)
+        assert (ratio[mask] > delta).any()  # the bound acted
+
+
 def test_clipping_bounds_the_ratio_and_dual_clip_only_on_negative_advantages():
     ratios = torch.linspace(0.1, 10, 50)[None, :]
     lp, old = ratios.log(), torch.zeros_like(ratios)

@@ -54,10 +54,13 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
     raw, notes = from_grpo_fields({"gradient_checkpointing_kwargs": {"use_reentrant": True}, "pad_to_multiple_of": 8})
     assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant",
                      "TRL field 'pad_to_multiple_of' is ignored: padding to a multiple does not change the loss"]
-    for field, value, message in (("optim", "adafactor", "TRL optim 'adafactor' has no equivalent"),
+    raw, _ = from_grpo_fields({"delta": 1.5, "epsilon_high": 0.28})
+    assert raw["algo"]["policy_loss"]["dual_clip"] == 1.5 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
+    for field, value, message in (("delta", 1.2, "TRL delta 1.2 must exceed 1 + epsilon_high (1.2)"),
+                                  ("optim", "adafactor", "TRL optim 'adafactor' has no equivalent"),
                                   ("lr_scheduler_type", "polynomial", "TRL lr_scheduler_type 'polynomial'"),
                                   ("neftune_noise_alpha", 5.0, "TRL field 'neftune_noise_alpha' (5.0) changes training")):
-        with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             from_grpo_fields({field: value})
 
 

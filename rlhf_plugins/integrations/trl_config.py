@@ -51,7 +51,7 @@ DERIVED = {
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy",
+    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why
@@ -130,7 +130,14 @@ def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
 
 def _algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     """Clipping, KL estimator, loss aggregation, sequence-level ratios, reward scaling, sampling correction."""
-    _set(raw, "algo.policy_loss.clip_high", float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"]))
+    high = float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"])
+    _set(raw, "algo.policy_loss.clip_high", high)
+    if f.get("delta") is not None:  # INTELLECT-2's two-sided clip: above 1 + epsilon_high it is the dual clip
+        if float(f["delta"]) <= 1 + high:
+            raise ConfigError(f"TRL delta {f['delta']} must exceed 1 + epsilon_high ({1 + high:g}), as TRL "
+                              "recommends: rlhf-plugins runs it as the dual clip (--algo.policy_loss.dual_clip), "
+                              "which it equals there")
+        _set(raw, "algo.policy_loss.dual_clip", float(f["delta"]))
     _set(raw, "algo.kl.estimator", "k3")
     loss = f["loss_type"]
     if loss not in LOSS_TYPES:

@@ -12,7 +12,6 @@ UNSUPPORTED = {
     "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
     "use_bias_correction_kl": "no bias-corrected KL",
-    "delta": "no two-sided (delta) clipping",
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
