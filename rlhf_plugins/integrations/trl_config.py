@@ -9,63 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .trl_fields import BOOKKEEPING_PREFIXES, IGNORED_WHY, UNSUPPORTED
+from .trl_fields import (
+    BOOKKEEPING_PREFIXES,
+    DERIVED,
+    DIRECT,
+    DTYPES,
+    IGNORED_WHY,
+    INIT_IGNORED,
+    LOSS_TYPES,
+    OPTIMIZERS,
+    SAMPLING_CORRECTION,
+    SCHEDULERS,
+    UNSUPPORTED,
+)
 
-#: GRPOConfig field -> (our dotted key, converter)
-DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "learning_rate": ("learner.lr", float),
-    "num_generations": ("generation.n_samples_per_prompt", int),
-    "max_completion_length": ("generation.max_new_tokens", int),
-    "temperature": ("generation.temperature", float),
-    "top_p": ("generation.top_p", float),
-    "top_k": ("generation.top_k", lambda v: int(v or 0)),
-    "min_p": ("generation.min_p", lambda v: float(v or 0)),
-    "repetition_penalty": ("generation.repetition_penalty", float),
-    "beta": ("algo.kl.coef", float),
-    "epsilon": ("algo.policy_loss.clip_low", float),
-    "num_iterations": ("learner.epochs", int),
-    "max_grad_norm": ("learner.max_grad_norm", float),
-    "weight_decay": ("learner.weight_decay", float),
-    "adam_epsilon": ("learner.eps", float),
-    "seed": ("train.seed", int),
-    "entropy_coef": ("algo.policy_loss.entropy_coef", float),
-    "gradient_checkpointing": ("learner.gradient_checkpointing", bool),
-    "reward_weights": ("reward.weights", lambda v: [float(x) for x in v] if v else []),
-    "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization", float),
-    "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size", int),
-    "vllm_max_model_length": ("vllm.max_model_len", lambda v: None if v is None else int(v)),
-    "vllm_enable_sleep_mode": ("vllm.sleep", bool),
-    "vllm_model_impl": ("vllm.model_impl", str),
-    "shuffle_dataset": ("data.shuffle", bool),
-    "mask_truncated_completions": ("algo.policy_loss.mask_truncated", bool),
-}
-#: fields handled by hand below
-DERIVED = {
-    "epsilon_high", "loss_type", "scale_rewards", "importance_sampling_level", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
-    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
-    "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta",
-}
-DTYPES = ("float32", "bfloat16", "float16")
-#: from_pretrained arguments of model_init_kwargs that change nothing here, and why
-INIT_IGNORED = {"attn_implementation": "this package's attention (SDPA with its own masks and KV caches) runs",
-                "device_map": "each role places its model on its own device", "use_cache": IGNORED_WHY["use_cache"],
-                "low_cpu_mem_usage": "models of 50M+ parameters load empty and fill from their files"}
-OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              "adam": "adam", "sgd": "sgd"}
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
-              "cosine_with_min_lr": "cosine"}
-LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-              "dr_grpo": "seq-mean-token-sum-norm"}
-SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
-                       "sequence_truncate": "seq_mask_tis"}
+
 def grpo_defaults() -> dict[str, Any]:
     from trl import GRPOConfig
 
