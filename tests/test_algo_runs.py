@@ -164,3 +164,11 @@ def test_freezing_the_actor_without_a_critic_is_one_line(rlhf):
     assert code == 2
     assert err.strip() == ("rlhf: error: critic.freezing_steps trains the critic alone for a while, but this run has "
                            "no critic (estimator 'group_norm'); drop it or use --algo.advantage.estimator gae")
+
+
+def test_a_run_trains_only_its_highest_entropy_tokens(rlhf):
+    code, _, err = rlhf("train", "--algo.policy_loss.top_entropy_quantile", "0.25",
+                        *short_run("--train.steps", "2", "--train.run_name", "forks"))
+    assert code == 0, err
+    kept = [r["loss/entropy_kept_frac"] for r in metrics_of(Path("runs/forks"))]
+    assert len(kept) == 2 and all(0.15 < k < 0.45 for k in kept), kept  # about a quarter of each micro batch

@@ -562,3 +562,29 @@ def test_inverse_cdf_sampling_draws_the_categorical_distribution_and_never_a_fil
         kept = (p > 0).nonzero().flatten()
         edges = sample_from(probs[row].expand(2, -1), torch.tensor([0.0, 1.0 - 1e-7]))
         assert edges.tolist() == [int(kept[0]), int(kept[-1])]
+
+
+def test_top_entropy_quantile_trains_exactly_the_highest_entropy_tokens_of_the_micro_batch():
+    """TRL's top_entropy_quantile: the policy loss keeps the tokens whose entropy is at least the
+    (1 - q) quantile of the micro batch's token entropies, counted by a sort by hand; the KL and
+    entropy terms are not masked."""
+    r = ragged(prompts=3, group=2, T=9, seed=5)
+    lp = (torch.randn(r.B, r.T, generator=r.g) * 0.3).requires_grad_(True)
+    old = lp.detach() + torch.randn(r.B, r.T, generator=r.g) * 0.1
+    adv = torch.randn(r.B, r.T, generator=r.g) * r.mask
+    entropy = torch.rand(r.B, r.T, generator=r.g) * 3
+    batch = {"action_mask": r.mask, "old_logprobs": old, "advantages": adv}
+    obj = Objective(policy_loss=L.ppo, options=loss_opts(top_entropy_quantile=0.2))
+    assert obj.needs_entropy
+    loss, metrics = obj({"logprobs": lp, "entropy": entropy}, batch)
+    loss.backward()
+    values = sorted(float(e) for e, m in zip(entropy.flatten(), r.mask.flatten()) if m)
+    n = len(values)
+    pos = 0.8 * (n - 1)  # torch.quantile's linear interpolation, by hand
+    threshold = values[int(pos)] + (values[min(int(pos) + 1, n - 1)] - values[int(pos)]) * (pos - int(pos))
+    kept = (entropy >= threshold) & r.mask.bool()
+    assert int(kept.sum()) == sum(v >= threshold for v in values) and 0 < int(kept.sum()) < n
+    per_token, _ = L.ppo(L.PolicyLossInputs(lp.detach(), old, adv, r.mask), obj.options)
+    assert float(loss) == pytest.approx(float((per_token * kept).sum() / r.mask.sum()), rel=1e-6)
+    assert (lp.grad[~kept] == 0).all() and (lp.grad[kept] != 0).any()  # only the kept tokens learn
+    assert float(metrics["loss/entropy_kept_frac"]) == pytest.approx(int(kept.sum()) / n)

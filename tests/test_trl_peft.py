@@ -24,7 +24,7 @@ def test_grpo_fields_map_by_hand():
         "steps_per_generation": 4, "max_completion_length": 64, "beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28,
         "loss_type": "dr_grpo", "scale_rewards": "none", "num_iterations": 2, "max_steps": 10, "top_k": None,
         "logging_steps": 5, "lr_scheduler_type": "cosine", "vllm_model_impl": "transformers",
-        "mask_truncated_completions": True, "min_p": 0.05, "repetition_penalty": 1.1,
+        "mask_truncated_completions": True, "min_p": 0.05, "repetition_penalty": 1.1, "top_entropy_quantile": 0.2,
     })
     assert raw["learner"]["lr"] == 3e-6 and raw["learner"]["epochs"] == 2
     assert raw["generation"]["n_samples_per_prompt"] == 4 and raw["generation"]["max_new_tokens"] == 64
@@ -39,6 +39,7 @@ def test_grpo_fields_map_by_hand():
     assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
     assert raw["algo"]["policy_loss"]["mask_truncated"] is True
     assert raw["generation"]["min_p"] == 0.05 and raw["generation"]["repetition_penalty"] == 1.1
+    assert raw["algo"]["policy_loss"]["top_entropy_quantile"] == 0.2
     assert raw["algo"]["advantage"]["estimator"] == "dr_grpo"
     # the optimizer and schedule run as TRL's Trainer would run them
     assert raw["learner"]["lr_scheduler"] == "cosine" and raw["learner"]["optimizer"] == "adamw"

@@ -26,6 +26,16 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_
     return out * mask
 
 
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:
+    """1 on the tokens of ``mask`` whose entropy is at least the ``1 - top`` quantile of the masked
+    entropies (TRL's ``get_high_entropy_mask``, over one rank's micro batch), 0 elsewhere."""
+    values = entropy[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1 - top)
+    return ((entropy >= threshold) & mask.bool()).to(mask.dtype)
+
+
 def nonempty(mask: torch.Tensor) -> torch.Tensor:
     """How many sequences of ``mask`` have at least one token (empty completions do not count
     in sequence means)."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .mismatch import importance_weights
-from .numerics import aggregate, masked_mean, micro_batch_weight
+from .numerics import aggregate, high_entropy_mask, masked_mean, micro_batch_weight
 from .policy_losses import PolicyLossInputs
 
 
@@ -32,8 +32,13 @@ class Objective:
         return self.options.aggregation
 
     @property
+    def top_entropy(self) -> float:
+        """The fraction of highest-entropy tokens the policy loss trains (1: all)."""
+        return float(getattr(self.options, "top_entropy_quantile", 1.0))
+
+    @property
     def needs_entropy(self) -> bool:
-        return self.options.entropy_coef != 0.0
+        return self.options.entropy_coef != 0.0 or self.top_entropy < 1.0
 
     def weight(self, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
         return micro_batch_weight(micro_mask, mini_mask, self.aggregation)
@@ -60,6 +65,10 @@ class Objective:
             got = tuple(per_token.shape) if torch.is_tensor(per_token) else type(per_token).__name__
             raise PluginError(f"policy loss '{getattr(self.options, 'name', '?')}' returned {got}; it must return the "
                               f"per-token loss {tuple(mask.shape)} ([B, T]) and a dict of metrics")
+        if self.top_entropy < 1.0 and entropy is not None:  # the forking tokens only (TRL's entropy mask)
+            kept = high_entropy_mask(entropy.detach(), mask, self.top_entropy)
+            per_token = per_token * kept
+            metrics["loss/entropy_kept_frac"] = masked_mean(kept, mask)
         if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
             weights, extra = importance_weights(
                 inputs.old_logprobs, inputs.rollout_logprobs, mask,

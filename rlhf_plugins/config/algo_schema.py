@@ -35,6 +35,9 @@ class PolicyLossConfig:
     norm_length: int | None = setting(None, ge=1)
     #: entropy bonus coefficient (0: none)
     entropy_coef: float = setting(0.0)
+    #: the policy loss trains only the tokens whose entropy is in this top fraction of their micro
+    #: batch's (1: every token; TRL's top_entropy_quantile, "Beyond the 80/20 rule": 0.2)
+    top_entropy_quantile: float = setting(1.0, gt=0, le=1)
     #: completions cut off by the budget (no stop) leave the loss -- policy, KL, entropy and value
     #: terms -- after advantages are computed, so their rewards still count in their group's baseline
     #: (DAPO's overlong filtering; TRL's mask_truncated_completions)

@@ -11,7 +11,6 @@ from typing import Any
 #: fields that change training and that we cannot honour (an error unless left at TRL's default)
 UNSUPPORTED = {
     "sync_ref_model": "the reference model stays the initial policy",
-    "top_entropy_quantile": "no entropy-quantile token masking",
     "multi_objective_aggregation": "rewards are combined as a weighted sum",
     "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
@@ -59,6 +58,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "top_p": ("generation.top_p", float),
     "top_k": ("generation.top_k", lambda v: int(v or 0)),
     "min_p": ("generation.min_p", lambda v: float(v or 0)),
+    "top_entropy_quantile": ("algo.policy_loss.top_entropy_quantile", float),
     "repetition_penalty": ("generation.repetition_penalty", float),
     "beta": ("algo.kl.coef", float),
     "epsilon": ("algo.policy_loss.clip_low", float),
