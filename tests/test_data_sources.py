@@ -97,3 +97,13 @@ def test_a_run_on_two_mixed_datasets_trains_on_the_first_rows_of_each(rlhf, tmp_
     assert code == 0, err
     prompts = {p for line in seen.read_text().splitlines() for p in json.loads(line)}
     assert prompts == {"0+1=", "1+1=", "0+2=", "1+2="}  # both datasets, their first two rows only
+
+
+def test_a_damaged_save_to_disk_folder_is_one_line(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "1+1="}]).save_to_disk(str(tmp_path / "d"))
+    for arrow in (tmp_path / "d").glob("*.arrow"):
+        arrow.write_bytes(b"not arrow")
+    with pytest.raises(DataError, match=f"^dataset folder '{tmp_path}/d' cannot be read: "):
+        read_rows(tmp_path / "d")

@@ -190,7 +190,11 @@ def _read_saved(path: Path) -> list[dict[str, Any]]:
     """The rows of a ``save_to_disk`` folder: its dataset, or of several splits the train split."""
     import datasets
 
-    saved = datasets.load_from_disk(str(path))
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a damaged or foreign folder: datasets' own reason, in one line
+        raise DataError(f"dataset folder '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) \
+            from exc
     if isinstance(saved, datasets.DatasetDict):
         if "train" not in saved and len(saved) != 1:
             raise DataError(f"dataset folder '{path}' holds the splits {', '.join(saved)} and no 'train'; give one: "
