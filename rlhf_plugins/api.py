@@ -70,9 +70,11 @@ def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, 
     run_dir, folder = checkpoint.find(Path(target))
     saved = load_yaml(run_dir / "config.yaml")
     config, pm, plan = prepare(merge(saved, overrides or {}), plugins, autoload=autoload)
-    before, after = _flatten(saved), _flatten(config.to_dict())
-    changed = sorted(k for k in set(before) | set(after)
-                     if before.get(k) != after.get(k) and not k.startswith(SAFE_TO_CHANGE))
+    before, after, given = _flatten(saved), _flatten(config.to_dict()), set(_flatten(overrides or {}))
+    # a key the saved config lacks is one added since the run began: its default keeps the old
+    # behaviour, so only a value given now counts as a change
+    changed = sorted(k for k in set(before) | set(after) if (k in before or k in given)
+                     and before.get(k) != after.get(k) and not k.startswith(SAFE_TO_CHANGE))
     if changed:
         shown = ", ".join(f"{k} ({before.get(k)!r} -> {after.get(k)!r})" for k in changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""

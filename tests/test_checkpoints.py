@@ -92,6 +92,27 @@ def test_a_changed_config_is_refused_naming_the_keys(workdir):
     assert len(line.splitlines()) == 1
 
 
+def test_a_run_saved_before_a_key_existed_resumes_and_a_value_given_for_it_is_a_change(workdir, tmp_path):
+    """A run begun on an older release has no line for a key added since; its default keeps the old
+    behaviour, so the run resumes -- unless the key is given a value now."""
+    import shutil
+
+    import yaml
+
+    from rlhf_plugins.api import prepare_resume
+    from rlhf_plugins.errors import ConfigError
+
+    run = tmp_path / "older"
+    shutil.copytree(workdir / "runs" / "whole", run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["generation"]["min_p"], saved["algo"]["policy_loss"]["top_entropy_quantile"]
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    config, _, plan = prepare_resume(run, {"train": {"steps": 10}}, autoload=False)
+    assert plan.resume[0] == run and config.generation.min_p == 0.0 and config.train.steps == 10
+    with pytest.raises(ConfigError, match=r"generation.min_p \(None -> 0.1\)"):
+        prepare_resume(run, {"generation": {"min_p": 0.1}}, autoload=False)
+
+
 def test_a_damaged_checkpoint_is_refused(workdir, tmp_path):
     import shutil
 
