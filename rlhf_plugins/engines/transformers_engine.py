@@ -237,9 +237,10 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 def sample_token(last_logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor,
                  seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row at the sampling temperature (min-p / top-k / top-p filtered when asked),
-    drawn by inverting the CDF at ``uniform``; and its log-prob under the unfiltered tempered
-    distribution (vLLM's processed log-probs). ``seen`` ``[B, V]``: the tokens the repetition
-    penalty applies to. Temperature 0 is greedy decoding, as in vLLM (log-probs then untempered)."""
+    drawn by inverting the CDF at ``uniform``; and its log-prob under the penalized, tempered
+    distribution before those filters (vLLM's processed log-probs are renormalized over the tokens the
+    filters keep). ``seen`` ``[B, V]``: the tokens the repetition penalty applies to. Temperature 0 is
+    greedy decoding, as in vLLM (log-probs then untempered)."""
     logits = last_logits.float()
     if seen is not None:
         rp = params.repetition_penalty
