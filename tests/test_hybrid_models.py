@@ -111,3 +111,18 @@ def test_a_config_vllm_refuses_is_one_line_with_its_reason_not_pydantics_link():
         Engine(block=0)
     assert str(err.value).strip().splitlines()[-1].strip().startswith("For further information visit")
     assert _reason(err.value) == "Assertion failed, Chunked prefill is required for mamba cache mode 'align'."
+
+
+def test_on_transformers_4_recurrent_layers_are_told_by_their_config_keys(monkeypatch):
+    """transformers 4.x (the floor setup.cfg declares) has no recurrent cache layers to ask: the
+    config's Mamba / gated delta-net keys tell, with the same answers as transformers 5's layers."""
+    import transformers.cache_utils
+    from transformers import FalconH1Config, GraniteMoeHybridConfig, LlamaConfig, MixtralConfig, Qwen3NextConfig
+
+    from rlhf_plugins.models.recurrent import recurrent_config
+
+    configs = [LlamaConfig(), MixtralConfig(), FalconH1Config(), Qwen3NextConfig(),
+               GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["mamba", "attention"])]
+    by_layers = [recurrent_config(c) for c in configs]
+    monkeypatch.delattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin")
+    assert [recurrent_config(c) for c in configs] == by_layers == [False, False, True, True, True]

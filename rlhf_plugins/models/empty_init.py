@@ -214,8 +214,7 @@ def _give_storage(model: torch.nn.Module, device: torch.device, names: dict[str,
     """Storage on ``device`` for every empty parameter (buffers and the parameters the checkpoint
     does not hold keep their values); the names of the latter. An unsharded model's parameters keep
     their identity (a tied head stays tied); a sharded one's are FSDP2's to replace (``to_empty``)."""
-    from torch.distributed.tensor import DTensor
-
+    DTensor, _ = dtensor_types()
     own = {}
     for name, param in model.named_parameters():
         if name not in names:
@@ -238,17 +237,25 @@ def _give_storage(model: torch.nn.Module, device: torch.device, names: dict[str,
     return set(own)
 
 
+def dtensor_types() -> tuple[type, type]:
+    """torch's ``DTensor`` and ``Shard``: public in ``torch.distributed.tensor`` from torch 2.5, in
+    ``torch.distributed._tensor`` on torch 2.4 (the floor setup.cfg declares)."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor, Shard
+    return DTensor, Shard
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded parameter (the parameter itself when it is not sharded)."""
-    from torch.distributed.tensor import DTensor
-
+    DTensor, _ = dtensor_types()
     return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _shard_start(param: Any, rows: int) -> int:
     """The first row of this rank's dim-0 shard (FSDP2 cuts as ``torch.chunk`` does)."""
-    from torch.distributed.tensor import Shard
-
+    _, Shard = dtensor_types()
     if tuple(param.placements) != (Shard(0),):
         raise NotImplementedError(f"loading shards placed as {param.placements}; FSDP2 places Shard(0)")
     mesh = param.device_mesh

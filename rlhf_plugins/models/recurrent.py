@@ -32,8 +32,18 @@ def _config_of(model: Any) -> Any:
 
 def recurrent_config(config: Any) -> bool:
     """:func:`keeps_recurrent_state` of the model a transformers ``config`` describes."""
+    if config is None:
+        return False
     from transformers import DynamicCache
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    layers = DynamicCache(config=config).layers if config is not None else []
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # transformers 4.x: such models keep their state in a cache class of their own
+        return any(key.startswith(RECURRENT_KEYS) for key in vars(config.get_text_config()))
+    layers = DynamicCache(config=config).layers
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+
+
+#: on transformers 4.x (no recurrent cache layers to ask), the config keys of recurrent layers:
+#: Mamba-2's (Granite 4.0-H, Falcon-H1, Bamba, Zamba 2), gated delta-net's (Qwen3-Next)
+RECURRENT_KEYS = ("mamba_", "ssm_", "linear_conv_kernel_dim")
