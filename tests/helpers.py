@@ -356,3 +356,20 @@ def sampling_logprobs(model: Any, prompt: list[int], completion: list[int], temp
         rows.append(torch.log_softmax(row / temperature, -1))
     table = torch.stack(rows)
     return table.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1), table.exp()
+
+
+def rollout_spy(folder: Path) -> tuple[Path, Any]:
+    """A plugin file that records every step's rollout prompts and prompt ids, and a function that
+    reads them back: ``[(prompts, prompt_ids), ...]``, one per step."""
+    import json
+    import textwrap
+
+    seen, plugin = folder / "seen_rollouts.jsonl", folder / "rollout_spy.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            open({str(seen)!r}, "a").write(json.dumps([rollout.prompts, rollout.prompt_ids]) + "\\n")
+    """))
+    return plugin, lambda: [tuple(json.loads(line)) for line in seen.read_text().splitlines()]

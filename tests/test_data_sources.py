@@ -77,25 +77,15 @@ def test_a_save_to_disk_folder_reads_as_its_rows_and_a_dataset_dict_as_its_train
 
 
 def test_a_run_on_two_mixed_datasets_trains_on_the_first_rows_of_each(rlhf, tmp_path):
-    import textwrap
-
-    from tests.helpers import short_run
+    from tests.helpers import rollout_spy, short_run
 
     a = jsonl(tmp_path / "a.jsonl", [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(5)])
     b = jsonl(tmp_path / "b.jsonl", [{"prompt": f"{i}+2=", "label": str(i + 2)} for i in range(5)])
-    seen = tmp_path / "seen.jsonl"
-    plugin = tmp_path / "spy.py"
-    plugin.write_text(textwrap.dedent(f"""
-        import json
-        from rlhf_plugins import hookimpl
-        @hookimpl
-        def rlhf_after_rollout(step, rollout):
-            open({str(seen)!r}, "a").write(json.dumps(rollout.prompts) + "\\n")
-    """))
+    plugin, seen = rollout_spy(tmp_path)
     code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", f"{a},{b}", "--data.probs", "0.5,0.5",
                         "--data.max_samples", "2", "--reward.functions", "exact_match", *short_run())
     assert code == 0, err
-    prompts = {p for line in seen.read_text().splitlines() for p in json.loads(line)}
+    prompts = {p for step_prompts, _ in seen() for p in step_prompts}
     assert prompts == {"0+1=", "1+1=", "0+2=", "1+2="}  # both datasets, their first two rows only
 
 

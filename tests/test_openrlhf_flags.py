@@ -4,7 +4,6 @@ OpenRLHF's commands into configs that rlhf accepts, carrying OpenRLHF's defaults
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 
 from rlhf_plugins.commands.convert import convert, render
 from rlhf_plugins.config.openrlhf_flags import lookup, markdown
-from tests.helpers import ROOT, make_reward_model, short_run
+from tests.helpers import ROOT, make_reward_model, rollout_spy, short_run
 
 FLAGS = json.loads((Path(__file__).parent / "data" / "openrlhf_flags.json").read_text())["flags"]
 
@@ -132,21 +131,13 @@ def test_input_template_and_max_samples_shape_the_prompts_the_engine_gets(rlhf, 
 
     path = tmp_path / "sums.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+1", "label": str(a + 1)}) + "\n" for a in range(10)))
-    seen = tmp_path / "seen.jsonl"
-    plugin = tmp_path / "spy.py"
-    plugin.write_text(textwrap.dedent(f"""
-        import json
-        from rlhf_plugins import hookimpl
-        @hookimpl
-        def rlhf_after_rollout(step, rollout):
-            open({str(seen)!r}, "a").write(json.dumps([rollout.prompts, rollout.prompt_ids]) + "\\n")
-    """))
+    plugin, seen = rollout_spy(tmp_path)
     template = "Q: {} =\nA:"
     code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", str(path), "--data.apply_chat_template",
                         "false", "--data.input_template", template, "--data.max_samples", "4", "--reward.functions",
                         "exact_match", *short_run("--eval.enabled", "true", "--eval.split", "0.25"))
     assert code == 0, err
-    steps = [json.loads(line) for line in seen.read_text().splitlines()]
+    steps = seen()
     prompts = {p for step_prompts, _ in steps for p in step_prompts}
     first_four = {template.format(f"{a}+1") for a in range(4)}
     assert prompts < first_four and len(prompts) == 3  # one of the four held out, rows 5-10 never used

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, short_run, the_run
+from tests.helpers import EXAMPLES, eval_rows_of, metrics_of, rollout_spy, short_run, the_run
 
 
 @pytest.mark.slow
@@ -190,20 +190,11 @@ def test_chat_template_off_uses_raw_prompts(rlhf, tmp_path, tiny_model):
 
     path = tmp_path / "raw.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(4)))
-    seen = tmp_path / "seen.json"
-    plugin = tmp_path / "spy.py"
-    plugin.write_text(textwrap.dedent(f"""
-        import json
-        from rlhf_plugins import hookimpl
-        @hookimpl
-        def rlhf_after_rollout(step, rollout):
-            if step == 0:
-                open({str(seen)!r}, "w").write(json.dumps([rollout.prompts, rollout.prompt_ids]))
-    """))
+    plugin, seen = rollout_spy(tmp_path)
     code, _, err = rlhf("train", "--plugin", str(plugin), "--data.path", str(path), "--data.apply_chat_template",
                         "false", "--reward.functions", "exact_match", *short_run())
     assert code == 0, err
-    prompts, ids = json.loads(seen.read_text())
+    prompts, ids = seen()[0]
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert {p for p in prompts} <= {f"{a}+1=" for a in range(4)}
     assert ids == [tok(p)["input_ids"] for p in prompts]
