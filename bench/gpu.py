@@ -33,6 +33,10 @@ VARIANTS = {
                           {"compile": True, "logits_memory_mb": 4096}),
     "ours-compile-layers-4096": ("compiled as whole decoder layers (--learner.compile_scope layers: fewer launches), "
                                  "4096 MB logits", {"compile": True, "compile_scope": "layers", "logits_memory_mb": 4096}),
+    "ours-compile-16384": ("compiled, with a 16384 MB logits budget (run 5's best eager budget: one chunk per micro batch)",
+                           {"compile": True, "logits_memory_mb": 16384}),
+    "ours-compile-layers-16384": ("compiled as whole decoder layers, 16384 MB logits",
+                                  {"compile": True, "compile_scope": "layers", "logits_memory_mb": 16384}),
     "ours-autocast": ("with float32 weights under autocast (the precision of runs 1-3, docs/gpu.md)",
                       {"master_weights": False}),
 }

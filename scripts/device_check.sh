@@ -55,7 +55,7 @@ if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     timeout 90 "$PY" bench/head.py --device cuda --tokens 16384 --json "$OUT/head.json" || echo "bench/head.py failed ($?)"
     left=$(( DEADLINE - $(date +%s) - 20 ))
     echo "bench/gpu.py: $left s left"
-    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours,trl,ours-compile-4096,ours-compile-layers-4096,ours-compile}" --json "$OUT/gpu_bench.json" && bench=ok \
+    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours,ours-compile-layers-16384,trl,ours-compile-16384,ours-compile-layers-4096,ours-compile-4096,ours-compile}" --json "$OUT/gpu_bench.json" && bench=ok \
         || bench="failed ($?)"
 else
     echo "no CUDA here: bench/gpu.py not run"
