@@ -149,6 +149,8 @@ def profile_step(trainer: Any, step: int) -> None:
           "launches", flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60),
           flush=True)
+    # the host's side: which operators the update calls most often (each launches one kernel or more)
+    print(events.table(sort_by="count", row_limit=20, max_name_column_width=60), flush=True)
 
 
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:

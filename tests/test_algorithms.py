@@ -10,6 +10,7 @@ import torch
 
 from rlhf_plugins.algorithms import advantages as A
 from rlhf_plugins.algorithms import kl as K
+from rlhf_plugins.algorithms import numerics as N
 from rlhf_plugins.algorithms import policy_losses as L
 from rlhf_plugins.algorithms.numerics import aggregate, micro_batch_weight
 
@@ -588,3 +589,22 @@ def test_top_entropy_quantile_trains_exactly_the_highest_entropy_tokens_of_the_m
     assert float(loss) == pytest.approx(float((per_token * kept).sum() / r.mask.sum()), rel=1e-6)
     assert (lp.grad[~kept] == 0).all() and (lp.grad[kept] != 0).any()  # only the kept tokens learn
     assert float(metrics["loss/entropy_kept_frac"]) == pytest.approx(int(kept.sum()) / n)
+
+
+def test_the_high_entropy_mask_follows_torch_quantile_on_random_masks_ties_and_empty_ones():
+    """The mask computed without selecting the masked entropies (no host read of their count) keeps
+    the tokens torch.quantile's rule over the selected values keeps: random shapes, masks, fractions,
+    tied entropies, and an empty mask (nothing kept)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        B, T = torch.randint(1, 6, (2,), generator=g).tolist()
+        entropy = torch.rand(B, T, generator=g) * 3
+        if trial % 5 == 0:
+            entropy = entropy.round()
+        mask = (torch.rand(B, T, generator=g) > 0.4).float()
+        top = float(torch.rand(1, generator=g)) * 0.99 + 0.005
+        values = entropy[mask.bool()]
+        want = (torch.zeros_like(mask) if values.numel() == 0
+                else ((entropy >= torch.quantile(values, 1 - top)) & mask.bool()).float())
+        assert torch.equal(N.high_entropy_mask(entropy, mask, top), want), trial
+    assert not N.high_entropy_mask(torch.rand(2, 3), torch.zeros(2, 3), 0.5).any()

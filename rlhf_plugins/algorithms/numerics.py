@@ -29,11 +29,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:
     """1 on the tokens of ``mask`` whose entropy is at least the ``1 - top`` quantile of the masked
     entropies (TRL's ``get_high_entropy_mask``, over one rank's micro batch), 0 elsewhere."""
-    values = entropy[mask.bool()].float()
-    if values.numel() == 0:
-        return torch.zeros_like(mask)
-    threshold = torch.quantile(values, 1 - top)
-    return ((entropy >= threshold) & mask.bool()).to(mask.dtype)
+    keep = mask.bool()
+    # torch.quantile's linear rule over the masked values, without selecting them: a boolean selection's
+    # size is read on the host, which on a GPU waits for the forward to finish before the backward is issued
+    ordered = torch.where(keep, entropy.float(), torch.inf).flatten().sort().values
+    rank = (1 - top) * (keep.sum() - 1).clamp(min=0)
+    below, above = rank.floor().long(), rank.ceil().long()
+    threshold = torch.lerp(ordered[below.view(1)], ordered[above.view(1)], rank - below)
+    return ((entropy >= threshold) & keep).to(mask.dtype)
 
 
 def nonempty(mask: torch.Tensor) -> torch.Tensor:

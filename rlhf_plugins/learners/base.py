@@ -21,6 +21,18 @@ from ..models.forward import group_permutation, policy_forward, split_batch, val
 from ..models.packing import in_token_budget, token_budget_split
 
 
+def weighted_metrics(done: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
+    """The sum over micro batches of each metric times its micro batch's weight, from ``(metrics,
+    weight)`` pairs; the tensors among the values are read back to the host in one transfer."""
+    tensors = [v.detach().reshape(()).float() for m, _ in done for v in m.values() if torch.is_tensor(v)]
+    values = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    totals: dict[str, float] = defaultdict(float)
+    for m, w in done:
+        for key, value in m.items():
+            totals[key] += (next(values) if torch.is_tensor(value) else float(value)) * w
+    return totals
+
+
 def make_optimizer(params: list[Any], cfg: Any, lr: float) -> torch.optim.Optimizer:
     """``learner.optimizer`` with its settings (betas, eps, momentum, weight decay). Adam(W) runs
     torch's fused implementation where every parameter is a plain CPU or CUDA tensor (not an FSDP2
@@ -140,17 +152,23 @@ class Learner:
         return {k: v / count for k, v in totals.items()}
 
     def _update(self, module: Any, mini_batch: dict[str, Any], micro: int, objective: Any) -> dict[str, float]:
-        metrics: dict[str, float] = defaultdict(float)
+        """Forward and backward of each micro batch, then one optimizer step. No tensor's value is read
+        on the host between the first forward and the last backward: each micro batch's weight is read
+        before, its metrics after (on a GPU such a read makes the host wait until every queued kernel has
+        run, and the GPU then idles while the host issues the next ones)."""
         mini_mask = mini_batch["action_mask"]
         budget = self.cfg.max_tokens_per_micro_batch
-        for part in token_budget_split(mini_batch, budget) if budget else split_batch(mini_batch, micro):
+        parts = token_budget_split(mini_batch, budget) if budget else split_batch(mini_batch, micro)
+        weights = [objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
+                   for part in parts]
+        done = []
+        for part, w in zip(parts, weights):
             with self._compute():
                 outputs = self.forward(module, part, self.temperature, with_entropy=objective.needs_entropy)
             loss, m = objective(outputs, part)
-            w = objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
             self._backward(loss * w)
-            for key, value in m.items():
-                metrics[key] += float(value) * w
+            done.append((m, w))
+        metrics = weighted_metrics(done)
         metrics["grad_norm"] = self._step()
         metrics["lr"] = self._lr()
         self.updates += 1
