@@ -541,3 +541,77 @@ def test_temperature_zero_is_greedy_decoding_with_the_models_own_logprobs(tiny_m
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(logps), expected, rtol=0, atol=1e-4)
         assert torch.equal(logits.argmax(-1), torch.tensor(completion))
+
+
+def test_the_kv_cache_and_checkpointing_names_follow_the_models_own_forward():
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x; the old name goes in 5.40) and
+    ``is_gradient_checkpointing`` to ``is_activation_checkpointing`` (the old one goes in 6): each is
+    asked of the model in hand (a PEFT model's base), so older releases and remote-code models keep theirs."""
+    from types import SimpleNamespace
+
+    from rlhf_plugins.models.hf_names import cache_argument, checkpointing, output_cache
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=False):
+            return input_ids
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=False):
+            return input_ids
+
+    class Peft(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    kv = object()
+    assert cache_argument(Renamed(), kv) == {"cache": kv} and cache_argument(Older(), kv) == {"past_key_values": kv}
+    assert cache_argument(Peft(Renamed()), kv) == {"cache": kv}
+    assert cache_argument(Peft(Older()), kv) == {"past_key_values": kv}
+    assert output_cache(SimpleNamespace(cache=kv)) is kv and output_cache(SimpleNamespace(past_key_values=kv)) is kv
+    assert output_cache(SimpleNamespace(cache=None, past_key_values=kv)) is kv
+    assert checkpointing(SimpleNamespace(is_activation_checkpointing=True))
+    assert checkpointing(SimpleNamespace(is_gradient_checkpointing=True))
+    assert not checkpointing(SimpleNamespace(is_activation_checkpointing=False, is_gradient_checkpointing=True))
+    assert not checkpointing(SimpleNamespace())
+
+
+def test_our_forwards_and_sampling_use_the_installed_transformers_names(model, tiny_model):
+    """The shared-prompt forward (a KV cache passed and read back), a critic's forward with gradient
+    checkpointing asked, and the engine's prefill and decode steps raise none of transformers'
+    deprecation warnings for the renamed cache argument or checkpointing flag (run on the newest
+    releases by ``COMPAT_RESOLUTION=highest scripts/compat.sh``), and the shared-prompt path still runs."""
+    import warnings
+
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.models.value_model import ValueModel
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({}, autoload=False)
+    engine = TransformersEngine(backend_context(config, "generation", tiny_model, pm))
+    critic = ValueModel(model.model)
+    batch = random_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shared = policy_forward(model, batch)["logprobs"]
+        values = critic(batch["sequences"][:4, :5], use_cache=True)
+        extended = critic(batch["sequences"][:4, 5:7], cache=values.past_key_values, use_cache=True)
+        assert not critic.is_activation_checkpointing
+        for prefix in (True, False):
+            engine.shared_prefix = prefix
+            out = engine.generate([[5, 6, 7] * 6, [8, 9] * 9], SamplingParams(n=2, max_new_tokens=4, seed=0))
+            assert len(out.completion_ids) == 4
+    renamed = [str(w.message) for w in caught
+               if any(name in str(w.message) for name in ("past_key_values", "cache_params", "is_gradient_checkpointing"))]
+    assert renamed == []
+    plain = policy_forward(model, dict(batch, group_size=1))["logprobs"]
+    assert (shared - plain).abs()[batch["action_mask"].bool()].max() < 1e-5
+    assert extended.logits.shape[:2] == (4, 2) and values.past_key_values is not None

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..models.hf_names import cache_argument
 from ..models.kv_cache import fix_shapes
 
 logger = logging.getLogger("rlhf_plugins")
@@ -53,7 +54,7 @@ class StaticDecode:
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
-                         past_key_values=self.cache, use_cache=True,
+                         use_cache=True, **cache_argument(self.model, self.cache),
                          **({"shared_prefix": self.cache} if self.shared else {}))
         return out.logits[:, -1, :]
 

@@ -14,6 +14,7 @@ import torch
 
 from ..models import attention, empty_init, speedups
 from ..models.forward import position_ids
+from ..models.hf_names import cache_argument, output_cache
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.recurrent import keeps_recurrent_state
 from ..models.weights import load_named_weights
@@ -92,9 +93,9 @@ class TransformersEngine:
         cache = (shared_prefix_cache(self.model, attention, params.max_new_tokens) if shared
                  else reserved_cache(self.model, P + params.max_new_tokens) if speedups.enabled() else None)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **({"past_key_values": cache} if cache is not None else {}))
+                         logits_to_keep=1, **(cache_argument(self.model, cache) if cache is not None else {}))
         if n > 1:
-            out.past_key_values.batch_repeat_interleave(n)
+            output_cache(out).batch_repeat_interleave(n)
             out.logits = out.logits.repeat_interleave(n, dim=0)
             attention = attention.repeat_interleave(n, dim=0)
             pos = pos.repeat_interleave(n, dim=0)
@@ -102,10 +103,10 @@ class TransformersEngine:
         mask[:, :P] = attention
         next_pos = pos[:, -1:] + 1
         if cache is not None and (self.cuda_graphs or self.fixed_shapes):
-            step = StaticDecode(self.model, out.past_key_values, mask, next_pos, params.max_new_tokens, shared,
+            step = StaticDecode(self.model, output_cache(out), mask, next_pos, params.max_new_tokens, shared,
                                 graph=self.cuda_graphs).step
         else:
-            step = self._growing_step(out.past_key_values, mask, next_pos, P, cache if shared else None)
+            step = self._growing_step(output_cache(out), mask, next_pos, P, cache if shared else None)
         seen = None
         if params.repetition_penalty != 1.0:  # each sample's prompt tokens (pads left out), then its own
             V = out.logits.shape[-1]
@@ -122,9 +123,9 @@ class TransformersEngine:
         def step(token: torch.Tensor, t: int) -> torch.Tensor:
             out = self.model(input_ids=token[:, None],
                              attention_mask=None if shared is not None else mask[:, : prompt_width + t + 1],
-                             position_ids=state["pos"], past_key_values=state["past"], use_cache=True,
+                             position_ids=state["pos"], use_cache=True, **cache_argument(self.model, state["past"]),
                              **({"shared_prefix": shared} if shared is not None else {}))
-            state["past"], state["pos"] = out.past_key_values, state["pos"] + 1
+            state["past"], state["pos"] = output_cache(out), state["pos"] + 1
             return out.logits[:, -1, :]
         return step
 

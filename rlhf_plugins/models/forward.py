@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .hf_names import cache_argument, checkpointing, output_cache
 from .logits import chunking, head_deferred, head_token_stats, token_stats
 from .recurrent import keeps_recurrent_state
 
@@ -43,7 +44,7 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
         P is not None
         and group > 1
         and seq.shape[0] % group == 0
-        and not getattr(model, "is_gradient_checkpointing", False)
+        and not checkpointing(model)
         and not keeps_recurrent_state(model)
     )
     if not shared:
@@ -55,15 +56,15 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     P = int(P)
     pmask = mask[::group, :P]
     out = model(input_ids=seq[::group, :P], attention_mask=pmask, position_ids=position_ids(pmask),
-                use_cache=True, past_key_values=layer_cache(model), logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **cache_argument(model, layer_cache(model)))
     first = out.logits[:, -1:, :].repeat_interleave(group, dim=0)
     if T == 1:
         return first
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.batch_repeat_interleave(group)
     full = mask[:, : P + T - 1]
     rest = model(input_ids=seq[:, P : P + T - 1], attention_mask=full, position_ids=position_ids(full)[:, P:],
-                 past_key_values=cache, use_cache=True)
+                 use_cache=True, **cache_argument(model, cache))
     return torch.cat([first, rest.logits], dim=1)
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .hf_names import cache_argument, checkpointing, output_cache
+
 HEAD_FILE = "value_head.safetensors"
 
 
@@ -66,8 +68,10 @@ class ValueModel(torch.nn.Module):
         return model
 
     @property
-    def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.backbone, "is_gradient_checkpointing", False))
+    def is_activation_checkpointing(self) -> bool:
+        return checkpointing(self.backbone)
+
+    is_gradient_checkpointing = is_activation_checkpointing  # the name of transformers before 5.2x
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
@@ -77,22 +81,25 @@ class ValueModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        past_key_values: Any = None,
         **kwargs: Any,
     ) -> ValueOutput:
+        """``cache`` (or, by transformers' older name, ``past_key_values``): the KV cache to extend."""
+        cache = past_key_values if cache is None else cache
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
+            **cache_argument(self.backbone, cache),
         )
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return ValueOutput(self.value_head(hidden), out.past_key_values if use_cache else None)
+        return ValueOutput(self.value_head(hidden), output_cache(out) if use_cache else None)
 
     def save_pretrained(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:

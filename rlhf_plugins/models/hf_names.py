@@ -1,0 +1,39 @@
+"""Names transformers changed across the releases setup.cfg admits (4.56 to the newest), asked of the
+model in hand rather than of a version number, so remote-code and plugin models keep theirs:
+
+- the KV cache's argument and output field: ``past_key_values`` became ``cache`` (transformers 5.2x
+  renames it with a FutureWarning; 5.40 drops the old name);
+- the activation checkpointing flag: ``is_gradient_checkpointing`` became ``is_activation_checkpointing``
+  (the old one goes in 6).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+
+@functools.cache
+def _takes_cache(cls: type) -> bool:
+    try:
+        return "cache" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` under the name ``model``'s forward takes it by (a PEFT model's base decides)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"cache" if _takes_cache(type(base)) else "past_key_values": cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward returned, under either name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def checkpointing(model: Any) -> bool:
+    """Whether ``model`` recomputes activations in its backward pass (gradient checkpointing)."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
