@@ -36,6 +36,7 @@ class StaticDecode:
     def __init__(self, model: Any, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, budget: int,
                  shared: bool, graph: bool) -> None:
         self.model, self.cache, self.shared = model, cache, shared
+        self.cache_argument = cache_argument(model, cache)  # the same cache every step
         B, width = mask.shape
         self.prompt_width = width - budget
         self.tokens = torch.zeros((B, 1), dtype=torch.long, device=mask.device)
@@ -54,7 +55,7 @@ class StaticDecode:
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
-                         use_cache=True, **cache_argument(self.model, self.cache),
+                         use_cache=True, **self.cache_argument,
                          **({"shared_prefix": self.cache} if self.shared else {}))
         return out.logits[:, -1, :]
 

@@ -14,7 +14,7 @@ import torch
 
 from ..models import attention, empty_init, speedups
 from ..models.forward import position_ids
-from ..models.hf_names import cache_argument, output_cache
+from ..models.hf_names import cache_argument, cache_name, output_cache
 from ..models.kv_cache import SHARED_PREFIX_MIN_PROMPT, reserved_cache, shared_prefix_cache
 from ..models.recurrent import keeps_recurrent_state
 from ..models.weights import load_named_weights
@@ -119,11 +119,12 @@ class TransformersEngine:
         """Decode steps over a cache that grows by one position a step; ``shared``: the shared-prefix
         cache (its cascade masks the prompts), or None."""
         state = {"past": past, "pos": next_pos}
+        name = cache_name(self.model)
 
         def step(token: torch.Tensor, t: int) -> torch.Tensor:
             out = self.model(input_ids=token[:, None],
                              attention_mask=None if shared is not None else mask[:, : prompt_width + t + 1],
-                             position_ids=state["pos"], use_cache=True, **cache_argument(self.model, state["past"]),
+                             position_ids=state["pos"], use_cache=True, **{name: state["past"]},
                              **({"shared_prefix": shared} if shared is not None else {}))
             state["past"], state["pos"] = output_cache(out), state["pos"] + 1
             return out.logits[:, -1, :]

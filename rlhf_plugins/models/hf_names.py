@@ -21,10 +21,16 @@ def _takes_cache(cls: type) -> bool:
         return False
 
 
-def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
-    """``{name: cache}`` under the name ``model``'s forward takes it by (a PEFT model's base decides)."""
+def cache_name(model: Any) -> str:
+    """The name ``model``'s forward takes its KV cache by (a PEFT model's base decides); a decode loop
+    asks once."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {"cache" if _takes_cache(type(base)) else "past_key_values": cache}
+    return "cache" if _takes_cache(type(base)) else "past_key_values"
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` under :func:`cache_name`."""
+    return {cache_name(model): cache}
 
 
 def output_cache(out: Any) -> Any:
