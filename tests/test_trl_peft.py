@@ -112,8 +112,8 @@ def test_the_schedule_warms_up_and_decays_as_configured():
 
 
 def test_grpo_field_errors():
-    with pytest.raises(ConfigError, match="TRL field 'sync_ref_model' \\(True\\) has no equivalent"):
-        from_grpo_fields({"sync_ref_model": True})
+    with pytest.raises(ConfigError, match="TRL field 'use_adaptive_entropy' \\(True\\) has no equivalent"):
+        from_grpo_fields({"use_adaptive_entropy": True})
     with pytest.raises(ConfigError, match="'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'"):
         from_grpo_fields({"num_generation": 4})
     with pytest.raises(ConfigError, match="TRL loss_type 'cispo' has no equivalent"):
@@ -151,10 +151,10 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
 
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
     cfg = tmp_path / "grpo.yaml"
-    cfg.write_text("sync_ref_model: true\n")
+    cfg.write_text("use_adaptive_entropy: true\n")
     code, _, err = rlhf("train", "--trl-config", str(cfg))
     assert code == 2 and err.strip().count("\n") == 0
-    assert "TRL field 'sync_ref_model' (True) has no equivalent" in err
+    assert "TRL field 'use_adaptive_entropy' (True) has no equivalent" in err
 
 
 def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):

@@ -71,6 +71,11 @@ class KLConfig:
     target: float = setting(0.1, gt=0)
     #: samples over which the adaptive controller moves the coefficient
     horizon: int = setting(10000, ge=1)
+    #: every N steps move the reference model towards the policy (TR-DPO; TRL's sync_ref_model); 0: it
+    #: stays the initial policy
+    ref_sync_steps: int = setting(0, ge=0)
+    #: the move: reference = alpha x policy + (1 - alpha) x reference (TRL's ref_model_mixup_alpha)
+    ref_mixup_alpha: float = setting(0.6, gt=0, le=1)
 
 
 @dataclass

@@ -200,6 +200,19 @@ def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:
                                                "--env.name")
 
 
+def check_reference_sync(c: Config, plan: Plan) -> None:
+    """--algo.kl.ref_sync_steps needs a reference, whole in each of its ranks, and one update at a time."""
+    if not c.algo.kl.ref_sync_steps:
+        return
+    _require(plan.needs_reference, "algo.kl.ref_sync_steps moves the reference model, but algo.kl.coef 0 runs "
+                                   "without one; set --algo.kl.coef above 0 or drop ref_sync_steps")
+    _require(not plan.learner.shards_reference,
+             f"algo.kl.ref_sync_steps mixes the policy into a whole reference model, and the '{plan.learner.name}' "
+             "learner shards it; use --learner.backend torch or deepspeed, or drop ref_sync_steps")
+    _require(not c.train.max_staleness, "algo.kl.ref_sync_steps moves the reference while rollouts made ahead "
+                                        "read it (train.max_staleness); drop one of them")
+
+
 def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     """Resolve every component once, check ranges and combinations, then let plugins check."""
     plan = _resolve(c, pm)
@@ -211,6 +224,7 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     plan.rewards, plan.weights = choose_rewards(c, pm, env is not None and not pm.is_builtin(plan.provider(env)))
     c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
+    check_reference_sync(c, plan)
     plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled
     if c.critic.freezing_steps and not plan.needs_critic:
         raise ConfigError(f"critic.freezing_steps trains the critic alone for a while, but this run has no critic "

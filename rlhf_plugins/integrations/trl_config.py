@@ -64,7 +64,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                 expected = getattr(conv, "__name__", "a value")
                 raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
     _algorithm(f, raw, notes)
-    _batch_shape(f, raw)
+    _reference_sync(f, raw, notes, _batch_shape(f, raw))
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw)
     _compile(f, raw, notes)
@@ -121,8 +121,9 @@ def _algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None
             _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
 
 
-def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> None:
-    """TRL counts completions; we count prompts per rollout and samples per update."""
+def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
+    """TRL counts completions; we count prompts per rollout and samples per update. Returns the
+    optimizer updates per rollout (TRL's steps per step of ours)."""
     per_device = int(f["per_device_train_batch_size"])
     gas = int(f["gradient_accumulation_steps"])
     per_gen = int(f["steps_per_generation"] or gas)
@@ -137,6 +138,20 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> None:
     updates_per_rollout = int(f["num_iterations"]) * max(1, per_gen // gas)
     if int(f["max_steps"]) > 0:
         _set(raw, "train.steps", math.ceil(int(f["max_steps"]) / updates_per_rollout))
+    return updates_per_rollout
+
+
+def _reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], updates_per_rollout: int) -> None:
+    """sync_ref_model: TRL mixes every ref_model_sync_steps optimizer updates; we after whole rollouts."""
+    if not f["sync_ref_model"]:
+        return
+    every = int(f["ref_model_sync_steps"])
+    steps = max(1, round(every / updates_per_rollout))
+    if steps * updates_per_rollout != every:
+        notes.append(f"ref_model_sync_steps {every} is {every / updates_per_rollout:g} rollouts of "
+                     f"{updates_per_rollout} updates; the reference moves every {steps} (after a whole rollout)")
+    _set(raw, "algo.kl.ref_sync_steps", steps)
+    _set(raw, "algo.kl.ref_mixup_alpha", float(f["ref_model_mixup_alpha"]))
 
 
 def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 #: fields that change training and that we cannot honour (an error unless left at TRL's default)
 UNSUPPORTED = {
-    "sync_ref_model": "the reference model stays the initial policy",
     "multi_objective_aggregation": "rewards are combined as a weighted sum",
     "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
@@ -85,7 +84,8 @@ DERIVED = {
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta",
+    "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
+    "ref_model_sync_steps", "ref_model_mixup_alpha",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why

@@ -61,9 +61,11 @@ class WeightSyncError(UsageError):
 
 
 def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
-                       materialize_on: torch.device | None = None) -> dict[str, Any]:
+                       materialize_on: torch.device | None = None, mix: float | None = None,
+                       receiver: str = "the engine's model") -> dict[str, Any]:
     """Copy tensors into ``model`` in place by state-dict name, converting dtype; a parameter still on
-    the meta device (a model built empty) first gets storage on ``materialize_on``.
+    the meta device (a model built empty) first gets storage on ``materialize_on``. With ``mix``
+    (alpha), move each towards the given tensor instead: ``alpha x given + (1 - alpha) x own``.
 
     Every name must exist with the same shape; the error lists the first few
     offenders so a wrong name mapping is found at the first sync, not later.
@@ -85,7 +87,11 @@ def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.
                 continue
             if target.is_meta and materialize_on is not None:
                 point_at(target, torch.empty(target.shape, dtype=target.dtype, device=materialize_on))
-            target.data.copy_(tensor.to(dtype=target.dtype, device=target.device))
+            given = tensor.to(dtype=target.dtype, device=target.device)
+            if mix is None:
+                target.data.copy_(given)
+            else:
+                target.data.lerp_(given, mix)
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
     if unknown or bad_shape:
@@ -94,5 +100,5 @@ def load_named_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.
             parts.append(f"unknown names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}")
         if bad_shape:
             parts.append(f"shape mismatches {bad_shape[:3]}")
-        raise WeightSyncError("weight sync does not fit the engine's model: " + "; ".join(parts))
+        raise WeightSyncError(f"weight sync does not fit {receiver}: " + "; ".join(parts))
     return {"tensors": count, "bytes": nbytes}

@@ -20,6 +20,13 @@ def parity_tolerance(vocab: int) -> float:
     return max(1e-4, 16 * vocab**0.5 * 2.0**-23)
 
 
+def folder_tolerance(model_path: str, trust_remote_code: bool = False) -> float:
+    """:func:`parity_tolerance` for the vocabulary of the model in the folder at ``model_path``."""
+    from ..models.memory import ModelShape
+
+    return parity_tolerance(ModelShape.of_folder(model_path, trust_remote_code).vocab)
+
+
 def verify_parity(actor: Any, engine: Any, probe: dict[str, torch.Tensor], tol: float = 1e-4) -> float:
     """Max |engine log-prob - learner log-prob| over the probe's completion tokens."""
     mask = probe["action_mask"].bool()

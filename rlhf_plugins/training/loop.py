@@ -24,8 +24,9 @@ from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
 from ..data.prompts import PromptSet
 from ..protocols import SamplingParams
-from ..sync import verify_parity
+from ..sync import folder_tolerance, verify_parity
 from .memory_watch import role_memory
+from .reference_sync import refresh_reference
 from .reward_role import RewardBatch
 from .rollout import Rollout, make_batch, mask_truncated, rollout_metrics, step_timings
 from .rollout_sources import step_rollout
@@ -75,14 +76,6 @@ class Trainer:
         if not resuming and empty is not None and resolve(empty)(self.config):
             self.sync.sync(self.actor, self.engine, -1)
         build_algorithm(self)
-
-    @property
-    def parity_tol(self) -> float:
-        """The --sync.verify tolerance for this model's vocabulary."""
-        from ..models.memory import ModelShape
-        from ..sync import parity_tolerance
-
-        return parity_tolerance(ModelShape.of_folder(self.model_path, self.config.model.trust_remote_code).vocab)
 
     def reset_sync(self) -> None:
         """A fresh weight-sync object (at set-up, and after roles were restarted: it sets up anew)."""
@@ -192,6 +185,7 @@ class Trainer:
             metrics.update(self.actor.train(batch, objective))
         if self.critic is not None:
             metrics.update(self.critic.train(batch, self.value_objective))
+        metrics.update(refresh_reference(self, step))  # every algo.kl.ref_sync_steps: towards the policy
         t_train = time.perf_counter()
         if self.probe is None:
             self.probe = {k: shown[k][:8] for k in ("sequences", "attention_mask", "action_mask")}
@@ -249,7 +243,8 @@ class Trainer:
             sync_info["setup"], self.sync_setup = self.sync_setup, {}
         self.engine_version = step + 1
         if c.sync.verify:
-            sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe, self.parity_tol)
+            tol = folder_tolerance(self.model_path, c.model.trust_remote_code)
+            sync_info["parity_max_abs_diff"] = verify_parity(self.actor, self.engine, self.probe, tol)
         self.pm.notify("rlhf_after_weight_sync", step=step, info=sync_info)
 
     # --- state ----------------------------------------------------------------

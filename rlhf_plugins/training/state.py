@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import checkpoint
+from .reference_sync import load_reference, save_reference
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -67,9 +68,10 @@ def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, An
             t.actor.save_checkpoint(str(tmp / "actor"))
             if t.critic is not None:
                 t.critic.save_checkpoint(str(tmp / "critic"))
+        moved = save_reference(t, tmp / "reference")  # a reference that moves towards the policy
         torch.save(state, tmp / "trainer.pt")
         (tmp / "plugins.json").write_text(json.dumps(t.pm.collect_state(), indent=1))
-        return {"roles": ["actor", *(["critic"] if t.critic is not None else [])]}
+        return {"roles": ["actor", *(["critic"] if t.critic is not None else []), *(["reference"] if moved else [])]}
 
     return checkpoint.write(run_dir, int(state["step"]), fill, keep)
 
@@ -87,7 +89,15 @@ def load_checkpoint(t: Trainer, path: Path) -> int:
     t.actor.load_checkpoint(str(path / "actor"))
     if t.critic is not None:
         t.critic.load_checkpoint(str(path / "critic"))
-    restore_loop_state(t, torch.load(path / "trainer.pt", weights_only=True))
+    state = torch.load(path / "trainer.pt", weights_only=True)
+    if "reference" in roles and t.reference is not None and t.config.algo.kl.ref_sync_steps:
+        load_reference(t, path / "reference")
+    elif t.config.algo.kl.ref_sync_steps and int(state["step"]) >= t.config.algo.kl.ref_sync_steps:
+        raise checkpoint.CheckpointError(
+            f"checkpoint '{path}' holds no reference model, but this run moves its reference every "
+            f"{t.config.algo.kl.ref_sync_steps} steps (--algo.kl.ref_sync_steps) and is past the first move; resume "
+            "with the settings the checkpoint was written with")
+    restore_loop_state(t, state)
     plugins = path / "plugins.json"
     t.pm.restore_state(json.loads(plugins.read_text()) if plugins.is_file() else {})
     t.sync.sync(t.actor, t.engine, t.step_count)  # the engine generates with the restored policy

@@ -1,0 +1,165 @@
+"""The reference model moving towards the policy (--algo.kl.ref_sync_steps, TRL's sync_ref_model):
+the mixing rule on random tensors, when it happens in a run and what the reference then holds, its
+effect on the KL, exact resume across a move, TRL's fields, the refusals, and the Ray path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_plugins.training.runlog import MEASURED
+from tests.helpers import metrics_of, short_run
+
+
+def in_process_trainer(tiny_model, raw):
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.training.loop import Trainer
+
+    config, pm, plan = prepare(raw, autoload=False)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    t = Trainer(config, pm, plan, load_prompts(config.data, tok), tok, tiny_model)
+    t.setup()
+    return t
+
+
+def _reference_weights(ctx):
+    return {name: t.detach().clone() for name, t in ctx.backend.state_dict().items()}
+
+
+def _policy_weights(ctx):
+    return {name: t.detach().clone() for name, t in ctx.backend.named_weights()}
+
+
+def test_mixing_gives_alpha_policy_plus_the_rest_of_the_reference_and_a_tied_tensor_once():
+    from rlhf_plugins.models.weights import load_named_weights
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11))
+    model[1].weight = model[0].weight  # an output head tied to the embedding
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    given = {"0.weight": torch.randn(11, 6, generator=g), "1.bias": torch.randn(11, generator=g)}
+    info = load_named_weights(model, given.items(), mix=0.3, receiver="the reference model")
+    assert info["tensors"] == 2
+    for name, want in (("0.weight", 0.3 * given["0.weight"].double() + 0.7 * before["0.weight"].double()),
+                       ("1.bias", 0.3 * given["1.bias"].double() + 0.7 * before["1.bias"].double())):
+        torch.testing.assert_close(model.state_dict()[name].double(), want, rtol=0, atol=1e-6)
+    assert model[1].weight is model[0].weight  # still one tensor, moved once
+    with pytest.raises(Exception, match="does not fit the reference model: unknown names"):
+        load_named_weights(model, [("head.weight", torch.zeros(2))], mix=0.3, receiver="the reference model")
+
+
+def test_the_reference_moves_towards_the_policy_every_n_steps(tiny_model, tmp_path, monkeypatch):
+    """ref_sync_steps 2, alpha 0.6: after steps 2 and 4 (not 1 and 3) every reference tensor is
+    0.6 x the policy's + 0.4 x its own before; the steps in between leave it as it was."""
+    monkeypatch.chdir(tmp_path)
+    t = in_process_trainer(tiny_model, {"train": {"prompts_per_step": 4, "steps": 4},
+                                        "generation": {"n_samples_per_prompt": 4},
+                                        "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 2, "ref_mixup_alpha": 0.6}}})
+    try:
+        initial = t.reference.run(_reference_weights, rank=0)
+        ref = initial
+        for step in range(4):
+            metrics = t.step(step)
+            now, policy = t.reference.run(_reference_weights, rank=0), t.actor.run(_policy_weights, rank=0)
+            if step % 2 == 1:
+                assert metrics["reference/refreshed"] == 1.0 and metrics["reference/tensors"] == len(policy)
+                for name, p in policy.items():
+                    want = 0.6 * p.double() + 0.4 * ref[name].double()
+                    torch.testing.assert_close(now[name].double(), want, rtol=0, atol=1e-6)
+            else:
+                assert "reference/refreshed" not in metrics
+                assert all(torch.equal(now[k], ref[k]) for k in now)
+            ref = now
+        assert any(not torch.equal(ref[k], initial[k]) for k in ref)
+    finally:
+        t.shutdown()
+
+
+def test_with_alpha_one_the_kl_right_after_a_move_is_zero(tiny_model, tmp_path, monkeypatch):
+    """Alpha 1 makes the reference the policy: the next update's KL term (one update per rollout,
+    measured before it changes anything) is zero, while the step before it had moved away."""
+    monkeypatch.chdir(tmp_path)
+    t = in_process_trainer(tiny_model, {"train": {"prompts_per_step": 4, "steps": 3},
+                                        "generation": {"n_samples_per_prompt": 4},
+                                        "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 2, "ref_mixup_alpha": 1.0}}})
+    try:
+        kl = [t.step(step)["kl"] for step in range(3)]
+    finally:
+        t.shutdown()
+    assert kl[1] > 1e-6  # one update away from the initial policy
+    assert abs(kl[2]) < 1e-6  # the reference is the policy that sampled step 3
+
+
+def test_resuming_after_a_move_continues_with_the_moved_reference(rlhf):
+    run = [*short_run(), "--train.steps", "4", "--train.save_every", "2", "--train.keep_checkpoints", "0",
+           "--algo.kl.coef", "0.05", "--algo.kl.ref_sync_steps", "1"]
+    code, _, err = rlhf("train", *run, "--train.run_name", "whole")
+    assert code == 0, err
+    code, _, err = rlhf("train", *run, "--train.run_name", "again")
+    assert code == 0, err
+    again = Path("runs") / "again"
+    assert (again / "checkpoints" / "step-000002" / "reference").is_dir()
+    code, _, err = rlhf("train", "--resume", str(again / "checkpoints" / "step-000002"))
+    assert code == 0, err
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
+
+    whole, resumed = metrics_of(again.parent / "whole"), metrics_of(again)
+    assert [r["step"] for r in resumed] == list(range(4))
+    assert comparable(resumed) == comparable(whole)
+    assert all(r["reference/refreshed"] == 1.0 for r in whole)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--algo.kl.coef", "0"), "algo.kl.coef 0 runs without one"),
+    (("--train.max_staleness", "1", "--algo.policy_loss.mismatch", "tis"), "rollouts made ahead"),
+    (("--learner.backend", "fsdp"), "learner shards it"),
+    (("--algo.kl.ref_mixup_alpha", "0"), "ref_mixup_alpha"),
+])
+def test_runs_that_cannot_move_their_reference_are_refused_in_one_line(rlhf, extra, says):
+    code, _, err = rlhf("train", *short_run(), "--algo.kl.ref_sync_steps", "2", *extra)
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert says in err
+    assert not Path("runs").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("fields, steps, note", [
+    ({"sync_ref_model": True, "ref_model_sync_steps": 4, "ref_model_mixup_alpha": 0.9}, 4, None),
+    ({"sync_ref_model": True, "ref_model_sync_steps": 8, "num_iterations": 2}, 4, None),
+    ({"sync_ref_model": True, "ref_model_sync_steps": 3, "num_iterations": 2}, 2, "ref_model_sync_steps 3 is 1.5"),
+    ({"ref_model_sync_steps": 8}, None, None),
+])
+def test_trl_sync_ref_model_maps_to_reference_moves_counted_in_rollouts(fields, steps, note):
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, notes = from_grpo_fields(fields)
+    kl = raw["algo"].get("kl", {})
+    assert kl.get("ref_sync_steps") == steps
+    if steps is not None:
+        assert kl["ref_mixup_alpha"] == fields.get("ref_model_mixup_alpha", 0.6)  # TRL's default 0.6
+    assert any(note in n for n in notes) if note else not any("ref_model_sync_steps" in n for n in notes)
+
+
+@pytest.mark.integration
+def test_on_ray_the_reference_actor_receives_the_policy(local_ray, tiny_model, tmp_path, monkeypatch):
+    """Reference and actor in Ray actors of their own: with alpha 1 the reference holds exactly the
+    policy's weights after the move (sent from the actor's process to the reference's)."""
+    monkeypatch.chdir(tmp_path)
+    t = in_process_trainer(tiny_model, {"placement": {"strategy": "ray"}, "train": {"prompts_per_step": 2, "steps": 2},
+                                        "generation": {"n_samples_per_prompt": 2},
+                                        "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 2, "ref_mixup_alpha": 1.0}}})
+    try:
+        first = t.reference.run(_reference_weights, rank=0)
+        t.step(0)
+        assert all(torch.equal(v, first[k]) for k, v in t.reference.run(_reference_weights, rank=0).items())
+        assert t.step(1)["reference/refreshed"] == 1.0
+        ref, policy = t.reference.run(_reference_weights, rank=0), t.actor.run(_policy_weights, rank=0)
+    finally:
+        t.shutdown()
+    assert policy and all(torch.equal(ref[name], p) for name, p in policy.items())
+    assert any(not torch.equal(ref[k], first[k]) for k in policy)
