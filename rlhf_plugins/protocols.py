@@ -119,7 +119,8 @@ class Learner(Protocol):
     Optional (``OPTIONAL["learner"]``): ``adapter_state()`` returning ``(adapter tensors under
     PEFT's saved names, LoRA config dict)`` for adapter sync; ``live_weights()``, the parameters the
     optimizer updates in place, in the engine's naming (or None when they are not what an engine
-    would read), for an in-process engine to share them. Declare ``multi_rank=True`` on the
+    would read), for an in-process engine to share them; ``save_average(path)``, the final model
+    saved from a moving average of the weights (``--learner.ema``). Declare ``multi_rank=True`` on the
     ``LearnerBackend`` when the learner can run several data-parallel ranks.
     """
 
@@ -237,6 +238,7 @@ OPTIONAL: dict[str, dict[str, str]] = {
     "learner": {
         "adapter_state": "adapter sync (LoRA on the actor)",
         "live_weights": "an engine in the learner's process reading its parameters (LearnerBackend(live_weights=True))",
+        "save_average": "--learner.ema: the final model saved from that average (else ``save``)",
     },
     "placement": {
         "ready": "roles created concurrently: wait until they are up",

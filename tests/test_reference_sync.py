@@ -79,17 +79,23 @@ def test_the_reference_moves_towards_the_policy_every_n_steps(tiny_model, tmp_pa
         t.shutdown()
 
 
-def test_with_alpha_one_the_kl_right_after_a_move_is_zero(tiny_model, tmp_path, monkeypatch):
-    """Alpha 1 makes the reference the policy: the next update's KL term (one update per rollout,
-    measured before it changes anything) is zero, while the step before it had moved away."""
+@pytest.mark.parametrize("lora", [{}, {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}],
+                         ids=["full", "lora"])
+def test_with_alpha_one_the_kl_right_after_a_move_is_zero(tiny_model, tmp_path, monkeypatch, lora):
+    """Alpha 1 makes the reference the policy (a LoRA policy's adapters merged): the next update's KL
+    term (one update per rollout, measured before it changes anything) is zero, while the step before
+    it had moved away."""
     monkeypatch.chdir(tmp_path)
-    t = in_process_trainer(tiny_model, {"train": {"prompts_per_step": 4, "steps": 3},
-                                        "generation": {"n_samples_per_prompt": 4},
+    t = in_process_trainer(tiny_model, {"train": {"prompts_per_step": 4, "steps": 3}, **lora,
+                                        "learner": {"lr": 5e-3}, "generation": {"n_samples_per_prompt": 4},
                                         "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 2, "ref_mixup_alpha": 1.0}}})
     try:
-        kl = [t.step(step)["kl"] for step in range(3)]
+        kl = [t.step(step)["kl"] for step in range(2)]
+        ref, policy = t.reference.run(_reference_weights, rank=0), t.actor.run(_policy_weights, rank=0)
+        kl.append(t.step(2)["kl"])
     finally:
         t.shutdown()
+    assert set(policy) <= set(ref) and all(torch.equal(ref[name], p) for name, p in policy.items())
     assert kl[1] > 1e-6  # one update away from the initial policy
     assert abs(kl[2]) < 1e-6  # the reference is the policy that sampled step 3
 

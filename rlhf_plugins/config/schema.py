@@ -163,6 +163,10 @@ class LearnerConfig:
     compile: bool = False
     #: what --learner.compile compiles: blocks (norms, MLPs) | layers (each whole decoder layer: fewer kernels)
     compile_scope: Literal["blocks", "layers"] = "blocks"
+    #: keep a moving average of the actor's weights and save the final model from it (OpenRLHF's --enable_ema)
+    ema: bool = False
+    #: the average's decay: average = beta x average + (1 - beta) x weights after every update
+    ema_beta: float = setting(0.992, gt=0, lt=1)
     #: adamw | adam | sgd
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     #: Adam(W)'s beta1 and beta2

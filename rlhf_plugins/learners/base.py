@@ -100,6 +100,17 @@ class Learner:
         self.lr = config.critic.lr if critic else self.cfg.lr
         self.updates = 0
         self.generator = torch.Generator().manual_seed(config.train.seed + seed_offset)
+        #: --learner.ema: the moving average of the actor's weights (:mod:`.ema`), started by :meth:`_keep_average`
+        self.average: Any = None
+
+    def _keep_average(self, sources: list[torch.Tensor] | None = None) -> None:
+        """--learner.ema (the actor): start averaging this rank's parts of the trainable weights, updated
+        from ``sources`` (their float32 masters, where the learner keeps them) or from the parts."""
+        if self.cfg.ema and self.role == "actor":
+            from .ema import WeightAverage, local_part
+
+            parts = [local_part(p) for p in self.model.parameters() if p.requires_grad]
+            self.average = WeightAverage(parts, self.cfg.ema_beta, sources)
 
     # --- to provide -----------------------------------------------------------------
     def _module(self) -> Any:
@@ -170,6 +181,8 @@ class Learner:
             done.append((m, w))
         metrics = weighted_metrics(done)
         metrics["grad_norm"] = self._step()
+        if self.average is not None:
+            self.average.update()
         metrics["lr"] = self._lr()
         self.updates += 1
         return metrics
@@ -201,6 +214,8 @@ class Learner:
         state = {"updates": self.updates, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if self.average is not None:
+            state["average"] = self.average.state()
         torch.save(state, file)
 
     def _load_progress(self, file: Any) -> None:
@@ -210,6 +225,19 @@ class Learner:
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        if self.average is not None:
+            self.average.load(state["average"])
+
+    def save_average(self, path: str) -> None:
+        """The final model from the moving average of the weights (--learner.ema), else from the weights."""
+        if self.average is None and self.cfg.ema and self.role == "actor":
+            from ..errors import PluginError
+
+            raise PluginError(f"{type(self).__name__} keeps no average of the weights for --learner.ema: call "
+                              "self._keep_average() once its optimizer exists")
+        if self.average is None:
+            return self.save(path)
+        self.average.swapped_in(lambda: self.save(path))
 
     def shutdown(self) -> None:
         pass

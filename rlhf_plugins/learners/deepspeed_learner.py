@@ -192,6 +192,7 @@ class DeepSpeedLearner(Learner):
         self.shared_master = share_master_weights(self.engine.optimizer) if self.stage == 3 else 0
         self._sleep = config.section("deepspeed").sleep
         self._warned_sleep = False
+        self._keep_average()
 
     # --- the update loop's parts -------------------------------------------------------
     def _module(self) -> Any:

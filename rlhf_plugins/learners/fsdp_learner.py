@@ -116,6 +116,7 @@ class FSDPLearner(Learner):
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr)
         self.scheduler = make_scheduler(self.optimizer, config)
+        self._keep_average()
 
     # --- the update loop's parts -------------------------------------------------------
     def _module(self) -> Any:

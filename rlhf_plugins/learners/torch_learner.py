@@ -47,6 +47,7 @@ class TorchLearner(Learner):
             params = list(self.masters.masters)
         self.optimizer = make_optimizer(params, self.cfg, self.lr)
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
+        self._keep_average(None if self.masters is None else list(self.masters.masters))
 
     def _module(self) -> Any:
         return self.model

@@ -153,6 +153,10 @@ class MemoryInputs:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.config.model.dtype]
 
+    @property
+    def average_bytes(self) -> int:  # the actor's float32 average of its weights (--learner.ema), unsharded
+        return self.trainable * 4 if self.role == "actor" and self.config.learner.ema else 0
+
 
 def activations(m: MemoryInputs) -> int:
     c = m.config.learner
@@ -164,9 +168,7 @@ def activations(m: MemoryInputs) -> int:
 
 def optimizer_elements(config: Any) -> int:
     c = config.learner
-    if c.optimizer == "sgd":
-        return 1 if c.momentum else 0
-    return ADAM_STATES
+    return (1 if c.momentum else 0) if c.optimizer == "sgd" else ADAM_STATES
 
 
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
@@ -180,6 +182,7 @@ def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
         "fp32 master weights": m.trainable * 4 if masters else 0,
         "gradients": m.trainable * 4,
         "optimizer states": m.trainable * 4 * optimizer_elements(m.config),
+        "weight average": m.average_bytes,
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
     }.items() if v}
@@ -205,6 +208,7 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
         out["offloaded gradients"] = T * 4 // n  # (stage3.py initialize_optimizer_states: one per sub-group)
     states = T * 4 * optimizer_elements(m.config) if stage >= 1 else T * b * optimizer_elements(m.config)
     out["optimizer states"] = states // (n if stage >= 1 else 1)
+    out["weight average"] = m.average_bytes // (n if stage == 3 else 1)
     out["reduce bucket"] = zero_bucket_elements(m.shape) * 4 if stage >= 2 else 0
     out["activations"] = activations(m)
     out["logits chunk"] = m.logits_bytes
@@ -227,6 +231,7 @@ def fsdp_learner_memory(m: MemoryInputs) -> dict[str, int]:
         "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b,
         "gradients": T * 4 // n,
         "optimizer states": T * 4 * optimizer_elements(m.config) // n,
+        "weight average": m.average_bytes // n,
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
     }.items() if v}

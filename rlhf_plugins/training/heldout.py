@@ -73,7 +73,7 @@ def run_eval(trainer: Any, run_dir: Path, log: Any, console: Console, progress: 
     console.print(f"eval after {step} steps ({len(trainer.evaluator)} prompts): {shown}", highlight=False,
                   soft_wrap=True)
     if improved(trainer, metrics):
-        trainer.save_final(run_dir / "best", with_critic=False)
+        trainer.save_final(run_dir / "best", with_critic=False, averaged=False)  # the policy evaluated
         write_json(run_dir / "best.json", trainer.best)
     trainer.pm.notify("rlhf_after_eval", step=step, metrics=metrics)
     return metrics

@@ -267,11 +267,12 @@ class Trainer:
 
         return load_checkpoint(self, path)
 
-    def save_final(self, out: Path, with_critic: bool = True) -> None:
-        """The policy (and the critic, in ``critic/`` beside it) as ``save_pretrained`` folders."""
+    def save_final(self, out: Path, with_critic: bool = True, averaged: bool = True) -> None:
+        """The policy (``averaged``: its weights' moving average under --learner.ema) and the critic, in
+        ``critic/`` beside it, as ``save_pretrained`` folders."""
         from .state import save_final
 
-        save_final(self, out, with_critic)
+        save_final(self, out, with_critic, averaged)
 
     def summary(self) -> dict[str, Any]:
         """First-10% vs last-10% mean reward, seconds per step, evaluations and memory of the run."""

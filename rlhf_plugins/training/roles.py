@@ -113,6 +113,9 @@ class PolicyRole(Role):
         self.role = role
         ctx = _context(config, plugin_spec, role, model_path)
         self.backend = self.learner = build_backend(learner, Learner, ctx, provider)
+        if role == "actor" and config.learner.ema and not callable(getattr(self.learner, "save_average", None)):
+            raise UsageError(f"learner '{learner.name}' (plugin '{provider}') keeps no moving average of the weights, "
+                             "which --learner.ema asks for; use the torch, deepspeed or fsdp learner, or drop it")
 
     @dispatch("split")
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -139,6 +142,12 @@ class PolicyRole(Role):
     @dispatch("all")
     def save(self, path: str) -> None:
         self.learner.save(path)
+
+    @dispatch("all")
+    def save_average(self, path: str) -> None:
+        """The final model: from the moving average of the weights under --learner.ema, else as ``save``."""
+        fn = getattr(self.learner, "save_average", None)
+        (fn if callable(fn) else self.learner.save)(path)
 
     @dispatch("all")
     def save_checkpoint(self, path: str) -> None:

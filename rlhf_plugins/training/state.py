@@ -105,7 +105,7 @@ def load_checkpoint(t: Trainer, path: Path) -> int:
     return t.step_count
 
 
-def save_final(trainer: Trainer, out: Path, with_critic: bool = True) -> None:
+def save_final(trainer: Trainer, out: Path, with_critic: bool = True, averaged: bool = True) -> None:
     """The policy (and the critic, beside it in ``critic/``) as ``save_pretrained`` folders, each
     written to a temporary folder and renamed into place: a failed save leaves no folder that
     looks loadable."""
@@ -120,7 +120,7 @@ def save_final(trainer: Trainer, out: Path, with_critic: bool = True) -> None:
     for target, role in targets:
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:
-            role.save(str(tmp))
+            (role.save_average if role is trainer.actor and averaged else role.save)(str(tmp))  # --learner.ema
             if role is trainer.actor:
                 trainer.tokenizer.save_pretrained(str(tmp))
             shutil.rmtree(target, ignore_errors=True)
