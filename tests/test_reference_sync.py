@@ -152,14 +152,18 @@ def test_trl_sync_ref_model_maps_to_reference_moves_counted_in_rollouts(fields, 
 
 
 @pytest.mark.integration
-def test_on_ray_the_reference_actor_receives_the_policy(local_ray, tiny_model, tmp_path, monkeypatch):
-    """Reference and actor in Ray actors of their own: with alpha 1 the reference holds exactly the
-    policy's weights after the move (sent from the actor's process to the reference's)."""
+@pytest.mark.parametrize("colocate", ["none", "hybrid"])
+def test_on_ray_the_reference_actor_receives_the_policy(local_ray, tiny_model, tmp_path, monkeypatch, colocate):
+    """Reference and actor in Ray actors of their own (sent from the actor's process to the
+    reference's), or in one actor (--ray.colocate hybrid: mixed in there): with alpha 1 the reference
+    holds exactly the policy's weights after the move."""
     monkeypatch.chdir(tmp_path)
-    t = in_process_trainer(tiny_model, {"placement": {"strategy": "ray"}, "train": {"prompts_per_step": 2, "steps": 2},
+    t = in_process_trainer(tiny_model, {"placement": {"strategy": "ray"}, "ray": {"colocate": colocate},
+                                        "train": {"prompts_per_step": 2, "steps": 2},
                                         "generation": {"n_samples_per_prompt": 2},
                                         "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 2, "ref_mixup_alpha": 1.0}}})
     try:
+        assert t.actor.hosted_with(t.reference) == (colocate == "hybrid")  # the two paths of refresh_reference
         first = t.reference.run(_reference_weights, rank=0)
         t.step(0)
         assert all(torch.equal(v, first[k]) for k, v in t.reference.run(_reference_weights, rank=0).items())

@@ -4,16 +4,19 @@ every N steps, after the update, ``reference = alpha x policy + (1 - alpha) x re
 then holds the policy near a recent policy instead of the initial one.
 
 It works whatever the placement: every actor rank iterates its ``named_weights`` (ZeRO-3 gathers
-are collective), rank 0 sends CPU copies (the dtype the learner exports) in buckets of at most :data:`BUCKET_BYTES` to
-every reference rank (the role's ``endpoints``: in this process, or Ray actors), and each mixes them
-into its whole model in place (``torch.lerp``, in the reference's dtype as TRL's in-place update is).
-A reference sharded by its learner (FSDP2's ``shards_reference``) is refused before launch.
+are collective), rank 0 sends CPU copies (in the dtype the learner exports) in buckets of at most
+:data:`BUCKET_BYTES` to every reference rank (the role's ``endpoints``: in this process, or Ray
+actors), and each mixes them into its whole model in place (``torch.lerp``, in the reference's dtype
+as TRL's in-place update is). Where one Ray actor holds both roles (``--ray.colocate hybrid``) the
+actor's tensors are mixed in there, nothing sent. A reference sharded by its learner (FSDP2's
+``shards_reference``) is refused before launch.
 
 Checkpoints of such a run hold the reference's weights (``reference/``), so a resume continues with the
 reference the run had, not the initial policy."""
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +42,22 @@ def refresh_reference(trainer: Trainer, step: int) -> dict[str, float]:
         return {}
     start = time.perf_counter()
     alpha = trainer.config.algo.kl.ref_mixup_alpha
-    sent = [n for n in trainer.actor.run(_send, trainer.reference.endpoints(), alpha) if n]
+    actor, reference = trainer.actor, trainer.reference
+    hosted_with = getattr(actor, "hosted_with", None)
+    if callable(hosted_with) and hosted_with(reference):  # one process holds both (--ray.colocate hybrid)
+        sent = [actor.run_with(reference, partial(_mix_beside, alpha=alpha))]
+    else:
+        sent = [n for n in actor.run(_send, reference.endpoints(), alpha) if n]
     return {"reference/refreshed": 1.0, "reference/tensors": float(sent[0] if sent else 0),
             "time/reference_refresh": time.perf_counter() - start}
+
+
+def _mix_beside(actor: Any, reference: Any, alpha: float) -> int:
+    """In the process that hosts both roles: the actor's weights into its reference, no copies sent."""
+    from ..models.weights import load_named_weights
+
+    return load_named_weights(reference.backend, actor.named_weights(), mix=alpha,
+                              receiver="the reference model")["tensors"]
 
 
 def _send(ctx: RankContext, endpoints: list[Any], alpha: float) -> int:
