@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import metrics_of, short_run
+from tests.helpers import metrics_of, short_run, the_run
 
 
 def in_process_trainer(tiny_model, raw):
@@ -135,10 +135,11 @@ def test_runs_that_cannot_move_their_reference_are_refused_in_one_line(rlhf, ext
 
 
 @pytest.mark.parametrize("fields, steps, note", [
-    ({"sync_ref_model": True, "ref_model_sync_steps": 4, "ref_model_mixup_alpha": 0.9}, 4, None),
-    ({"sync_ref_model": True, "ref_model_sync_steps": 8, "num_iterations": 2}, 4, None),
-    ({"sync_ref_model": True, "ref_model_sync_steps": 3, "num_iterations": 2}, 2, "ref_model_sync_steps 3 is 1.5"),
-    ({"ref_model_sync_steps": 8}, None, None),
+    ({"sync_ref_model": True, "beta": 0.04, "ref_model_sync_steps": 4, "ref_model_mixup_alpha": 0.9}, 4, None),
+    ({"sync_ref_model": True, "beta": 0.04, "ref_model_sync_steps": 8, "num_iterations": 2}, 4, None),
+    ({"sync_ref_model": True, "beta": 0.04, "ref_model_sync_steps": 3, "num_iterations": 2}, 2,
+     "ref_model_sync_steps 3 is 1.5"),
+    ({"ref_model_sync_steps": 8, "beta": 0.04}, None, None),
 ])
 def test_trl_sync_ref_model_maps_to_reference_moves_counted_in_rollouts(fields, steps, note):
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
@@ -149,6 +150,28 @@ def test_trl_sync_ref_model_maps_to_reference_moves_counted_in_rollouts(fields, 
     if steps is not None:
         assert kl["ref_mixup_alpha"] == fields.get("ref_model_mixup_alpha", 0.6)  # TRL's default 0.6
     assert any(note in n for n in notes) if note else not any("ref_model_sync_steps" in n for n in notes)
+
+
+def test_a_trl_config_with_sync_ref_model_trains_with_a_moving_reference(rlhf, tmp_path):
+    import yaml
+
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(yaml.safe_dump({"sync_ref_model": True, "beta": 0.04, "ref_model_sync_steps": 2,
+                                   "ref_model_mixup_alpha": 0.5, "num_generations": 4,
+                                   "per_device_train_batch_size": 16, "max_completion_length": 6, "max_steps": 2}))
+    code, _, err = rlhf("train", "--trl-config", str(cfg), "--train.progress", "false", "--eval.enabled", "false")
+    assert code == 0, err
+    saved = yaml.safe_load((the_run() / "config.yaml").read_text())
+    assert saved["algo"]["kl"]["ref_sync_steps"] == 2 and saved["algo"]["kl"]["ref_mixup_alpha"] == 0.5
+    assert ["reference/refreshed" in r for r in metrics_of(the_run())] == [False, True]
+
+
+def test_trl_sync_ref_model_without_a_reference_is_refused_as_trl_does():
+    from rlhf_plugins.errors import ConfigError
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    with pytest.raises(ConfigError, match="'sync_ref_model' moves the reference model, and beta 0"):
+        from_grpo_fields({"sync_ref_model": True, "beta": 0.0})
 
 
 @pytest.mark.integration

@@ -145,6 +145,9 @@ def _reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], up
     """sync_ref_model: TRL mixes every ref_model_sync_steps optimizer updates; we after whole rollouts."""
     if not f["sync_ref_model"]:
         return
+    if not float(f["beta"]):
+        raise ConfigError("TRL field 'sync_ref_model' moves the reference model, and beta 0 trains without one "
+                          "(TRL refuses it too); set beta above 0 or drop sync_ref_model")
     every = int(f["ref_model_sync_steps"])
     steps = max(1, round(every / updates_per_rollout))
     if steps * updates_per_rollout != every:
