@@ -34,7 +34,7 @@ def test_grpo_fields_map_by_hand():
     assert raw["learner"]["mini_batch_size"] == 16 and raw["learner"]["micro_batch_size"] == 8
     # 10 optimizer steps, 2 iterations x (4 / 2) updates per rollout -> 3 rollouts
     assert raw["train"]["steps"] == 3
-    assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3"}
+    assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3", "ratio": "token"}  # use_bias_correction_kl
     assert raw["algo"]["policy_loss"]["clip_low"] == 0.2 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
     assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
     assert raw["algo"]["policy_loss"]["mask_truncated"] is True

@@ -27,3 +27,14 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """q/p - 1 - log(q/p): unbiased, non-negative."""
     log_ratio = (ref_logprobs - logprobs).clamp(max=CLAMP)
     return (log_ratio.exp() - 1 - log_ratio).clamp(-CLAMP, CLAMP)
+
+
+def ratio_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The policy ratio ``pi / pi_old`` that weights the KL term (``--algo.kl.ratio``; DeepSeek-V3.2's
+    unbiased KL gradient, TRL's ``use_bias_correction_kl``), differentiable: per token, or one per
+    sequence from its mean log ratio (GSPO's sequence level), broadcast to its tokens. Log ratios are
+    capped at ``CLAMP`` so the ``exp`` cannot overflow."""
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    return log_ratio.clamp(-CLAMP, CLAMP).exp()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .kl import ratio_weights
 from .mismatch import importance_weights
 from .numerics import aggregate, high_entropy_mask, masked_mean, micro_batch_weight
 from .policy_losses import PolicyLossInputs
@@ -26,6 +27,8 @@ class Objective:
     kl_coef: float = 0.0
     #: the constant length of ``seq-mean-token-sum-norm`` (the generation budget)
     norm_length: float | None = None
+    #: weight the KL loss term by the policy ratio: none | token | sequence (``--algo.kl.ratio``)
+    kl_ratio: str = "none"
 
     @property
     def aggregation(self) -> str:
@@ -88,7 +91,9 @@ class Objective:
         if ref is not None and self.kl_estimator is not None:
             kl = self.kl_estimator(logprobs, ref)
             if self.kl_coef:
-                kl_loss = aggregate(kl, mask, self.aggregation, self.norm_length)
+                weighted = kl if self.kl_ratio == "none" else kl * ratio_weights(logprobs, inputs.old_logprobs, mask,
+                                                                                  self.kl_ratio)
+                kl_loss = aggregate(weighted, mask, self.aggregation, self.norm_length)
                 loss = loss + self.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if entropy is not None:

@@ -71,6 +71,9 @@ class KLConfig:
     target: float = setting(0.1, gt=0)
     #: samples over which the adaptive controller moves the coefficient
     horizon: int = setting(10000, ge=1)
+    #: weight the KL loss term by the policy ratio pi/pi_old (differentiable): none | token | sequence
+    #: (DeepSeek-V3.2's unbiased KL gradient; TRL's use_bias_correction_kl, its default)
+    ratio: Literal["none", "token", "sequence"] = "none"
     #: every N steps move the reference model towards the policy (TR-DPO; TRL's sync_ref_model); 0: it
     #: stays the initial policy
     ref_sync_steps: int = setting(0, ge=0)

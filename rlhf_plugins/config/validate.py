@@ -200,6 +200,13 @@ def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:
                                                "--env.name")
 
 
+def check_kl_ratio(c: Config) -> None:
+    """--algo.kl.ratio weights the KL loss term, which KL in the reward does not have."""
+    _require(c.algo.kl.ratio == "none" or not c.algo.kl.in_reward,
+             f"algo.kl.ratio {c.algo.kl.ratio} weights the KL loss term, and algo.kl.in_reward puts KL in the "
+             "reward instead; drop one of them")
+
+
 def check_reference_sync(c: Config, plan: Plan) -> None:
     """--algo.kl.ref_sync_steps needs a reference, whole in each of its ranks, and one update at a time."""
     if not c.algo.kl.ref_sync_steps:
@@ -225,6 +232,7 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     c.reward.functions, c.reward.weights = list(plan.rewards), list(plan.weights)  # saved config is explicit
     plan.needs_reference = c.algo.kl.coef > 0
     check_reference_sync(c, plan)
+    check_kl_ratio(c)
     plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled
     if c.critic.freezing_steps and not plan.needs_critic:
         raise ConfigError(f"critic.freezing_steps trains the critic alone for a while, but this run has no critic "

@@ -107,6 +107,8 @@ def _algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None
     _set(raw, "algo.policy_loss.aggregation", LOSS_TYPES[loss])
     if f["importance_sampling_level"] == "sequence":
         _set(raw, "algo.policy_loss.name", "gspo")
+    if f["use_bias_correction_kl"] and float(f["beta"]):  # TRL's default: the KL term times the policy ratio
+        _set(raw, "algo.kl.ratio", "sequence" if f["importance_sampling_level"] == "sequence" else "token")
     scale = f["scale_rewards"]
     scale = {True: "group", False: "none"}.get(scale, scale)
     estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "reinforce_baseline"}.get(str(scale))

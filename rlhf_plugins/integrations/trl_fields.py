@@ -13,7 +13,6 @@ UNSUPPORTED = {
     "multi_objective_aggregation": "rewards are combined as a weighted sum",
     "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
-    "use_bias_correction_kl": "no bias-corrected KL",
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
@@ -85,7 +84,7 @@ DERIVED = {
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
-    "ref_model_sync_steps", "ref_model_mixup_alpha",
+    "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why

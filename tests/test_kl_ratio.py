@@ -1,0 +1,99 @@
+"""The KL loss term weighted by the policy ratio (--algo.kl.ratio token | sequence; TRL's
+use_bias_correction_kl, on by default there): loss and gradients against TRL's formula written out
+independently in float64 on random inputs, the on-policy gradient's extra term by hand, TRL's fields,
+and the refusal with KL in the reward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_plugins.algorithms import kl as kl_estimators
+from rlhf_plugins.algorithms import policy_losses
+from rlhf_plugins.algorithms.objective import Objective
+from rlhf_plugins.api import prepare
+from tests.helpers import short_run
+
+BETA = 0.3
+
+
+def inputs(seed: int, off_policy: bool):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 9
+    mask = (torch.rand(B, T, generator=g) > 0.25).double()
+    mask[:, 0] = 1.0
+    logprobs = (-torch.rand(B, T, generator=g) * 3).double()
+    old = logprobs + 0.3 * torch.randn(B, T, generator=g).double() if off_policy else logprobs.clone()
+    ref = logprobs + 0.5 * torch.randn(B, T, generator=g).double()
+    advantages = torch.randn(B, 1, generator=g).double().expand(B, T) * mask
+    return logprobs, old, ref, advantages, mask
+
+
+def our_kl_term(logprobs, old, ref, advantages, mask, ratio: str, loss_name: str = "ppo"):
+    """Our objective's loss minus its policy part (the KL term alone), and d(loss)/d(logprobs)."""
+    config, _, _ = prepare({"algo": {"policy_loss": {"name": loss_name, "aggregation": "token-mean"}}},
+                           autoload=False)
+    objective = Objective(getattr(policy_losses, loss_name), config.algo.policy_loss, kl_estimator=kl_estimators.k3,
+                          kl_coef=BETA, kl_ratio=ratio)
+    lp = logprobs.clone().requires_grad_(True)
+    loss, metrics = objective({"logprobs": lp}, {"action_mask": mask, "old_logprobs": old, "ref_logprobs": ref,
+                                                 "advantages": advantages})
+    (grad,) = torch.autograd.grad(loss, lp)
+    return float(loss.detach() - metrics["loss/policy"]), grad, metrics
+
+
+def trl_kl_term(logprobs, old, ref, mask, level: str):
+    """TRL 1.16's GRPO KL term (loss_type bnpo / dapo: token mean over the batch), written out: k3 of
+    the policy against the reference, times exp(log ratio) -- per token, or one per sequence from the
+    mean of its tokens' log ratios -- with gradients through the ratio."""
+    lp = logprobs.clone().requires_grad_(True)
+    per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
+    log_ratio = lp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    kl_term = BETA * (per_token_kl * torch.exp(log_ratio) * mask).sum() / mask.sum()
+    (grad,) = torch.autograd.grad(kl_term, lp)
+    return float(kl_term.detach()), grad
+
+
+@pytest.mark.parametrize("level, loss_name", [("token", "ppo"), ("sequence", "gspo")])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_weighted_kl_term_is_trls_formula_with_its_gradient(level, loss_name, seed):
+    """Off-policy inputs, advantages 0 (the policy loss then adds nothing to the gradient): our loss
+    and its gradient are TRL's KL term's."""
+    logprobs, old, ref, advantages, mask = inputs(seed, off_policy=True)
+    ours, ours_grad, _ = our_kl_term(logprobs, old, ref, advantages * 0, mask, level, loss_name)
+    theirs, theirs_grad = trl_kl_term(logprobs, old, ref, mask, level)
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-9, atol=1e-12)
+    _, plain_grad, _ = our_kl_term(logprobs, old, ref, advantages * 0, mask, "none", loss_name)
+    assert not torch.allclose(plain_grad, theirs_grad)  # the weighting changes the gradient
+
+
+def test_on_policy_the_value_is_unchanged_and_the_gradient_gains_kl_times_grad_log_prob():
+    """Ratio 1 in value: the same loss and KL metric as unweighted; in the gradient each token gains
+    beta x kl / (number of tokens) (d/dlogp of kl x exp(logp - old) at logp = old)."""
+    logprobs, _, ref, advantages, mask = inputs(3, off_policy=False)
+    weighted, grad_w, m_w = our_kl_term(logprobs, logprobs.clone(), ref, advantages, mask, "token")
+    plain, grad_p, m_p = our_kl_term(logprobs, logprobs.clone(), ref, advantages, mask, "none")
+    assert weighted == pytest.approx(plain, rel=1e-12) and float(m_w["kl"]) == pytest.approx(float(m_p["kl"]))
+    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+    torch.testing.assert_close(grad_w - grad_p, BETA * kl * mask / mask.sum(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("fields, ratio", [
+    ({"beta": 0.04}, "token"),  # TRL's default use_bias_correction_kl=True
+    ({"beta": 0.04, "importance_sampling_level": "sequence"}, "sequence"),
+    ({"beta": 0.04, "use_bias_correction_kl": False}, None),
+    ({}, None),  # beta 0 (TRL's default): no KL term to weight
+])
+def test_trl_fields_map_to_the_kl_ratio(fields, ratio):
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, _ = from_grpo_fields(fields)
+    assert raw["algo"]["kl"].get("ratio") == ratio
+
+
+def test_a_ratio_with_kl_in_the_reward_is_refused(rlhf):
+    code, _, err = rlhf("train", *short_run(), "--algo.kl.ratio", "token", "--algo.kl.in_reward", "true")
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "algo.kl.ratio token weights the KL loss term" in err
