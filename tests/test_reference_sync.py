@@ -124,7 +124,6 @@ def test_resuming_after_a_move_continues_with_the_moved_reference(rlhf):
 @pytest.mark.parametrize("extra, says", [
     (("--algo.kl.coef", "0"), "algo.kl.coef 0 runs without one"),
     (("--train.max_staleness", "1", "--algo.policy_loss.mismatch", "tis"), "rollouts made ahead"),
-    (("--learner.backend", "fsdp"), "learner shards it"),
     (("--algo.kl.ref_mixup_alpha", "0"), "ref_mixup_alpha"),
 ])
 def test_runs_that_cannot_move_their_reference_are_refused_in_one_line(rlhf, extra, says):
@@ -196,3 +195,38 @@ def test_on_ray_the_reference_actor_receives_the_policy(local_ray, tiny_model, t
         t.shutdown()
     assert policy and all(torch.equal(ref[name], p) for name, p in policy.items())
     assert any(not torch.equal(ref[k], first[k]) for k in policy)
+
+
+def _gathered_reference(ctx):
+    """The sharded reference's full tensors (every rank gathers: collective)."""
+    return {name: p.full_tensor().detach().clone() for name, p in ctx.backend.model.named_parameters()}
+
+
+@pytest.mark.integration
+def test_a_reference_sharded_by_fsdp_moves_and_comes_back_from_a_checkpoint(local_ray, tiny_model, tmp_path,
+                                                                              monkeypatch):
+    """The reference on the FSDP2 learner over two Ray ranks: with alpha 1 each rank's rows become the
+    policy's after a move; its checkpoint folder, loaded after a later move, brings back the saved one."""
+    from rlhf_plugins.training.reference_sync import load_reference, save_reference
+
+    monkeypatch.chdir(tmp_path)
+    t = in_process_trainer(tiny_model, {"placement": {"strategy": "ray"}, "learner": {"backend": "fsdp"},
+                                        "ray": {"reference_workers": 2}, "train": {"prompts_per_step": 2, "steps": 4},
+                                        "generation": {"n_samples_per_prompt": 2},
+                                        "algo": {"kl": {"coef": 0.05, "ref_sync_steps": 1, "ref_mixup_alpha": 1.0}}})
+    try:
+        assert t.plan.learner.shards_reference
+        first = t.reference.run(_gathered_reference)[0]
+        t.step(0)
+        moved, policy = t.reference.run(_gathered_reference)[0], dict(t.actor.named_weights())
+        assert save_reference(t, tmp_path / "reference")
+        t.step(1)
+        later = t.reference.run(_gathered_reference)[0]
+        load_reference(t, tmp_path / "reference")
+        back = t.reference.run(_gathered_reference)[0]
+    finally:
+        t.shutdown()
+    assert set(policy) <= set(moved) and all(torch.equal(moved[name], p) for name, p in policy.items())
+    assert any(not torch.equal(moved[k], first[k]) for k in moved)
+    assert any(not torch.equal(later[k], moved[k]) for k in moved)
+    assert all(torch.equal(back[k], moved[k]) for k in moved)

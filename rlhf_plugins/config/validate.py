@@ -208,14 +208,11 @@ def check_kl_ratio(c: Config) -> None:
 
 
 def check_reference_sync(c: Config, plan: Plan) -> None:
-    """--algo.kl.ref_sync_steps needs a reference, whole in each of its ranks, and one update at a time."""
+    """--algo.kl.ref_sync_steps needs a reference and one update at a time."""
     if not c.algo.kl.ref_sync_steps:
         return
     _require(plan.needs_reference, "algo.kl.ref_sync_steps moves the reference model, but algo.kl.coef 0 runs "
                                    "without one; set --algo.kl.coef above 0 or drop ref_sync_steps")
-    _require(not plan.learner.shards_reference,
-             f"algo.kl.ref_sync_steps mixes the policy into a whole reference model, and the '{plan.learner.name}' "
-             "learner shards it; use --learner.backend torch or deepspeed, or drop ref_sync_steps")
     _require(not c.train.max_staleness, "algo.kl.ref_sync_steps moves the reference while rollouts made ahead "
                                         "read it (train.max_staleness); drop one of them")
 

@@ -247,6 +247,23 @@ def dtensor_types() -> tuple[type, type]:
     return DTensor, Shard
 
 
+@torch.no_grad()
+def mix_into_shards(model: torch.nn.Module, named: Any, alpha: float) -> int:
+    """Move each parameter of a sharded model towards the given full tensor (``lerp`` by ``alpha``;
+    1 copies), each rank its own dim-0 rows. Returns the tensors moved; an unknown name is an error."""
+    params, count = dict(model.named_parameters()), 0
+    for name, full in named:
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"the sharded model has no parameter '{name}'")
+        local = _local(param)
+        start = _shard_start(param, full.shape[0]) if local is not param else 0
+        rows = full[start : start + local.shape[0]] if local.dim() else full
+        local.lerp_(rows.to(device=local.device, dtype=local.dtype), alpha)
+        count += 1
+    return count
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded parameter (the parameter itself when it is not sharded)."""
     DTensor, _ = dtensor_types()

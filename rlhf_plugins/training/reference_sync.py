@@ -9,7 +9,7 @@ are collective), rank 0 sends CPU copies (in the dtype the learner exports) in b
 actors), and each mixes them into its whole model in place (``torch.lerp``, in the reference's dtype
 as TRL's in-place update is). Where one Ray actor holds both roles (``--ray.colocate hybrid``) the
 actor's tensors are mixed in there, nothing sent. A reference sharded by its learner (FSDP2's
-``shards_reference``) is refused before launch.
+``shards_reference``) mixes each tensor's rows it holds.
 
 Checkpoints of such a run hold the reference's weights (``reference/``), so a resume continues with the
 reference the run had, not the initial policy."""
@@ -82,21 +82,27 @@ def _send(ctx: RankContext, endpoints: list[Any], alpha: float) -> int:
 
 
 def _mix(ctx: RankContext, named: list[tuple[str, torch.Tensor]], alpha: float) -> int:
+    """Into this reference rank: its whole model, or its shards (a reference built on a learner that
+    shards it, FSDP2)."""
+    from ..models.empty_init import mix_into_shards
     from ..models.weights import load_named_weights
 
+    if not isinstance(ctx.backend, torch.nn.Module):  # the sharding learner, built frozen
+        return mix_into_shards(ctx.backend.model, named, alpha)
     return load_named_weights(ctx.backend, named, mix=alpha, receiver="the reference model")["tensors"]
 
 
 def save_reference(trainer: Trainer, folder: Path) -> bool:
-    """The reference's weights into ``folder`` (a checkpoint's ``reference/``) when the run moves it."""
+    """The reference's weights into ``folder`` (a checkpoint's ``reference/``) when the run moves it:
+    rank 0's whole model, or a sharded one gathered by its learner (every rank takes part)."""
     if trainer.reference is None or not trainer.config.algo.kl.ref_sync_steps:
         return False
-    trainer.reference.run(_save, str(folder), rank=0)
+    trainer.reference.run(_save, str(folder))
     return True
 
 
 def load_reference(trainer: Trainer, folder: Path) -> None:
-    """Every reference rank's model from a checkpoint's ``reference/`` folder."""
+    """Every reference rank's model (or shards) from a checkpoint's ``reference/`` folder."""
     trainer.reference.run(_load, str(folder))
 
 
@@ -105,12 +111,21 @@ def _save(ctx: RankContext, folder: str) -> None:
 
     from ..models.folder import SHARD_BYTES
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict(ctx.backend.state_dict(), folder, max_shard_size=SHARD_BYTES)
+    if not isinstance(ctx.backend, torch.nn.Module):
+        ctx.backend.save(folder)  # collective gathers; rank 0 writes
+    elif ctx.rank == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_torch_state_dict(ctx.backend.state_dict(), folder, max_shard_size=SHARD_BYTES)
 
 
 def _load(ctx: RankContext, folder: str) -> None:
+    from ..models.empty_init import checkpoint_tensors, mix_into_shards
     from ..models.folder import load_shards
 
     with torch.no_grad():
-        load_shards(ctx.backend, folder)
+        if isinstance(ctx.backend, torch.nn.Module):
+            return load_shards(ctx.backend, folder)
+        from safetensors.torch import load_file
+
+        for file in sorted({f for f, _ in checkpoint_tensors(folder).values()}):
+            mix_into_shards(ctx.backend.model, load_file(str(Path(folder) / file)).items(), 1.0)
