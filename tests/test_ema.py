@@ -35,23 +35,27 @@ def saved_model(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_the_average_follows_its_recursion_and_a_swap_gives_the_weights_back():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_average_follows_its_recursion_and_a_swap_gives_the_weights_back(dtype):
+    """float32 weights (one multi-tensor update) and bfloat16 ones (widened one at a time): the
+    average, kept in float32, follows the recursion over the weights as they were."""
     from rlhf_plugins.learners.ema import WeightAverage
 
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    weights = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)]
     average = WeightAverage(weights, BETA)
     history = [{i: w.clone() for i, w in enumerate(weights)}]
     for _ in range(4):
         for w in weights:
-            w.add_(torch.randn(w.shape, generator=g))
+            w.add_(torch.randn(w.shape, generator=g).to(dtype))
         average.update()
         history.append({i: w.clone() for i, w in enumerate(weights)})
     want = averaged(history)
+    assert all(a.dtype == torch.float32 for a in average.average)
     for i, a in enumerate(average.average):
         torch.testing.assert_close(a.double(), want[i], rtol=0, atol=1e-6)
     seen = average.swapped_in(lambda: [w.clone() for w in weights])
-    assert all(torch.equal(s, a) for s, a in zip(seen, average.average))  # the save saw the average
+    assert all(torch.equal(s, a.to(dtype)) for s, a in zip(seen, average.average))  # the save saw the average
     assert all(torch.equal(w, history[-1][i]) for i, w in enumerate(weights))  # and the weights came back
 
 

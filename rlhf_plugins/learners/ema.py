@@ -37,11 +37,17 @@ class WeightAverage:
         self.targets, self.beta = targets, beta
         self.sources = sources if sources is not None else targets
         self.average = [t.detach().to(torch.float32, copy=True) for t in self.sources]
+        self.float32 = all(s.dtype == torch.float32 for s in self.sources)
 
     @torch.no_grad()
     def update(self) -> None:
-        """After an optimizer update: ``average += (1 - beta) x (weights - average)``."""
-        torch._foreach_lerp_(self.average, [s.detach().float() for s in self.sources], 1.0 - self.beta)
+        """After an optimizer update: ``average += (1 - beta) x (weights - average)``, in one multi-tensor
+        kernel from float32 sources; 16-bit ones one tensor at a time (each widened, no model-sized copy)."""
+        if self.float32:
+            torch._foreach_lerp_(self.average, [s.detach() for s in self.sources], 1.0 - self.beta)
+            return
+        for a, s in zip(self.average, self.sources):
+            a.lerp_(s.detach().float(), 1.0 - self.beta)
 
     @torch.no_grad()
     def swapped_in(self, save: Callable[[], Any]) -> Any:

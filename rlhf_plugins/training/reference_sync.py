@@ -9,7 +9,7 @@ are collective), rank 0 sends CPU copies (in the dtype the learner exports) in b
 actors), and each mixes them into its whole model in place (``torch.lerp``, in the reference's dtype
 as TRL's in-place update is). Where one Ray actor holds both roles (``--ray.colocate hybrid``) the
 actor's tensors are mixed in there, nothing sent. A reference sharded by its learner (FSDP2's
-``shards_reference``) mixes each tensor's rows it holds.
+``shards_reference``) mixes in, on each rank, the rows of every tensor that rank holds.
 
 Checkpoints of such a run hold the reference's weights (``reference/``), so a resume continues with the
 reference the run had, not the initial policy."""
