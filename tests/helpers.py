@@ -373,3 +373,19 @@ def rollout_spy(folder: Path) -> tuple[Path, Any]:
             open({str(seen)!r}, "a").write(json.dumps([rollout.prompts, rollout.prompt_ids]) + "\\n")
     """))
     return plugin, lambda: [tuple(json.loads(line)) for line in seen.read_text().splitlines()]
+
+
+def in_process_trainer(model_path: str, raw: dict) -> Any:
+    """A set-up ``Trainer`` of the raw config on the model at ``model_path``, in this process (its
+    steps called one by one; ``shutdown()`` when done)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.training.loop import Trainer
+
+    config, pm, plan = prepare(raw, autoload=False)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    t = Trainer(config, pm, plan, load_prompts(config.data, tok), tok, model_path)
+    t.setup()
+    return t

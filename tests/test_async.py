@@ -11,23 +11,9 @@ import pytest
 import torch
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import eval_rows_of, metrics_of, short_run, the_run
+from tests.helpers import eval_rows_of, in_process_trainer, metrics_of, short_run, the_run
 
 CORRECTED = ("--algo.policy_loss.mismatch", "tis")
-
-
-def in_process_trainer(tiny_model, raw):
-    from transformers import AutoTokenizer
-
-    from rlhf_plugins.api import prepare
-    from rlhf_plugins.data.prompts import load_prompts
-    from rlhf_plugins.training.loop import Trainer
-
-    config, pm, plan = prepare(raw, autoload=False)
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    t = Trainer(config, pm, plan, load_prompts(config.data, tok), tok, tiny_model)
-    t.setup()
-    return t
 
 
 def comparable(metrics):

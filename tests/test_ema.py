@@ -15,7 +15,7 @@ from rlhf_plugins.algorithms import policy_losses
 from rlhf_plugins.algorithms.objective import Objective
 from rlhf_plugins.api import prepare
 from rlhf_plugins.testing import backend_context
-from tests.helpers import metrics_of, ppo_batch, ppo_update, short_run, the_run, torch_learner
+from tests.helpers import in_process_trainer, metrics_of, ppo_batch, ppo_update, short_run, the_run, torch_learner
 
 BETA = 0.6
 
@@ -127,23 +127,16 @@ def test_the_best_policy_is_kept_as_evaluated_not_averaged(tiny_model, tmp_path,
     """An evaluation that is the best so far keeps the policy it evaluated in best/ (the weights the
     engine sampled with), while final/ holds the average."""
     from rich.console import Console
-    from transformers import AutoTokenizer
 
-    from rlhf_plugins.data.prompts import load_prompts
     from rlhf_plugins.training.heldout import make_evaluator, run_eval
-    from rlhf_plugins.training.loop import Trainer
     from rlhf_plugins.training.runlog import MetricsLog
 
     monkeypatch.chdir(tmp_path)
-    config, pm, plan = prepare({"train": {"prompts_per_step": 4, "steps": 2, "best_metric": "eval/pass@1"},
-                                "generation": {"n_samples_per_prompt": 4}, "eval": {"n_samples": 2},
-                                "learner": {"lr": 5e-3, "ema": True, "ema_beta": 0.5}}, autoload=False)
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompts = load_prompts(config.data, tok)
-    t = Trainer(config, pm, plan, prompts, tok, tiny_model)
-    t.setup()
+    t = in_process_trainer(tiny_model, {"train": {"prompts_per_step": 4, "steps": 2, "best_metric": "eval/pass@1"},
+                                        "generation": {"n_samples_per_prompt": 4}, "eval": {"n_samples": 2},
+                                        "learner": {"lr": 5e-3, "ema": True, "ema_beta": 0.5}})
     try:
-        t.evaluator = make_evaluator(config, pm, tok, t.engine, t.reward, prompts.head(8))
+        t.evaluator = make_evaluator(t.config, t.pm, t.tokenizer, t.engine, t.reward, t.prompts.head(8))
         for step in range(2):
             t.step(step)
         t.best = {"metric": "eval/pass@1", "value": -1.0, "step": 0}  # any evaluation now improves on it
