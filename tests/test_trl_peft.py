@@ -116,8 +116,8 @@ def test_grpo_field_errors():
         from_grpo_fields({"use_adaptive_entropy": True})
     with pytest.raises(ConfigError, match="'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'"):
         from_grpo_fields({"num_generation": 4})
-    with pytest.raises(ConfigError, match="TRL loss_type 'cispo' has no equivalent"):
-        from_grpo_fields({"loss_type": "cispo"})
+    with pytest.raises(ConfigError, match="TRL loss_type 'vespo' has no equivalent"):
+        from_grpo_fields({"loss_type": "vespo"})
     raw, _ = from_grpo_fields({"importance_sampling_level": "sequence", "use_vllm": True,
                                "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_cap": 3.0})
     assert raw["algo"]["policy_loss"]["name"] == "gspo"

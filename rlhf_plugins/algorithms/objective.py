@@ -15,7 +15,7 @@ import torch
 from .kl import ratio_weights
 from .mismatch import importance_weights
 from .numerics import aggregate, high_entropy_mask, masked_mean, micro_batch_weight
-from .policy_losses import PolicyLossInputs
+from .policy_losses import PolicyLossInputs, off_policy_mask
 
 
 @dataclass
@@ -68,21 +68,7 @@ class Objective:
             got = tuple(per_token.shape) if torch.is_tensor(per_token) else type(per_token).__name__
             raise PluginError(f"policy loss '{getattr(self.options, 'name', '?')}' returned {got}; it must return the "
                               f"per-token loss {tuple(mask.shape)} ([B, T]) and a dict of metrics")
-        if self.top_entropy < 1.0 and entropy is not None:  # the forking tokens only (TRL's entropy mask)
-            kept = high_entropy_mask(entropy.detach(), mask, self.top_entropy)
-            per_token = per_token * kept
-            metrics["loss/entropy_kept_frac"] = masked_mean(kept, mask)
-        if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
-            weights, extra = importance_weights(
-                inputs.old_logprobs, inputs.rollout_logprobs, mask,
-                self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,
-                self.options.tis_floor,
-            )
-            per_token = per_token * weights
-            metrics.update(extra)
-        elif inputs.rollout_logprobs is not None:  # the train/inference gap, measured even when not corrected
-            gap = (inputs.old_logprobs - inputs.rollout_logprobs).detach().abs()
-            metrics["mismatch/abs_log_ratio"] = masked_mean(gap, mask)
+        per_token = self._select_and_weight(per_token, inputs, entropy, metrics)
         policy = aggregate(per_token, mask, self.aggregation, self.norm_length)
         loss = policy
         metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
@@ -103,3 +89,30 @@ class Objective:
             metrics["entropy"] = ent.detach()
         metrics["loss/total"] = loss.detach()
         return loss, metrics
+
+    def _select_and_weight(self, per_token: torch.Tensor, inputs: PolicyLossInputs, entropy: torch.Tensor | None,
+                           metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The per-token policy loss restricted to the tokens it trains (highest-entropy tokens,
+        off-policy sequence masking) and weighted for the engine/learner mismatch; logs each."""
+        mask = inputs.action_mask
+        if self.top_entropy < 1.0 and entropy is not None:  # the forking tokens only (TRL's entropy mask)
+            kept = high_entropy_mask(entropy.detach(), mask, self.top_entropy)
+            per_token = per_token * kept
+            metrics["loss/entropy_kept_frac"] = masked_mean(kept, mask)
+        threshold = getattr(self.options, "off_policy_mask", None)
+        if threshold is not None:  # DeepSeek-V3.2's off-policy sequence masking
+            kept = off_policy_mask(inputs, threshold)
+            per_token = per_token * kept
+            metrics["loss/off_policy_masked_frac"] = masked_mean(1 - kept, mask)
+        if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
+            weights, extra = importance_weights(
+                inputs.old_logprobs, inputs.rollout_logprobs, mask,
+                self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,
+                self.options.tis_floor,
+            )
+            per_token = per_token * weights
+            metrics.update(extra)
+        elif inputs.rollout_logprobs is not None:  # the train/inference gap, measured even when not corrected
+            gap = (inputs.old_logprobs - inputs.rollout_logprobs).detach().abs()
+            metrics["mismatch/abs_log_ratio"] = masked_mean(gap, mask)
+        return per_token

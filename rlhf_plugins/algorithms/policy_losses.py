@@ -66,3 +66,41 @@ def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     metrics["loss/ratio_mean"] = seq_log_ratio.detach().exp().mean()
     metrics["loss/ratio_clamp_frac"] = clamped.mean()
     return loss, metrics
+
+
+def cispo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1): ``-sg(min(r, 1 + clip_high)) * A * log pi``. The ratio is capped as a
+    constant weight instead of clipping the token out of the gradient, so every token keeps its
+    REINFORCE gradient (a token above the cap with the cap's weight); ``clip_low`` is not used."""
+    log_ratio, clamped = _clamp(x.logprobs.detach() - x.old_logprobs)
+    ratio = torch.exp(log_ratio)
+    cap = 1 + o.clip_high
+    loss = -ratio.clamp(max=cap) * x.advantages * x.logprobs
+    metrics = {"loss/clip_frac": masked_mean((ratio > cap).float(), x.action_mask),
+               "loss/ratio_mean": masked_mean(ratio, x.action_mask),
+               "loss/ratio_clamp_frac": masked_mean(clamped, x.action_mask)}
+    return loss, metrics
+
+
+def sapo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """SAPO (soft adaptive policy optimization): a smooth gate instead of the hard clip,
+    ``-sigmoid(tau (r - 1)) * 4 / tau * A`` with ``tau = sapo_temperature_pos`` where ``A > 0`` and
+    ``sapo_temperature_neg`` elsewhere. At ``r = 1`` it is the plain policy gradient; the gradient
+    fades as the ratio leaves 1, faster for the larger temperature."""
+    log_ratio, clamped = _clamp(x.logprobs - x.old_logprobs)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(x.advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg).to(ratio.dtype)
+    loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * x.advantages
+    metrics = {"loss/ratio_mean": masked_mean(ratio.detach(), x.action_mask),
+               "loss/ratio_clamp_frac": masked_mean(clamped, x.action_mask)}
+    return loss, metrics
+
+
+def off_policy_mask(x: PolicyLossInputs, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking: 0 for the tokens of negative advantage in
+    sequences whose mean ``log mu - log pi`` (mu: the policy that sampled them -- the engine's
+    log-probs when given, else the rollout-time learner's) exceeds ``threshold``, 1 elsewhere.
+    No gradient: it only selects tokens."""
+    sampled = x.old_logprobs if x.rollout_logprobs is None else x.rollout_logprobs
+    drift = masked_mean(torch.nan_to_num(sampled - x.logprobs.detach()), x.action_mask, dim=-1)
+    return ((x.advantages >= 0) | (drift <= threshold)[:, None]).to(x.logprobs.dtype)

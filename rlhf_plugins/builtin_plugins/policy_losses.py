@@ -15,3 +15,6 @@ def rlhf_policy_losses() -> Iterable[PolicyLoss]:
     yield PolicyLoss("ppo", Lazy(f"{_M}:ppo"), description="PPO clipped surrogate, asymmetric and dual clip")
     yield PolicyLoss("gspo", Lazy(f"{_M}:gspo"), description="GSPO: clipped sequence-level importance ratio",
                      default_aggregation="seq-mean-token-mean")
+    yield PolicyLoss("cispo", Lazy(f"{_M}:cispo"),
+                     description="CISPO: REINFORCE weighted by the ratio capped at 1 + clip_high (no token clipped)")
+    yield PolicyLoss("sapo", Lazy(f"{_M}:sapo"), description="SAPO: a sigmoid gate on the ratio instead of the clip")

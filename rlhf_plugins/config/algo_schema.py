@@ -20,7 +20,8 @@ class AdvantageConfig:
 
 @dataclass
 class PolicyLossConfig:
-    #: ppo (token-level ratio) | gspo (sequence-level ratio) or a plugin's
+    #: ppo (token-level ratio) | gspo (sequence-level ratio) | cispo (capped ratio as a weight) |
+    #: sapo (soft gate) or a plugin's
     name: str = "ppo"
     #: ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_low: float = setting(0.2, ge=0, lt=1)
@@ -28,6 +29,10 @@ class PolicyLossConfig:
     clip_high: float = setting(0.2, ge=0)
     #: dual-clip bound c > 1 for negative advantages; empty disables it
     dual_clip: float | None = setting(None, gt=1)
+    #: sapo's gate temperature for tokens of positive advantage (TRL's sapo_temperature_pos)
+    sapo_temperature_pos: float = setting(1.0, gt=0)
+    #: sapo's gate temperature for the other tokens (TRL's sapo_temperature_neg)
+    sapo_temperature_neg: float = setting(1.05, gt=0)
     #: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm;
     #: empty: the loss's own default (token-mean; seq-mean-token-mean for gspo)
     aggregation: str | None = None
@@ -42,6 +47,10 @@ class PolicyLossConfig:
     #: terms -- after advantages are computed, so their rewards still count in their group's baseline
     #: (DAPO's overlong filtering; TRL's mask_truncated_completions)
     mask_truncated: bool = False
+    #: drop from the policy loss the negative-advantage tokens of sequences whose mean
+    #: log(mu / pi) -- mu the sampling policy -- exceeds this (DeepSeek-V3.2's off-policy sequence
+    #: masking; TRL's off_policy_mask_threshold); empty: none
+    off_policy_mask: float | None = setting(None, ge=0)
     #: correct the generation engine / learner mismatch with the engine's log-probs:
     #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
     mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .trl_algorithm import algorithm, reference_sync
 from .trl_fields import (
     BOOKKEEPING_PREFIXES,
     DERIVED,
@@ -20,9 +21,7 @@ from .trl_fields import (
     DTYPES,
     IGNORED_WHY,
     INIT_IGNORED,
-    LOSS_TYPES,
     OPTIMIZERS,
-    SAMPLING_CORRECTION,
     SCHEDULERS,
     UNSUPPORTED,
 )
@@ -63,8 +62,8 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             except (TypeError, ValueError):
                 expected = getattr(conv, "__name__", "a value")
                 raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
-    _algorithm(f, raw, notes)
-    _reference_sync(f, raw, notes, _batch_shape(f, raw))
+    algorithm(f, raw, notes)
+    reference_sync(f, raw, notes, _batch_shape(f, raw))
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw)
     _compile(f, raw, notes)
@@ -90,39 +89,6 @@ def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
     return changed
 
 
-def _algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """Clipping, KL estimator, loss aggregation, sequence-level ratios, reward scaling, sampling correction."""
-    high = float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"])
-    _set(raw, "algo.policy_loss.clip_high", high)
-    if f.get("delta") is not None:  # INTELLECT-2's two-sided clip: above 1 + epsilon_high it is the dual clip
-        if float(f["delta"]) <= 1 + high:
-            raise ConfigError(f"TRL delta {f['delta']} must exceed 1 + epsilon_high ({1 + high:g}), as TRL "
-                              "recommends: rlhf-plugins runs it as the dual clip (--algo.policy_loss.dual_clip), "
-                              "which it equals there")
-        _set(raw, "algo.policy_loss.dual_clip", float(f["delta"]))
-    _set(raw, "algo.kl.estimator", "k3")
-    loss = f["loss_type"]
-    if loss not in LOSS_TYPES:
-        raise ConfigError(f"TRL loss_type '{loss}' has no equivalent; choose one of: {', '.join(LOSS_TYPES)}")
-    _set(raw, "algo.policy_loss.aggregation", LOSS_TYPES[loss])
-    if f["importance_sampling_level"] == "sequence":
-        _set(raw, "algo.policy_loss.name", "gspo")
-    if f["use_bias_correction_kl"] and float(f["beta"]):  # TRL's default: the KL term times the policy ratio
-        _set(raw, "algo.kl.ratio", "sequence" if f["importance_sampling_level"] == "sequence" else "token")
-    scale = f["scale_rewards"]
-    scale = {True: "group", False: "none"}.get(scale, scale)
-    estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "reinforce_baseline"}.get(str(scale))
-    if estimator is None:
-        raise ConfigError(f"TRL scale_rewards '{scale}' has no equivalent; use group, batch or none")
-    if scale == "batch":
-        notes.append("scale_rewards 'batch' maps to reinforce_baseline (group-mean baseline, batch normalisation)")
-    _set(raw, "algo.advantage.estimator", estimator)
-    if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
-        _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[f["vllm_importance_sampling_mode"]])
-        if f["vllm_importance_sampling_cap"] is not None:
-            _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
-
-
 def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
     """TRL counts completions; we count prompts per rollout and samples per update. Returns the
     optimizer updates per rollout (TRL's steps per step of ours)."""
@@ -141,22 +107,6 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
     if int(f["max_steps"]) > 0:
         _set(raw, "train.steps", math.ceil(int(f["max_steps"]) / updates_per_rollout))
     return updates_per_rollout
-
-
-def _reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], updates_per_rollout: int) -> None:
-    """sync_ref_model: TRL mixes every ref_model_sync_steps optimizer updates; we after whole rollouts."""
-    if not f["sync_ref_model"]:
-        return
-    if not float(f["beta"]):
-        raise ConfigError("TRL field 'sync_ref_model' moves the reference model, and beta 0 trains without one "
-                          "(TRL refuses it too); set beta above 0 or drop sync_ref_model")
-    every = int(f["ref_model_sync_steps"])
-    steps = max(1, round(every / updates_per_rollout))
-    if steps * updates_per_rollout != every:
-        notes.append(f"ref_model_sync_steps {every} is {every / updates_per_rollout:g} rollouts of "
-                     f"{updates_per_rollout} updates; the reference moves every {steps} (after a whole rollout)")
-    _set(raw, "algo.kl.ref_sync_steps", steps)
-    _set(raw, "algo.kl.ref_mixup_alpha", float(f["ref_model_mixup_alpha"]))
 
 
 def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:

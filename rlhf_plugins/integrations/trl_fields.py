@@ -11,7 +11,6 @@ from typing import Any
 #: fields that change training and that we cannot honour (an error unless left at TRL's default)
 UNSUPPORTED = {
     "multi_objective_aggregation": "rewards are combined as a weighted sum",
-    "off_policy_mask_threshold": "no off-policy masking by threshold",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
@@ -75,6 +74,9 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vllm_model_impl": ("vllm.model_impl", str),
     "shuffle_dataset": ("data.shuffle", bool),
     "mask_truncated_completions": ("algo.policy_loss.mask_truncated", bool),
+    "off_policy_mask_threshold": ("algo.policy_loss.off_policy_mask", lambda v: None if v is None else float(v)),
+    "sapo_temperature_pos": ("algo.policy_loss.sapo_temperature_pos", float),
+    "sapo_temperature_neg": ("algo.policy_loss.sapo_temperature_neg", float),
 }
 #: fields handled by hand below
 DERIVED = {
@@ -95,7 +97,12 @@ OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": 
               "adam": "adam", "sgd": "sgd"}
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
               "cosine_with_min_lr": "cosine"}
+#: TRL loss_type -> the aggregation its normaliser is (TRL's "dapo" and "cispo" divide by the tokens of
+#: the accumulation window, "grpo" and "sapo" average per-sequence means, "luspo" per-sequence sums)
 LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-              "dr_grpo": "seq-mean-token-sum-norm"}
+              "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean", "sapo": "seq-mean-token-mean",
+              "luspo": "seq-mean-token-sum"}
+#: TRL loss_types whose per-token loss is not the clipped surrogate: our policy loss of that name
+LOSS_NAMES = {"cispo": "cispo", "sapo": "sapo"}
 SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
                        "sequence_truncate": "seq_mask_tis"}
