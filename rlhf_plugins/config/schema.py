@@ -49,6 +49,9 @@ class DataConfig:
     #: tokenized as it is, and only chat-message prompts are templated -- TRL's "standard" and
     #: "conversational" formats; the TRL drop-in and --trl-config set false)
     template_strings: bool = True
+    #: extra keyword arguments of every chat-template rendering -- prompts, tool turns, reward models'
+    #: inputs -- e.g. {enable_thinking: false} for Qwen3 (TRL's chat_template_kwargs)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: a plain-text prompt the chat template does not render is put in this text at its one ``{}``
     #: (OpenRLHF's --input_template, e.g. "User: {}\nAssistant: "); needs apply_chat_template false
     #: (or template_strings false)

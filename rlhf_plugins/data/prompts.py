@@ -122,7 +122,7 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
         chat = cfg.apply_chat_template and (cfg.template_strings or not isinstance(prompt, str))
         if cfg.input_template and not chat and isinstance(prompt, str):
             prompt, filled = cfg.input_template.format(prompt), filled + 1
-        tokens = encode_prompt(prompt, tokenizer, chat)
+        tokens = encode_prompt(prompt, tokenizer, chat, getattr(cfg, "chat_template_kwargs", None))
         if len(tokens) > cfg.max_prompt_tokens:
             dropped, too_long = dropped + 1, too_long + 1
             continue
@@ -162,10 +162,12 @@ def check_prompt(prompt: Any, number: int, path: Any, key: str) -> None:
                             f"{str(message)[:60]!r}")
 
 
-def encode_prompt(prompt: Any, tokenizer: Any, chat: bool) -> list[int]:
+def encode_prompt(prompt: Any, tokenizer: Any, chat: bool, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A prompt's token ids: rendered by the chat template (with ``template_kwargs``) when ``chat``."""
     if chat:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, str):
         raise DataError("a chat-message prompt needs --data.apply_chat_template true")

@@ -81,6 +81,7 @@ class EnvRunner:
     def __init__(self, config: Any, tokenizer: Any, environments: dict[str, Any]) -> None:
         self.cfg, self.tokenizer = config.env, tokenizer
         self.chat = bool(config.data.apply_chat_template)
+        template_kwargs = dict(config.data.chat_template_kwargs)
         self.envs = dict(environments)
         self.factories = {name: env.factory for name, env in self.envs.items()}
         self.pools: dict[str, list[Any]] = {}
@@ -91,12 +92,12 @@ class EnvRunner:
         self.renderer: Renderer | None = None
         if any(not is_agent(self._probe(name)) for name in self.factories):
             try:
-                self.renderer = Renderer(tokenizer)
+                self.renderer = Renderer(tokenizer, template_kwargs)
             except Exception as exc:
                 raise ConfigError(f"the model's chat template cannot render tool calls and tool messages "
                                   f"({type(exc).__name__}: {exc}); multi-turn tool use needs a template "
                                   "that does") from exc
-        self.ctx = SessionContext(tokenizer, self.renderer, run_in(self.executor), self.chat)
+        self.ctx = SessionContext(tokenizer, self.renderer, run_in(self.executor), self.chat, template_kwargs)
 
     def _probe(self, name: str) -> Any:
         """One instance, checked for a known shape; it seeds the pool."""

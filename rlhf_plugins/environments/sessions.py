@@ -40,6 +40,8 @@ class SessionContext:
     run_sync: Callable[..., Any]
     #: apply the chat template to prompts (``--data.apply_chat_template``)
     chat: bool = True
+    #: extra keyword arguments of the chat template (``--data.chat_template_kwargs``)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def is_agent(instance: Any) -> bool:
@@ -81,7 +83,8 @@ class _Session:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if extra:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + extra}
-        return tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        return tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                       **self.ctx.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         if self.ctx.renderer is not None:

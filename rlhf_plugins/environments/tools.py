@@ -114,9 +114,10 @@ class Renderer:
              {"role": "assistant", "content": "", "tool_calls": [
                  {"type": "function", "function": {"name": "dummy", "arguments": {}}}]}]
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
-        self._base = tokenizer.apply_chat_template(self._BASE, tokenize=False)
+        self.template_kwargs = dict(template_kwargs or {})
+        self._base = tokenizer.apply_chat_template(self._BASE, tokenize=False, **self.template_kwargs)
         self._cache: dict[str, list[int]] = {}
 
     def suffix_ids(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -124,7 +125,8 @@ class Renderer:
         hit = self._cache.get(key)
         if hit is not None:
             return list(hit)
-        full = self.tokenizer.apply_chat_template(self._BASE + messages, tokenize=False, add_generation_prompt=True)
+        full = self.tokenizer.apply_chat_template(self._BASE + messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.template_kwargs)
         if not full.startswith(self._base):
             raise ValueError("the chat template renders earlier messages differently once a tool message follows; "
                              "multi-turn training needs a prefix-preserving template")

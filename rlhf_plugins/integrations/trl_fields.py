@@ -77,6 +77,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "off_policy_mask_threshold": ("algo.policy_loss.off_policy_mask", lambda v: None if v is None else float(v)),
     "sapo_temperature_pos": ("algo.policy_loss.sapo_temperature_pos", float),
     "sapo_temperature_neg": ("algo.policy_loss.sapo_temperature_neg", float),
+    "chat_template_kwargs": ("data.chat_template_kwargs", lambda v: dict(v or {})),
 }
 #: fields handled by hand below
 DERIVED = {

@@ -150,7 +150,8 @@ class RewardModelScorer:
     """Scores (prompt, completion) texts with one reward model, ``batch_size`` at a time."""
 
     def __init__(self, path: str, dtype: str = "float32", batch_size: int = 16, head_prefix: str | None = None,
-                 device: str | None = None, policy_tokenizer: Any = None, normalize: bool = False) -> None:
+                 device: str | None = None, policy_tokenizer: Any = None, normalize: bool = False,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -163,6 +164,7 @@ class RewardModelScorer:
         self.backbone.to(self.device).eval().requires_grad_(False)
         self.head.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path), trust_remote_code=False)
+        self.template_kwargs = dict(template_kwargs or {})
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.batch_size = batch_size
@@ -178,9 +180,10 @@ class RewardModelScorer:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if finished:
                 turn = {"role": "assistant", "content": completion}
-                text = tok.apply_chat_template([*messages, turn], tokenize=False)
+                text = tok.apply_chat_template([*messages, turn], tokenize=False, **self.template_kwargs)
             else:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + completion
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                               **self.template_kwargs) + completion
             return tok(text, add_special_tokens=False)["input_ids"]
         text = (prompt if isinstance(prompt, str) else " ".join(m.get("content", "") for m in prompt)) + completion
         ids = tok(text)["input_ids"]

@@ -138,7 +138,8 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
                                                trust_remote_code=config.model.trust_remote_code)
         for path, weight in zip(r.models, model_weights):
             scorer = RewardModelScorer(path, config.model.dtype, r.model_batch_size, r.value_head_prefix,
-                                       policy_tokenizer=policy, normalize=r.normalize)
+                                       policy_tokenizer=policy, normalize=r.normalize,
+                                       template_kwargs=config.data.chat_template_kwargs)
             sources.append(Source(scorer.name, "reward model", _model_source(scorer), weight))
     if r.remote_urls:
         from ..rewards.remote import RemoteReward

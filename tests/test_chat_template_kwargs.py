@@ -1,0 +1,117 @@
+"""--data.chat_template_kwargs (TRL's chat_template_kwargs, e.g. Qwen3's enable_thinking): every chat-template
+rendering -- training prompts, a tool conversation's turns, a reward model's inputs -- gets them, token for
+token as the template renders with them; from TRL's field and from the command line into a run."""
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlhf_plugins.models.tiny_model import CHAT_TEMPLATE
+from tests.helpers import make_reward_model, short_run
+
+#: the tiny model's template, except that with enable_thinking false every assistant turn opens with an
+#: empty "thinking" marker (as Qwen3's puts an empty <think></think> block)
+QUIET = "{% if enable_thinking is defined and not enable_thinking %}<|system|>{% endif %}"
+TEMPLATE = CHAT_TEMPLATE.replace("<|assistant|>{{ message['content'] }}", "<|assistant|>" + QUIET + "{{ message['content'] }}")
+TEMPLATE = TEMPLATE.replace("{% if add_generation_prompt %}<|assistant|>", "{% if add_generation_prompt %}<|assistant|>" + QUIET)
+KWARGS = {"enable_thinking": False}
+ROWS = [{"prompt": [{"role": "user", "content": "3+4="}], "label": "7"}, {"prompt": "1+1=", "label": "2"}]
+
+
+def with_template(folder: Path, source: str | Path) -> Path:
+    """A copy of the model folder ``source`` whose tokenizer has :data:`TEMPLATE`."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tiny_model) -> Path:
+    return with_template(tmp_path_factory.mktemp("quiet") / "model", tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def marker(tok) -> int:
+    return tok.convert_tokens_to_ids("<|system|>")
+
+
+def test_prompts_render_with_the_kwargs_as_trl_does(tok):
+    """Through TRL's field: conversational prompts are TRL's apply_chat_template(..., **kwargs) token for
+    token; without the field they lack the marker; standard (string) prompts are not templated at all."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, notes = from_grpo_fields({"chat_template_kwargs": KWARGS})
+    assert not any("chat_template_kwargs" in n for n in notes)
+    config, _, _ = prepare(raw, autoload=False)
+    assert config.data.chat_template_kwargs == KWARGS
+    ours = load_prompts(config.data, tok, rows=ROWS).prompt_ids
+    trl = tok.apply_chat_template([ROWS[0]["prompt"]], add_generation_prompt=True, tokenize=True, return_dict=True,
+                                  **KWARGS)["input_ids"][0]
+    assert ours[0] == trl and trl[-1] == marker(tok)
+    assert ours[1] == tok("1+1=")["input_ids"]
+    plain, _, _ = prepare(from_grpo_fields({})[0], autoload=False)
+    without = load_prompts(plain.data, tok, rows=ROWS).prompt_ids[0]
+    assert without == ours[0][:-1] and marker(tok) not in without
+
+
+def test_tool_turns_and_prompts_of_a_conversation_render_with_the_kwargs(tok):
+    from rlhf_plugins.environments.sessions import SessionContext, _Session
+    from rlhf_plugins.environments.tools import Renderer
+
+    follow_up = [{"role": "tool", "content": "7"}]
+    assert Renderer(tok, KWARGS).suffix_ids(follow_up) == Renderer(tok).suffix_ids(follow_up) + [marker(tok)]
+    session = _Session("calc", None, SessionContext(tok, None, None, True, dict(KWARGS)), {}, "row 1")
+    text = session.render_prompt("3+4=", None, None)
+    assert text == tok.apply_chat_template([{"role": "user", "content": "3+4="}], add_generation_prompt=True,
+                                           tokenize=False, **KWARGS)
+    assert text.endswith("<|assistant|><|system|>")
+
+
+def test_a_reward_models_inputs_render_with_the_kwargs(tmp_path, tiny_model):
+    from rlhf_plugins.models.reward_model import RewardModelScorer
+
+    folder = with_template(tmp_path / "rm", make_reward_model(tmp_path / "rm0", "trl", seed=1))
+    quiet, plain = RewardModelScorer(str(folder), template_kwargs=KWARGS), RewardModelScorer(str(folder))
+    for finished in (True, False):
+        ids = quiet.render("3+4=", "7", finished)
+        expected = plain.render("3+4=", "7", finished)
+        at = expected.index(plain.tokenizer.convert_tokens_to_ids("<|assistant|>")) + 1
+        assert ids == expected[:at] + [marker(quiet.tokenizer)] + expected[at:]
+
+
+def test_the_kwargs_reach_the_engine_in_a_run(rlhf, model, tmp_path):
+    """From the command line (a YAML mapping): the prompts the engine sampled from end with the marker."""
+    seen = tmp_path / "seen.json"
+    hook = tmp_path / "seen_prompts.py"
+    hook.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            with open({str(seen)!r}, "a") as f:
+                f.write(json.dumps(rollout.prompt_ids) + "\\n")
+    """))
+    code, _, err = rlhf("train", "--model.path", str(model), "--plugin", str(hook),
+                        "--data.chat_template_kwargs", "{enable_thinking: false}", *short_run("--train.steps", "1"))
+    assert code == 0, err
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [ids for line in seen.read_text().splitlines() for ids in json.loads(line)]
+    assert prompts and all(ids[-2:] == [tok.convert_tokens_to_ids("<|assistant|>"), marker(tok)] for ids in prompts)
