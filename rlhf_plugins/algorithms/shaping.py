@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 
 class RunningMoments:
     """Mean and variance of every score seen so far (Chan et al. parallel update)."""
@@ -89,3 +91,18 @@ def keep_groups(scores: list[float], group_size: int, score_range: list[float] |
                 continue
         kept.append(g)
     return kept
+
+
+def normalize_then_sum(parts: dict[str, list[float | None]], weights: list[float], group_size: int) -> list[float]:
+    """GDPO's combination of several rewards: each source's scores normalised within each prompt
+    group, ``(r - mean) / (std + 1e-4)`` (unbiased std over the samples it scored; a source that
+    abstained (None) on a sample leaves it out), then summed by weight. A sample no source scored gets 0."""
+    terms = []
+    for values, weight in zip(parts.values(), weights):
+        x = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64).view(-1, group_size)
+        mean = x.nanmean(-1, keepdim=True)
+        count = (~x.isnan()).sum(-1, keepdim=True)
+        var = ((x - mean) ** 2).nansum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
+        terms.append(weight * (x - mean) / (std + 1e-4))
+    return torch.stack(terms).nansum(0).reshape(-1).tolist() if terms else []

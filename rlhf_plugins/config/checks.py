@@ -41,6 +41,9 @@ def check_ranges(c: Config) -> None:
         not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
         "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
     )
+    _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
+             "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
+             "generation.n_samples_per_prompt >= 2")
     _require(p.dual_clip is None or p.name not in ("cispo", "sapo"),
              f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
              "bound: remove --algo.policy_loss.dual_clip")

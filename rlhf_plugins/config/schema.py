@@ -105,6 +105,9 @@ class RewardConfig:
     remote_urls: list[str] = field(default_factory=list)
     #: one weight per source (functions, models, remote servers; default 1.0 each): a weighted sum
     weights: list[float] = field(default_factory=list)
+    #: how the sources make one score: sum (the weighted sum) | normalize_then_sum (GDPO: each source's
+    #: scores normalised within each prompt group first; TRL's multi_objective_aggregation)
+    combine: Literal["sum", "normalize_then_sum"] = "sum"
     #: samples per reward-model forward
     model_batch_size: int = setting(16, ge=1)
     #: name of an OpenRLHF reward model's value head (empty: "score", else "value_head")

@@ -30,6 +30,25 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
         _set(raw, "algo.policy_loss.name", "gspo")
     if f["use_bias_correction_kl"] and float(f["beta"]):  # TRL's default: the KL term times the policy ratio
         _set(raw, "algo.kl.ratio", "sequence" if f["importance_sampling_level"] == "sequence" else "token")
+    _advantages(f, raw, notes)
+    if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
+        _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[f["vllm_importance_sampling_mode"]])
+        if f["vllm_importance_sampling_cap"] is not None:
+            _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
+
+
+def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
+    """scale_rewards as the estimator; multi_objective_aggregation normalize_then_sum (GDPO) as
+    --reward.combine, whose sum TRL then normalises over the batch whatever scale_rewards says."""
+    if f["multi_objective_aggregation"] == "normalize_then_sum":
+        _set(raw, "reward.combine", "normalize_then_sum")
+        _set(raw, "algo.advantage.estimator", "reinforce_baseline")
+        notes.append("multi_objective_aggregation 'normalize_then_sum' (GDPO): each reward normalised in its group, "
+                     "summed by weight, then normalised over the batch (reinforce_baseline); scale_rewards is unused")
+        return
+    if f["multi_objective_aggregation"] != "sum_then_normalize":
+        raise ConfigError(f"TRL multi_objective_aggregation '{f['multi_objective_aggregation']}' has no "
+                          "equivalent; use sum_then_normalize or normalize_then_sum")
     scale = f["scale_rewards"]
     scale = {True: "group", False: "none"}.get(scale, scale)
     estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "reinforce_baseline"}.get(str(scale))
@@ -38,10 +57,6 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     if scale == "batch":
         notes.append("scale_rewards 'batch' maps to reinforce_baseline (group-mean baseline, batch normalisation)")
     _set(raw, "algo.advantage.estimator", estimator)
-    if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
-        _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[f["vllm_importance_sampling_mode"]])
-        if f["vllm_importance_sampling_cap"] is not None:
-            _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
 
 
 def _loss_of_its_own(f: dict[str, Any], raw: dict[str, Any], loss: str, high: float) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 #: fields that change training and that we cannot honour (an error unless left at TRL's default)
 UNSUPPORTED = {
-    "multi_objective_aggregation": "rewards are combined as a weighted sum",
     "use_adaptive_entropy": "no adaptive entropy coefficient",
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
@@ -87,7 +86,7 @@ DERIVED = {
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
-    "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl",
+    "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why

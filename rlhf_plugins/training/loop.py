@@ -17,7 +17,7 @@ import torch
 
 from .._lazy import resolve
 from ..algorithms.advantages import AdvantageInputs
-from ..algorithms.shaping import keep_groups
+from ..algorithms.shaping import keep_groups, normalize_then_sum
 from ..config.scale import warn_first_update
 from ..config.schema import Config
 from ..config.validate import Plan
@@ -122,9 +122,9 @@ class Trainer:
         rollout.raw_scores, rollout.reward_components = result.scores, result.parts
         rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
         self.reward_retries += result.retries
-        rollout.scores = self.shaper(
-            rollout.raw_scores, [len(x) for x in rollout.completion_ids], rollout.finish_reasons
-        )
+        combined = rollout.raw_scores if c.reward.combine == "sum" else normalize_then_sum(
+            result.parts, c.reward.weights, rollout.group_size)
+        rollout.scores = self.shaper(combined, [len(x) for x in rollout.completion_ids], rollout.finish_reasons)
         return rollout
 
     def collect(self, step: int) -> tuple[Rollout, dict[str, float]]:
