@@ -70,6 +70,18 @@ def test_prompts_render_with_the_kwargs_as_trl_does(tok):
     assert without == ours[0][:-1] and marker(tok) not in without
 
 
+def test_trls_json_text_form_is_read_and_anything_else_is_one_line():
+    """transformers reads a dict field given on a command line as JSON text; so do we."""
+    from rlhf_plugins.errors import ConfigError
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, _ = from_grpo_fields({"chat_template_kwargs": '{"enable_thinking": false}'})
+    assert raw["data"]["chat_template_kwargs"] == KWARGS
+    for bad in ("[1]", "{bad"):
+        with pytest.raises(ConfigError, match="TRL field 'chat_template_kwargs' expects mapping"):
+            from_grpo_fields({"chat_template_kwargs": bad})
+
+
 def test_tool_turns_and_prompts_of_a_conversation_render_with_the_kwargs(tok):
     from rlhf_plugins.environments.sessions import SessionContext, _Session
     from rlhf_plugins.environments.tools import Renderer

@@ -45,6 +45,18 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
                         "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
                         "vllm_server", "vllm_group_port", "disable_tqdm")
 
+def mapping(value: Any) -> dict[str, Any]:
+    """A dict field of TRL's: a mapping, or (from a command line) its JSON text, as transformers reads
+    its dict fields; empty for None."""
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value)
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"expected a mapping, got {type(value).__name__}")
+    return dict(value or {})
+
+
 #: GRPOConfig field -> (our dotted key, converter)
 DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("learner.lr", float),
@@ -76,7 +88,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "off_policy_mask_threshold": ("algo.policy_loss.off_policy_mask", lambda v: None if v is None else float(v)),
     "sapo_temperature_pos": ("algo.policy_loss.sapo_temperature_pos", float),
     "sapo_temperature_neg": ("algo.policy_loss.sapo_temperature_neg", float),
-    "chat_template_kwargs": ("data.chat_template_kwargs", lambda v: dict(v or {})),
+    "chat_template_kwargs": ("data.chat_template_kwargs", mapping),
 }
 #: fields handled by hand below
 DERIVED = {
