@@ -112,8 +112,11 @@ def test_the_schedule_warms_up_and_decays_as_configured():
 
 
 def test_grpo_field_errors():
-    with pytest.raises(ConfigError, match="TRL field 'use_adaptive_entropy' \\(True\\) has no equivalent"):
-        from_grpo_fields({"use_adaptive_entropy": True})
+    with pytest.raises(ConfigError, match="TRL field 'cast_lm_head_to_fp32' \\(True\\) has no equivalent"):
+        from_grpo_fields({"cast_lm_head_to_fp32": True})
+    with pytest.raises(ConfigError, match="TRL field 'neftune_noise_alpha' \\(5.0\\) changes training and has no "
+                                          "equivalent"):
+        from_grpo_fields({"neftune_noise_alpha": 5.0})
     with pytest.raises(ConfigError, match="'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'"):
         from_grpo_fields({"num_generation": 4})
     with pytest.raises(ConfigError, match="TRL loss_type 'vespo' has no equivalent"):
@@ -151,10 +154,10 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
 
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
     cfg = tmp_path / "grpo.yaml"
-    cfg.write_text("use_adaptive_entropy: true\n")
+    cfg.write_text("cast_lm_head_to_fp32: true\n")
     code, _, err = rlhf("train", "--trl-config", str(cfg))
     assert code == 2 and err.strip().count("\n") == 0
-    assert "TRL field 'use_adaptive_entropy' (True) has no equivalent" in err
+    assert "TRL field 'cast_lm_head_to_fp32' (True) has no equivalent" in err
 
 
 def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):

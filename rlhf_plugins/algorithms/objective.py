@@ -29,6 +29,13 @@ class Objective:
     norm_length: float | None = None
     #: weight the KL loss term by the policy ratio: none | token | sequence (``--algo.kl.ratio``)
     kl_ratio: str = "none"
+    #: this step's entropy-bonus coefficient (an adaptive one changes per step); empty: the options'
+    entropy_coef: float | None = None
+
+    @property
+    def bonus(self) -> float:
+        """The entropy bonus's coefficient."""
+        return self.options.entropy_coef if self.entropy_coef is None else self.entropy_coef
 
     @property
     def aggregation(self) -> str:
@@ -41,7 +48,8 @@ class Objective:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.options.entropy_coef != 0.0 or self.top_entropy < 1.0
+        adaptive = getattr(self.options, "entropy_target", None) is not None  # measured even while it is 0
+        return self.bonus != 0.0 or self.top_entropy < 1.0 or adaptive
 
     def weight(self, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
         return micro_batch_weight(micro_mask, mini_mask, self.aggregation)
@@ -84,8 +92,8 @@ class Objective:
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if entropy is not None:
             ent = aggregate(entropy, mask, self.aggregation, self.norm_length)
-            if self.options.entropy_coef:
-                loss = loss - self.options.entropy_coef * ent
+            if self.bonus:
+                loss = loss - self.bonus * ent
             metrics["entropy"] = ent.detach()
         metrics["loss/total"] = loss.detach()
         return loss, metrics

@@ -38,8 +38,18 @@ class PolicyLossConfig:
     aggregation: str | None = None
     #: the constant divisor of seq-mean-token-sum-norm (Dr. GRPO); empty: generation.max_new_tokens
     norm_length: int | None = setting(None, ge=1)
-    #: entropy bonus coefficient (0: none)
+    #: entropy bonus coefficient (0: none); with entropy_target, its starting value
     entropy_coef: float = setting(0.0)
+    #: adapt the entropy bonus (Skywork-OR1; TRL's use_adaptive_entropy): it applies only while the
+    #: measured entropy (nats per token) is at or below this, and its coefficient moves by
+    #: entropy_coef_delta after each step towards keeping it there; empty: a fixed coefficient
+    entropy_target: float | None = setting(None, gt=0)
+    #: the adaptive coefficient's move per step
+    entropy_coef_delta: float = setting(0.005, gt=0)
+    #: the adaptive coefficient's lower bound
+    entropy_coef_min: float = setting(0.0, ge=0)
+    #: the adaptive coefficient's upper bound
+    entropy_coef_max: float = setting(1.0, ge=0)
     #: the policy loss trains only the tokens whose entropy is in this top fraction of their micro
     #: batch's (1: every token; TRL's top_entropy_quantile, "Beyond the 80/20 rule": 0.2)
     top_entropy_quantile: float = setting(1.0, gt=0, le=1)

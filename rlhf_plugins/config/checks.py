@@ -41,6 +41,9 @@ def check_ranges(c: Config) -> None:
         not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
         "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
     )
+    _require(p.entropy_coef_min <= p.entropy_coef_max,
+             f"algo.policy_loss.entropy_coef_min ({p.entropy_coef_min}) must not exceed entropy_coef_max "
+             f"({p.entropy_coef_max})")
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")

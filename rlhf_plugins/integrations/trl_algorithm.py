@@ -87,3 +87,16 @@ def reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], upd
                      f"{updates_per_rollout} updates; the reference moves every {steps} (after a whole rollout)")
     _set(raw, "algo.kl.ref_sync_steps", steps)
     _set(raw, "algo.kl.ref_mixup_alpha", float(f["ref_model_mixup_alpha"]))
+
+
+def adaptive_entropy(f: dict[str, Any], raw: dict[str, Any], notes: list[str], updates_per_rollout: int) -> None:
+    """use_adaptive_entropy (Skywork-OR1): TRL moves the coefficient after every optimizer update, we
+    after every rollout (the same when a rollout makes one update, TRL's default)."""
+    if not f["use_adaptive_entropy"]:
+        return
+    _set(raw, "algo.policy_loss.entropy_target", float(f["entropy_target"]))
+    for name in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"):
+        _set(raw, f"algo.policy_loss.{name}", float(f[name]))
+    if updates_per_rollout > 1:
+        notes.append(f"use_adaptive_entropy moves the coefficient after each rollout here ({updates_per_rollout} "
+                     "optimizer updates), after each update in TRL")

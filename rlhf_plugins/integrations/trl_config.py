@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .trl_algorithm import algorithm, reference_sync
+from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
 from .trl_fields import (
     BOOKKEEPING_PREFIXES,
     DERIVED,
@@ -63,7 +63,9 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                 expected = getattr(conv, "__name__", "a value")
                 raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
     algorithm(f, raw, notes)
-    reference_sync(f, raw, notes, _batch_shape(f, raw))
+    updates_per_rollout = _batch_shape(f, raw)
+    reference_sync(f, raw, notes, updates_per_rollout)
+    adaptive_entropy(f, raw, notes, updates_per_rollout)
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw)
     _compile(f, raw, notes)

@@ -10,7 +10,8 @@ from typing import Any
 
 #: fields that change training and that we cannot honour (an error unless left at TRL's default)
 UNSUPPORTED = {
-    "use_adaptive_entropy": "no adaptive entropy coefficient",
+    "cast_lm_head_to_fp32": "the output head's matrix product runs in the model's dtype (its logits are then "
+                            "widened to float32 for the log-softmax); train in float32 for a float32 head",
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
@@ -99,6 +100,7 @@ DERIVED = {
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
     "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
+    "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why

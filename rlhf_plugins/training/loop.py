@@ -178,13 +178,15 @@ class Trainer:
         kl_penalty = self.advantages(batch, rollout, kl_coef)
         shown = mask_truncated(batch, rollout) if c.algo.policy_loss.mask_truncated else batch
         t_prep = time.perf_counter()
-        objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef)
+        objective = dataclasses.replace(self.objective, kl_coef=0.0 if c.algo.kl.in_reward else kl_coef,
+                                        entropy_coef=self.entropy_control.value)
         self.phase = "update"
         batch["balance_tokens"] = bool(c.learner.max_tokens_per_micro_batch)  # shards of equal tokens per rank
         if step >= c.critic.freezing_steps:  # the critic's warm-up: the actor waits
             metrics.update(self.actor.train(batch, objective))
         if self.critic is not None:
             metrics.update(self.critic.train(batch, self.value_objective))
+        metrics.update(self.entropy_control.update(metrics))
         metrics.update(refresh_reference(self, step))  # every algo.kl.ref_sync_steps: towards the policy
         t_train = time.perf_counter()
         if self.probe is None:

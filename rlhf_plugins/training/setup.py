@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._lazy import resolve
+from ..algorithms.entropy_control import make_entropy_coef
 from ..algorithms.kl_control import make_controller
 from ..algorithms.objective import Objective
 from ..algorithms.shaping import RewardShaper
@@ -70,6 +71,7 @@ def build_algorithm(trainer: Trainer) -> None:
     trainer.estimator = resolve(plan.estimator.compute)
     trainer.kl_estimator = resolve(plan.kl.compute)
     trainer.kl_control = make_controller(c.algo.kl)
+    trainer.entropy_control = make_entropy_coef(c.algo.policy_loss)
     trainer.objective = Objective(
         policy_loss=resolve(plan.policy_loss.compute),
         options=c.algo.policy_loss,

@@ -36,6 +36,7 @@ def loop_state(t: Trainer) -> dict[str, Any]:
         # asynchronous training: the sampler has run ahead; record where the learner's next rollout began
         "sampler": dict(t.sampler_position if t.sampler_position is not None else t.sampler.state_dict()),
         "kl_controller": dict(t.kl_control.state_dict()),
+        "entropy_controller": dict(t.entropy_control.state_dict()),
         "reward_shaper": json.loads(json.dumps(t.shaper.state_dict())),
         "python_rng": random.getstate(),
         "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
@@ -50,6 +51,8 @@ def restore_loop_state(t: Trainer, state: dict[str, Any]) -> None:
     t.step_count = int(state["step"])
     t.sampler.load_state_dict(state["sampler"])
     t.kl_control.load_state_dict(state["kl_controller"])
+    if "entropy_controller" in state:  # checkpoints from before the adaptive entropy bonus
+        t.entropy_control.load_state_dict(state["entropy_controller"])
     t.shaper.load_state_dict(state["reward_shaper"])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
