@@ -49,6 +49,9 @@ class DataConfig:
     #: tokenized as it is, and only chat-message prompts are templated -- TRL's "standard" and
     #: "conversational" formats; the TRL drop-in and --trl-config set false)
     template_strings: bool = True
+    #: a Jinja chat template, or a file holding one, used instead of the tokenizer's (and saved with the
+    #: trained model; OpenRLHF's --tokenizer_chat_template)
+    chat_template: str | None = None
     #: extra keyword arguments of every chat-template rendering -- prompts, tool turns, reward models'
     #: inputs -- e.g. {enable_thinking: false} for Qwen3 (TRL's chat_template_kwargs)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

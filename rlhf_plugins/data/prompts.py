@@ -109,7 +109,8 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
         )
     templated = cfg.template_strings or any(not isinstance(r.get(cfg.prompt_key), str) for r in rows)
     if cfg.apply_chat_template and templated and not getattr(tokenizer, "chat_template", None):
-        raise DataError("the model's tokenizer has no chat template; set --data.apply_chat_template false")
+        raise DataError("the model's tokenizer has no chat template; give one (--data.chat_template) or set "
+                        "--data.apply_chat_template false")
     prompts, ids, dropped = [], [], 0
     empty = too_long = filled = 0
     columns: dict[str, list[Any]] = {}
@@ -145,6 +146,32 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
                                                  f"{cfg.max_prompt_tokens}"] * bool(too_long)
         logger.warning("dropped %d of %d prompts (%s)", dropped, len(rows), ", ".join(why))
     return PromptSet(prompts, ids, columns, dropped)
+
+
+def use_chat_template(tokenizer: Any, cfg: Any) -> None:
+    """``--data.chat_template`` onto the tokenizer (the trained model's folder then keeps it), checked by
+    rendering one user message."""
+    if not getattr(cfg, "chat_template", None):
+        return
+    tokenizer.chat_template = chat_template_text(cfg.chat_template)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=False,
+                                      **cfg.chat_template_kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"data.chat_template does not render a user message: {type(exc).__name__}: {first}") from None
+
+
+def chat_template_text(value: str) -> str:
+    """A file's text, or the value itself when it is a Jinja template."""
+    from pathlib import Path
+
+    if "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"data.chat_template {value[:60]!r} is neither a file nor a Jinja template ({{{{ ... }}}}, "
+                      "{% ... %})")
 
 
 def check_prompt(prompt: Any, number: int, path: Any, key: str) -> None:

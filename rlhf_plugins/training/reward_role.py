@@ -131,11 +131,13 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
     if r.models:
         from transformers import AutoTokenizer
 
+        from ..data.prompts import use_chat_template
         from ..models.reward_model import RewardModelScorer
         from ..models.tiny_model import default_model_path
 
         policy = AutoTokenizer.from_pretrained(config.model.path or default_model_path(quiet=True),
                                                trust_remote_code=config.model.trust_remote_code)
+        use_chat_template(policy, config.data)  # the policy's prompts as rendered (to compare with the model's)
         for path, weight in zip(r.models, model_weights):
             scorer = RewardModelScorer(path, config.model.dtype, r.model_batch_size, r.value_head_prefix,
                                        policy_tokenizer=policy, normalize=r.normalize,

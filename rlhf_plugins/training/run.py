@@ -44,8 +44,18 @@ def load_data(config: Config, plan: Plan, tokenizer: Any, rows: list[dict[str, A
     """(training prompts, held-out prompts or None), both checked against the engine's length."""
     import dataclasses
 
-    from ..data.prompts import DEFAULT_DATA, SPLIT, eval_source, first_rows, load_prompts, read_rows, split_rows
+    from ..data.prompts import (
+        DEFAULT_DATA,
+        SPLIT,
+        eval_source,
+        first_rows,
+        load_prompts,
+        read_rows,
+        split_rows,
+        use_chat_template,
+    )
 
+    use_chat_template(tokenizer, config.data)  # before any prompt is rendered
     source = eval_source(config, rows_given=rows is not None)
     d, held, name = config.data, None, None
     if rows is None:  # the first max_samples rows of each dataset, mixed by data.probs

@@ -1,6 +1,8 @@
-"""--data.chat_template_kwargs (TRL's chat_template_kwargs, e.g. Qwen3's enable_thinking): every chat-template
-rendering -- training prompts, a tool conversation's turns, a reward model's inputs -- gets them, token for
-token as the template renders with them; from TRL's field and from the command line into a run."""
+"""Chat templates a run brings. --data.chat_template_kwargs (TRL's chat_template_kwargs, e.g. Qwen3's
+enable_thinking): every chat-template rendering -- training prompts, a tool conversation's turns, a reward
+model's inputs -- gets them, token for token as the template renders with them; from TRL's field and from
+the command line into a run. --data.chat_template (OpenRLHF's --tokenizer_chat_template): the template
+itself or a file, used for the prompts and saved with the trained model; a bad one is one line."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_plugins.models.tiny_model import CHAT_TEMPLATE
-from tests.helpers import make_reward_model, short_run
+from tests.helpers import make_reward_model, short_run, the_run
 
 #: the tiny model's template, except that with enable_thinking false every assistant turn opens with an
 #: empty "thinking" marker (as Qwen3's puts an empty <think></think> block)
@@ -109,6 +111,19 @@ def test_a_reward_models_inputs_render_with_the_kwargs(tmp_path, tiny_model):
 
 def test_the_kwargs_reach_the_engine_in_a_run(rlhf, model, tmp_path):
     """From the command line (a YAML mapping): the prompts the engine sampled from end with the marker."""
+    hook, seen = seen_prompts_plugin(tmp_path)
+    code, _, err = rlhf("train", "--model.path", str(model), "--plugin", str(hook),
+                        "--data.chat_template_kwargs", "{enable_thinking: false}", *short_run("--train.steps", "1"))
+    assert code == 0, err
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [ids for line in seen.read_text().splitlines() for ids in json.loads(line)]
+    assert prompts and all(ids[-2:] == [tok.convert_tokens_to_ids("<|assistant|>"), marker(tok)] for ids in prompts)
+
+
+def seen_prompts_plugin(tmp_path: Path) -> tuple[Path, Path]:
+    """A plugin file recording the prompt ids of every rollout, and the file it writes."""
     seen = tmp_path / "seen.json"
     hook = tmp_path / "seen_prompts.py"
     hook.write_text(textwrap.dedent(f"""
@@ -119,11 +134,38 @@ def test_the_kwargs_reach_the_engine_in_a_run(rlhf, model, tmp_path):
             with open({str(seen)!r}, "a") as f:
                 f.write(json.dumps(rollout.prompt_ids) + "\\n")
     """))
-    code, _, err = rlhf("train", "--model.path", str(model), "--plugin", str(hook),
-                        "--data.chat_template_kwargs", "{enable_thinking: false}", *short_run("--train.steps", "1"))
+    return hook, seen
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_a_template_of_the_runs_own_renders_the_prompts_and_is_saved(rlhf, tmp_path, as_file):
+    """The tiny model's template with a marker after the generation prompt, as text or as a file: the
+    prompts the engine sampled from end with it, and final/'s tokenizer carries the template."""
+    template = CHAT_TEMPLATE.replace("{% if add_generation_prompt %}<|assistant|>",
+                                     "{% if add_generation_prompt %}<|assistant|><|system|>")
+    value = template
+    if as_file:
+        value = str(tmp_path / "template.jinja")
+        Path(value).write_text(template)
+    hook, seen = seen_prompts_plugin(tmp_path)
+    code, _, err = rlhf("train", "--plugin", str(hook), "--data.chat_template", value,
+                        *short_run("--train.steps", "1"))
     assert code == 0, err
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
+    saved = AutoTokenizer.from_pretrained(the_run() / "final")
+    assert saved.chat_template == template
     prompts = [ids for line in seen.read_text().splitlines() for ids in json.loads(line)]
-    assert prompts and all(ids[-2:] == [tok.convert_tokens_to_ids("<|assistant|>"), marker(tok)] for ids in prompts)
+    assert prompts and all(ids[-2:] == [saved.convert_tokens_to_ids("<|assistant|>"), marker(saved)] for ids in prompts)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{% if %}", "data.chat_template does not render a user message: TemplateSyntaxError"),
+    ("{{ raise_exception('no user turns') }}", "data.chat_template does not render a user message: "),
+    ("chat.jinja", "data.chat_template 'chat.jinja' is neither a file nor a Jinja template"),
+])
+def test_a_bad_template_is_one_line_and_leaves_nothing(rlhf, value, message):
+    code, _, err = rlhf("train", "--data.chat_template", value, *short_run())
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert message in err
+    assert not Path("runs").exists()
