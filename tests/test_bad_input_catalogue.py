@@ -84,8 +84,20 @@ FLAGS = [
     ("learner-unknown", ["--learner.backend", "megatron"],
      "unknown learner backend 'megatron'; choose one of: deepspeed, fsdp, torch (--learner.backend)"),
     ("kl-unknown", ["--algo.kl.estimator", "k9"], "unknown kl estimator 'k9'; choose one of: k1, k2, k3 (--algo.kl.estimator)"),
-    ("loss-unknown", ["--algo.policy_loss.name", "cispo"],
-     "unknown policy loss 'cispo'; choose one of: gspo, ppo (--algo.policy_loss.name)"),
+    ("loss-unknown", ["--algo.policy_loss.name", "opo"],
+     "unknown policy loss 'opo'; choose one of: cispo, gspo, ppo, sapo, vespo (--algo.policy_loss.name)"),
+    ("dual-clip-without-a-clip", ["--algo.policy_loss.name", "cispo", "--algo.policy_loss.dual_clip", "3"],
+     "algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; 'cispo' has no clip to bound: remove "
+     "--algo.policy_loss.dual_clip"),
+    ("vespo-sequence-correction", ["--algo.policy_loss.name", "vespo", "--algo.policy_loss.mismatch", "seq_mask"],
+     "algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; algo.policy_loss.mismatch "
+     "seq_mask is per sequence: use tis or icepop"),
+    ("entropy-bounds-reversed", ["--algo.policy_loss.entropy_target", "0.5", "--algo.policy_loss.entropy_coef_min",
+                                 "0.2", "--algo.policy_loss.entropy_coef_max", "0.1"],
+     "algo.policy_loss.entropy_coef_min (0.2) must not exceed entropy_coef_max (0.1)"),
+    ("gdpo-one-sample", ["--reward.combine", "normalize_then_sum", "--generation.n_samples_per_prompt", "1"],
+     "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
+     "generation.n_samples_per_prompt >= 2"),
     ("engines-locally", ["--generation.backend", "vllm", "--vllm.num_engines", "2"],
      "2 generation engines need a placement that runs several ranks per role; placement 'local' runs one (use "
      "--placement.strategy ray)"),

@@ -93,10 +93,3 @@ def test_trls_field_maps_to_the_combination():
     assert any("GDPO" in n for n in notes)
     raw, _ = from_grpo_fields({})
     assert "combine" not in raw.get("reward", {}) and raw["algo"]["advantage"]["estimator"] == "group_norm"
-
-
-def test_one_sample_per_prompt_is_refused(rlhf):
-    code, _, err = rlhf("train", "--reward.combine", "normalize_then_sum",
-                        *short_run("--generation.n_samples_per_prompt", "1"))
-    assert code == 2 and err.strip().count("\n") == 0
-    assert "normalize_then_sum" in err and "n_samples_per_prompt >= 2" in err

@@ -1,7 +1,7 @@
-"""The policy losses TRL users bring (loss_type cispo, sapo, luspo) and DeepSeek-V3.2's off-policy
-sequence masking (off_policy_mask_threshold): loss and gradient against TRL 1.16's formulas written
-out in float64 on random off-policy inputs (the mask against TRL's own static method), TRL's fields,
-the refusals, and a short run with each."""
+"""The policy losses TRL users bring (loss_type cispo, sapo, vespo, luspo), DeepSeek-V3.2's off-policy
+sequence masking (off_policy_mask_threshold) and TRL's vLLM importance-sampling corrections: loss and
+gradient against TRL 1.16's formulas written out in float64 on random off-policy inputs (the mask and
+VESPO's weights against TRL's own static methods), TRL's fields, the refusals, and a short run with each."""
 from __future__ import annotations
 
 import math
@@ -142,6 +142,8 @@ def test_the_off_policy_mask_is_trls(seed):
      {"name": "gspo", "aggregation": "seq-mean-token-sum"}),
     ({"loss_type": "luspo"}, {"aggregation": "seq-mean-token-sum"}),
     ({"off_policy_mask_threshold": 0.5}, {"off_policy_mask": 0.5}),
+    ({"loss_type": "vespo", "use_vllm": True, "vllm_importance_sampling_mode": "token_truncate", "vespo_k_pos": 1.5},
+     {"name": "vespo", "aggregation": "token-mean", "vespo_k_pos": 1.5, "mismatch": "tis"}),
 ])
 def test_trl_fields_map_to_the_losses(fields, expected):
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
@@ -156,7 +158,8 @@ def test_trl_fields_map_to_the_losses(fields, expected):
 @pytest.mark.parametrize("fields, message", [
     ({"loss_type": "cispo"}, "caps the ratio at epsilon_high, here 0.2, below 1"),
     ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, "set it to 'token'"),
-    ({"loss_type": "vespo"}, "TRL loss_type 'vespo' has no equivalent"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "set it to 'token'"),
+    ({"loss_type": "opo"}, "TRL loss_type 'opo' has no equivalent"),
 ])
 def test_trl_losses_without_an_equivalent_are_refused(fields, message):
     from rlhf_plugins.errors import ConfigError
@@ -166,11 +169,13 @@ def test_trl_losses_without_an_equivalent_are_refused(fields, message):
         from_grpo_fields(fields)
 
 
-@pytest.mark.parametrize("name, logged", [("cispo", "loss/clip_frac"), ("sapo", "loss/ratio_mean")])
+@pytest.mark.parametrize("name, logged", [("cispo", "loss/clip_frac"), ("sapo", "loss/ratio_mean"),
+                                          ("vespo", "loss/vespo_phi_mean")])
 def test_each_loss_trains_with_the_off_policy_mask(rlhf, name, logged):
     """Two updates per rollout (the second off-policy), the mask on: the loss's own metric and the
     masked fraction are logged every step, and the policy moves."""
     code, _, err = rlhf("train", "--algo.policy_loss.name", name, "--algo.policy_loss.clip_high", "1",
+                        "--algo.policy_loss.mismatch", "tis",
                         "--algo.policy_loss.off_policy_mask", "0.0", "--learner.epochs", "2",
                         *short_run("--train.run_name", name))
     assert code == 0, err
@@ -179,8 +184,79 @@ def test_each_loss_trains_with_the_off_policy_mask(rlhf, name, logged):
     assert all(math.isfinite(r["loss/total"]) for r in rows) and any(r["grad_norm"] > 0 for r in rows)
 
 
-def test_dual_clip_with_a_loss_that_has_no_clip_is_refused(rlhf):
-    code, _, err = rlhf("train", "--algo.policy_loss.name", "cispo", "--algo.policy_loss.dual_clip", "3",
-                        *short_run())
-    assert code == 2 and err.strip().count("\n") == 0
-    assert "algo.policy_loss.dual_clip" in err and "cispo" in err
+def trl_is_ratio(old, sampling, mask, mode: str, clip_min, clip_max):
+    """TRL 1.16's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions), written out."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [
+    ("sequence_mask", None, 3.0),  # TRL's default with vLLM
+    ("sequence_mask", 0.5, 2.0),
+    ("sequence_truncate", None, 3.0),
+    ("sequence_truncate", 0.8, 1.5),
+    ("token_truncate", 0.3, 2.0),
+    ("token_mask", None, None),
+])
+def test_trls_sampling_corrections_map_to_the_same_weights(mode, clip_min, clip_max):
+    """Each vllm_importance_sampling_mode with its band, through the converter: the weights that multiply
+    our per-token loss are TRL's importance_sampling_ratio."""
+    from rlhf_plugins.algorithms.mismatch import importance_weights
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, _ = from_grpo_fields({"use_vllm": True, "vllm_importance_sampling_mode": mode,
+                               "vllm_importance_sampling_clip_min": clip_min,
+                               "vllm_importance_sampling_clip_max": clip_max})
+    config, _, _ = prepare(raw, autoload=False)
+    o = config.algo.policy_loss
+    _, old, rollout, _, mask = inputs(4)
+    # sequence ratios from exp(-1.2) to exp(1.2), token ratios around 1: some inside the band, some out
+    shift = torch.linspace(-1.2, 1.2, len(old), dtype=old.dtype)[:, None] * mask / mask.sum(-1, keepdim=True)
+    rollout = old - shift + 0.1 * (rollout - old) * mask
+    weights, metrics = importance_weights(old, rollout, mask, o.mismatch, o.mismatch_low, o.mismatch_high, o.tis_floor)
+    theirs = trl_is_ratio(old, rollout, mask, mode, clip_min, clip_max).expand_as(mask)
+    torch.testing.assert_close(weights, theirs * mask, rtol=1e-9, atol=1e-12)
+    if mode.endswith("mask") and clip_max is not None:
+        assert 0 < float(metrics["mismatch/dropped_frac"]) < 1
+
+
+def test_trls_deprecated_cap_is_the_upper_bound():
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    raw, _ = from_grpo_fields({"use_vllm": True, "vllm_importance_sampling_cap": 5.0})
+    assert raw["algo"]["policy_loss"]["mismatch_high"] == 5.0
+    raw, _ = from_grpo_fields({"use_vllm": False})
+    assert "mismatch" not in raw["algo"]["policy_loss"]
+
+
+@pytest.mark.parametrize("mismatch", ["none", "tis", "icepop"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vespo_is_trls_gamma_weighted_reinforce(seed, mismatch):
+    """Against TRL's own ``GRPOTrainer.get_gamma_weights``: ``-phi * A * log pi`` over the tokens (TRL's
+    token normaliser), with a token mismatch correction inside phi and not multiplying the loss again."""
+    from trl import GRPOTrainer
+
+    from rlhf_plugins.algorithms.mismatch import importance_weights
+
+    logprobs, old, rollout, advantages, mask = inputs(seed)
+    old = logprobs + 0.05 * (old - logprobs)  # sequence weights of order 1 (phi neither 0 nor 1)
+    rollout = old + 0.05 * (rollout - old)
+    band = {"mismatch_low": 0.9, "mismatch_high": 1.05}
+    loss, grad, metrics = ours("vespo", logprobs, old, advantages, mask, rollout, mismatch=mismatch, **band)
+    ratio = None
+    if mismatch != "none":
+        o = options(mismatch=mismatch, **band)
+        ratio, _ = importance_weights(old, rollout, mask, mismatch, o.mismatch_low, o.mismatch_high, o.tis_floor)
+        ratio = ratio + (1 - mask)  # TRL's ratio is 1 on padding (a zero log-prob difference)
+    phi = GRPOTrainer.get_gamma_weights(advantages[:, :1], logprobs - old, mask, ratio)
+    lp = logprobs.clone().requires_grad_(True)
+    their_loss, their_grad = token_mean(-phi * advantages * lp, lp, mask)
+    assert loss == pytest.approx(their_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
+    phi_mean = float((phi.expand_as(mask) * mask).sum() / mask.sum())
+    assert float(metrics["loss/vespo_phi_mean"]) == pytest.approx(phi_mean) and abs(phi_mean - 1) > 0.005

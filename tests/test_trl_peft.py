@@ -119,8 +119,8 @@ def test_grpo_field_errors():
         from_grpo_fields({"neftune_noise_alpha": 5.0})
     with pytest.raises(ConfigError, match="'num_generation' is not a field of trl.GRPOConfig; did you mean 'num_generations'"):
         from_grpo_fields({"num_generation": 4})
-    with pytest.raises(ConfigError, match="TRL loss_type 'vespo' has no equivalent"):
-        from_grpo_fields({"loss_type": "vespo"})
+    with pytest.raises(ConfigError, match="TRL loss_type 'opo' has no equivalent"):
+        from_grpo_fields({"loss_type": "opo"})
     raw, _ = from_grpo_fields({"importance_sampling_level": "sequence", "use_vllm": True,
                                "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_cap": 3.0})
     assert raw["algo"]["policy_loss"]["name"] == "gspo"

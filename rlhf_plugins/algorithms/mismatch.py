@@ -11,6 +11,9 @@ sampled tokens, the per-token loss is reweighted by ``r = pi_learner / pi_engine
 * ``seq_mask_tis``: drop whole sequences whose geometric-mean ratio leaves
   ``[low, high]``; the kept ones get token TIS weights (capped at ``high``, where OpenRLHF keeps
   the raw ratio: a kept sequence can still hold one token with a wild ratio).
+* ``seq_tis`` / ``seq_mask``: one weight per sequence, the product of its token ratios, clamped to
+  ``[floor, high]`` / zero outside ``[low, high]`` (TRL's ``sequence_truncate`` / ``sequence_mask``,
+  the latter TRL's default with vLLM).
 
 Weights carry no gradient.
 """
@@ -44,8 +47,17 @@ def importance_weights(
         keep = ((seq_ratio >= low) & (seq_ratio <= high)).to(ratio.dtype)[:, None]
         weights = ratio.clamp(max=high) * keep
         dropped = (1 - keep).expand_as(ratio)
+    elif mode in ("seq_tis", "seq_mask"):
+        seq_ratio = log_ratio.sum(-1, keepdim=True).clamp(-20, 20).exp()
+        if mode == "seq_tis":
+            weights, keep = seq_ratio.clamp(min=floor, max=high), torch.ones_like(seq_ratio)
+        else:
+            keep = ((seq_ratio >= low) & (seq_ratio <= high)).to(ratio.dtype)
+            weights = seq_ratio * keep
+        weights, dropped = weights.expand_as(ratio), (1 - keep).expand_as(ratio)
     else:
-        raise ValueError(f"unknown mismatch correction '{mode}'; choose one of: none, tis, icepop, seq_mask_tis")
+        raise ValueError(f"unknown mismatch correction '{mode}'; choose one of: none, tis, icepop, seq_mask_tis, "
+                         "seq_tis, seq_mask")
     metrics = {
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/dropped_frac": masked_mean(dropped, mask),

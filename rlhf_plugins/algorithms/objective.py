@@ -112,7 +112,8 @@ class Objective:
             kept = off_policy_mask(inputs, threshold)
             per_token = per_token * kept
             metrics["loss/off_policy_masked_frac"] = masked_mean(1 - kept, mask)
-        if self.options.mismatch != "none" and inputs.rollout_logprobs is not None:
+        own = getattr(self.policy_loss, "corrects_mismatch", False)  # VESPO: inside its sequence weight
+        if self.options.mismatch != "none" and inputs.rollout_logprobs is not None and not own:
             weights, extra = importance_weights(
                 inputs.old_logprobs, inputs.rollout_logprobs, mask,
                 self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,

@@ -2,6 +2,7 @@
 the objective aggregates it, so every loss supports every aggregation mode."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,37 @@ def sapo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     metrics = {"loss/ratio_mean": masked_mean(ratio.detach(), x.action_mask),
                "loss/ratio_clamp_frac": masked_mean(clamped, x.action_mask)}
     return loss, metrics
+
+
+def vespo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """VESPO: ``-sg(phi(w)) * A * log pi`` with ``w`` the sequence's importance weight (the product of
+    its token ratios against the rollout-time policy -- and, with a token mismatch correction, of the
+    engine/learner weights, which then enter here instead of multiplying the loss) and the gamma-shaped
+    ``phi(w) = exp(lambda + k log w - lambda w)`` (1 at ``w = 1``): ``k = vespo_k_pos`` and
+    ``lambda = vespo_lambda_pos`` where ``A >= 0``, ``vespo_k_neg`` / ``vespo_lambda_neg`` elsewhere."""
+    mask = x.action_mask
+    floor = math.log(1e-8)
+    log_w = ((x.logprobs.detach() - x.old_logprobs).clamp(-20, 20) * mask).sum(-1, keepdim=True)
+    if o.mismatch != "none" and x.rollout_logprobs is not None:
+        from .mismatch import importance_weights
+
+        weights, _ = importance_weights(x.old_logprobs, x.rollout_logprobs, mask, o.mismatch, o.mismatch_low,
+                                        o.mismatch_high, o.tis_floor)
+        log_w = log_w + (weights.clamp(min=1e-30).log().clamp(floor, 20) * mask).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20)
+    positive = x.advantages >= 0
+    k = torch.where(positive, o.vespo_k_pos, o.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(positive, o.vespo_lambda_pos, o.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    loss = -phi * x.advantages * x.logprobs
+    metrics = {"loss/vespo_phi_mean": masked_mean(phi, mask),
+               "loss/ratio_mean": masked_mean(log_w.exp().expand_as(mask), mask)}
+    return loss, metrics
+
+
+#: VESPO takes the engine/learner mismatch weights into its sequence weight: the objective does not
+#: multiply its per-token loss by them again
+vespo.corrects_mismatch = True  # type: ignore[attr-defined]
 
 
 def off_policy_mask(x: PolicyLossInputs, threshold: float) -> torch.Tensor:

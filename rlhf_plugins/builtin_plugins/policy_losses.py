@@ -17,4 +17,6 @@ def rlhf_policy_losses() -> Iterable[PolicyLoss]:
                      default_aggregation="seq-mean-token-mean")
     yield PolicyLoss("cispo", Lazy(f"{_M}:cispo"),
                      description="CISPO: REINFORCE weighted by the ratio capped at 1 + clip_high (no token clipped)")
+    yield PolicyLoss("vespo", Lazy(f"{_M}:vespo"),
+                     description="VESPO: REINFORCE weighted by a gamma-shaped function of the sequence weight")
     yield PolicyLoss("sapo", Lazy(f"{_M}:sapo"), description="SAPO: a sigmoid gate on the ratio instead of the clip")

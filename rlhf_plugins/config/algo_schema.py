@@ -21,7 +21,7 @@ class AdvantageConfig:
 @dataclass
 class PolicyLossConfig:
     #: ppo (token-level ratio) | gspo (sequence-level ratio) | cispo (capped ratio as a weight) |
-    #: sapo (soft gate) or a plugin's
+    #: sapo (soft gate) | vespo (sequence-weight shaped REINFORCE) or a plugin's
     name: str = "ppo"
     #: ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_low: float = setting(0.2, ge=0, lt=1)
@@ -33,6 +33,14 @@ class PolicyLossConfig:
     sapo_temperature_pos: float = setting(1.0, gt=0)
     #: sapo's gate temperature for the other tokens (TRL's sapo_temperature_neg)
     sapo_temperature_neg: float = setting(1.05, gt=0)
+    #: vespo's exponent k of phi(w) = exp(lambda + k log w - lambda w) for advantages >= 0 (TRL's vespo_k_pos)
+    vespo_k_pos: float = setting(2.0, ge=0)
+    #: vespo's decay lambda for advantages >= 0 (TRL's vespo_lambda_pos)
+    vespo_lambda_pos: float = setting(3.0, ge=0)
+    #: vespo's k for negative advantages (TRL's vespo_k_neg)
+    vespo_k_neg: float = setting(3.0, ge=0)
+    #: vespo's lambda for negative advantages (TRL's vespo_lambda_neg)
+    vespo_lambda_neg: float = setting(2.0, ge=0)
     #: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm;
     #: empty: the loss's own default (token-mean; seq-mean-token-mean for gspo)
     aggregation: str | None = None
@@ -62,13 +70,14 @@ class PolicyLossConfig:
     #: masking; TRL's off_policy_mask_threshold); empty: none
     off_policy_mask: float | None = setting(None, ge=0)
     #: correct the generation engine / learner mismatch with the engine's log-probs:
-    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis
-    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
-    #: TIS truncation and upper band of icepop / seq_mask_tis
+    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis |
+    #: seq_tis (truncated sequence weight) | seq_mask (sequence weight, zero outside the band)
+    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis", "seq_tis", "seq_mask"] = "none"
+    #: TIS truncation and upper band of icepop / seq_mask_tis / seq_mask
     mismatch_high: float = setting(2.0, ge=1)
-    #: lower band of icepop / seq_mask_tis
-    mismatch_low: float = setting(0.5, gt=0, le=1)
-    #: TIS also clamps token weights from below at this value (0: truncate from above only)
+    #: lower band of icepop / seq_mask_tis / seq_mask (0: none)
+    mismatch_low: float = setting(0.5, ge=0, le=1)
+    #: TIS (and seq_tis) also clamp weights from below at this value (0: truncate from above only)
     tis_floor: float = setting(0.0, ge=0, le=1)
 
 

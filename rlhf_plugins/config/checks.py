@@ -47,7 +47,10 @@ def check_ranges(c: Config) -> None:
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")
-    _require(p.dual_clip is None or p.name not in ("cispo", "sapo"),
+    _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
+             f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
+             f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
+    _require(p.dual_clip is None or p.name not in ("cispo", "sapo", "vespo"),
              f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
              "bound: remove --algo.policy_loss.dual_clip")
     _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")

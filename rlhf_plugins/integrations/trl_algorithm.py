@@ -32,9 +32,23 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
         _set(raw, "algo.kl.ratio", "sequence" if f["importance_sampling_level"] == "sequence" else "token")
     _advantages(f, raw, notes)
     if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
-        _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[f["vllm_importance_sampling_mode"]])
-        if f["vllm_importance_sampling_cap"] is not None:
-            _set(raw, "algo.policy_loss.mismatch_high", float(f["vllm_importance_sampling_cap"]))
+        _sampling_correction(f, raw)
+
+
+def _sampling_correction(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """vLLM's importance-sampling correction: the mode, and its band (clip_min, clip_max; the older cap
+    is clip_max, as TRL reads it). An open bound is 0 below, 1e9 above (beyond any ratio the weights'
+    log clamp of +-20 lets through)."""
+    mode = f["vllm_importance_sampling_mode"]
+    if mode not in SAMPLING_CORRECTION:
+        raise ConfigError(f"TRL vllm_importance_sampling_mode '{mode}' has no equivalent; choose one of: "
+                          f"{', '.join(SAMPLING_CORRECTION)}")
+    _set(raw, "algo.policy_loss.mismatch", SAMPLING_CORRECTION[mode])
+    high = f.get("vllm_importance_sampling_cap")
+    high = f.get("vllm_importance_sampling_clip_max") if high is None else high
+    low = float(f.get("vllm_importance_sampling_clip_min") or 0.0)
+    _set(raw, "algo.policy_loss.mismatch_high", 1e9 if high is None else float(high))
+    _set(raw, "algo.policy_loss.tis_floor" if mode.endswith("truncate") else "algo.policy_loss.mismatch_low", low)
 
 
 def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:

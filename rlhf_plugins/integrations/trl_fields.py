@@ -89,6 +89,10 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "off_policy_mask_threshold": ("algo.policy_loss.off_policy_mask", lambda v: None if v is None else float(v)),
     "sapo_temperature_pos": ("algo.policy_loss.sapo_temperature_pos", float),
     "sapo_temperature_neg": ("algo.policy_loss.sapo_temperature_neg", float),
+    "vespo_k_pos": ("algo.policy_loss.vespo_k_pos", float),
+    "vespo_lambda_pos": ("algo.policy_loss.vespo_lambda_pos", float),
+    "vespo_k_neg": ("algo.policy_loss.vespo_k_neg", float),
+    "vespo_lambda_neg": ("algo.policy_loss.vespo_lambda_neg", float),
     "chat_template_kwargs": ("data.chat_template_kwargs", mapping),
 }
 #: fields handled by hand below
@@ -96,6 +100,7 @@ DERIVED = {
     "epsilon_high", "loss_type", "scale_rewards", "importance_sampling_level", "per_device_train_batch_size",
     "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "max_steps", "use_vllm",
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
     "bf16", "fp16", "output_dir", "run_name", "use_cpu", "adam_beta1", "adam_beta2", "optim", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "max_tool_calling_iterations", "torch_compile", "torch_compile_backend",
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
@@ -115,8 +120,8 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "c
 #: the accumulation window, "grpo" and "sapo" average per-sequence means, "luspo" per-sequence sums)
 LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
               "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean", "sapo": "seq-mean-token-mean",
-              "luspo": "seq-mean-token-sum"}
+              "luspo": "seq-mean-token-sum", "vespo": "token-mean"}
 #: TRL loss_types whose per-token loss is not the clipped surrogate: our policy loss of that name
-LOSS_NAMES = {"cispo": "cispo", "sapo": "sapo"}
-SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask_tis",
-                       "sequence_truncate": "seq_mask_tis"}
+LOSS_NAMES = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask",
+                       "sequence_truncate": "seq_tis"}
