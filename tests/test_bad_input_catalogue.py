@@ -69,7 +69,7 @@ FLAGS = [
     ("betas", ["--learner.betas", "[0.9, 1.5]"],
      "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
     ("optimizer", ["--learner.optimizer", "lion"],
-     "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd'; got 'lion'"),
+     "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd' | 'muon'; got 'lion'"),
     ("scheduler", ["--learner.lr_scheduler", "poly"],
      "config key 'learner.lr_scheduler' must be one of 'constant' | 'linear' | 'cosine'; got 'poly'"),
     ("weights-count", ["--reward.weights", "1,2"],
@@ -95,6 +95,13 @@ FLAGS = [
     ("entropy-bounds-reversed", ["--algo.policy_loss.entropy_target", "0.5", "--algo.policy_loss.entropy_coef_min",
                                  "0.2", "--algo.policy_loss.entropy_coef_max", "0.1"],
      "algo.policy_loss.entropy_coef_min (0.2) must not exceed entropy_coef_max (0.1)"),
+    ("muon-on-fsdp", ["--learner.optimizer", "muon", "--learner.backend", "fsdp"],
+     "learner.optimizer muon orthogonalises whole matrices, and FSDP2 holds row shards of them; use "
+     "--learner.backend torch or deepspeed"),
+    ("muon-steps-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
+                                 "--learner.muon_ns_steps", "6"],
+     "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
+     "learner.muon_nesterov at their defaults with --learner.backend deepspeed"),
     ("gdpo-one-sample", ["--reward.combine", "normalize_then_sum", "--generation.n_samples_per_prompt", "1"],
      "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
      "generation.n_samples_per_prompt >= 2"),

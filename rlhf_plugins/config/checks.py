@@ -3,6 +3,8 @@ bounds, the rules that tie several keys together, the folders it names, and the 
 asynchronous training. Each fails with one line naming the key and how to fix it."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..algorithms import AGGREGATIONS
 from ..errors import ConfigError
 from ..settings import check_bounds
@@ -41,18 +43,11 @@ def check_ranges(c: Config) -> None:
         not r.dynamic_filtering or g.n_samples_per_prompt >= 2,
         "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
     )
-    _require(p.entropy_coef_min <= p.entropy_coef_max,
-             f"algo.policy_loss.entropy_coef_min ({p.entropy_coef_min}) must not exceed entropy_coef_max "
-             f"({p.entropy_coef_max})")
+    _check_policy_loss(p)
+    _check_muon(c)
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")
-    _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
-             f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
-             f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
-    _require(p.dual_clip is None or p.name not in ("cispo", "sapo", "vespo"),
-             f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
-             "bound: remove --algo.policy_loss.dual_clip")
     _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
     betas = c.learner.betas
     _require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
@@ -134,3 +129,33 @@ def check_staleness(c: Config) -> None:
     if c.generation.partial_rollout and k == 0:
         raise ConfigError("generation.partial_rollout swaps weights during a generation, which needs "
                           "asynchronous training; set --train.max_staleness 1 (or more), or drop partial_rollout")
+
+
+def _check_muon(c: Config) -> None:
+    """Muon orthogonalises whole matrices: the torch learner (torch.optim.Muon) or DeepSpeed's own."""
+    learner = c.learner
+    if learner.optimizer != "muon":
+        return
+    from ..learners.muon import check_torch_muon
+
+    backend = learner.backend
+    _require(backend != "fsdp", "learner.optimizer muon orthogonalises whole matrices, and FSDP2 holds row shards of "
+             "them; use --learner.backend torch or deepspeed")
+    if backend == "torch":
+        check_torch_muon()
+    _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
+             "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
+             "learner.muon_nesterov at their defaults with --learner.backend deepspeed")
+
+
+def _check_policy_loss(p: Any) -> None:
+    """The rules among the policy loss's own keys."""
+    _require(p.entropy_coef_min <= p.entropy_coef_max,
+             f"algo.policy_loss.entropy_coef_min ({p.entropy_coef_min}) must not exceed entropy_coef_max "
+             f"({p.entropy_coef_max})")
+    _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
+             f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
+             f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
+    _require(p.dual_clip is None or p.name not in ("cispo", "sapo", "vespo"),
+             f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
+             "bound: remove --algo.policy_loss.dual_clip")

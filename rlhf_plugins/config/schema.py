@@ -176,8 +176,16 @@ class LearnerConfig:
     ema: bool = False
     #: the average's decay: average = beta x average + (1 - beta) x weights after every update
     ema_beta: float = setting(0.992, gt=0, lt=1)
-    #: adamw | adam | sgd
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr)
+    optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
+    #: Muon's learning rate (the hidden matrices; OpenRLHF's --muon.lr)
+    muon_lr: float = setting(0.02, gt=0)
+    #: Muon's momentum
+    muon_momentum: float = setting(0.95, ge=0, lt=1)
+    #: Muon's Nesterov momentum
+    muon_nesterov: bool = True
+    #: Newton-Schulz iterations per Muon step
+    muon_ns_steps: int = setting(5, ge=1)
     #: Adam(W)'s beta1 and beta2
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     #: Adam(W)'s epsilon

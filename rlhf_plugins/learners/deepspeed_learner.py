@@ -182,9 +182,16 @@ class DeepSpeedLearner(Learner):
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = make_optimizer(params, self.cfg, self.lr)
+        optimizer = None
+        if self.cfg.optimizer == "muon":  # DeepSpeed's own Muon: ZeRO gathers each matrix to orthogonalise it
+            from .muon import deepspeed_muon
+
+            ds_config["optimizer"] = deepspeed_muon(self.cfg, self.lr)
+            ds_config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon reduces by all-reduce
+        else:
+            optimizer = make_optimizer(params, self.cfg, self.lr)
         self.engine, self.optimizer, _, self.scheduler = import_deepspeed().initialize(
-            model=model, optimizer=optimizer, config=ds_config,
+            model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None, config=ds_config,
             lr_scheduler=lambda opt: make_scheduler(opt, config))
         del hf_ds_config
         self.model = self.engine.module

@@ -45,7 +45,8 @@ class TorchLearner(Learner):
 
             self.masters = MasterWeights(model)
             params = list(self.masters.masters)
-        self.optimizer = make_optimizer(params, self.cfg, self.lr)
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(params, self.cfg, self.lr, names)
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
         self._keep_average(None if self.masters is None else list(self.masters.masters))
 

@@ -1,0 +1,75 @@
+"""``--learner.optimizer muon``: Muon (momentum orthogonalised by Newton-Schulz iterations) for the
+hidden weight matrices, AdamW for everything else -- the split of Muon's authors, DeepSpeed's and
+OpenRLHF's: a tensor of two or more dimensions whose name holds neither ``embed`` nor ``lm_head``.
+Muon steps at ``--learner.muon_lr``, AdamW at ``--learner.lr``; the schedule scales both.
+
+The torch learner runs torch's own ``torch.optim.Muon`` (torch 2.9+) on whole matrices; the
+DeepSpeed learner DeepSpeed's (ZeRO gathers each matrix to orthogonalise it). FSDP2 holds row shards
+of each matrix, which Newton-Schulz cannot orthogonalise one shard at a time: refused there."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def check_torch_muon() -> None:
+    """One line when this torch predates ``torch.optim.Muon``."""
+    if not hasattr(torch.optim, "Muon"):
+        from ..errors import ConfigError
+
+        raise ConfigError(f"learner.optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch "
+                          f"{torch.__version__}: upgrade torch or use --learner.backend deepspeed")
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer (one set of param groups and state, for the schedule and checkpoints) made of
+    ``torch.optim.Muon`` over the hidden matrices and ``torch.optim.AdamW`` over the rest; the two
+    step the groups they were built with, which stay shared with this optimizer."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], cfg: Any, lr: float) -> None:
+        hidden = [p for name, p in named if uses_muon(name, p)]
+        rest = [p for name, p in named if not uses_muon(name, p)]
+        self.parts: list[torch.optim.Optimizer] = []  # AdamW first: the logged lr is learner.lr's
+        if rest:
+            self.parts.append(torch.optim.AdamW(rest, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                                weight_decay=cfg.weight_decay))
+        if hidden:
+            self.parts.append(torch.optim.Muon(hidden, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                               momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                                               ns_steps=cfg.muon_ns_steps))
+        super().__init__([group for part in self.parts for group in part.param_groups], {})
+        self._share()
+
+    def _share(self) -> None:
+        """Point each part at this optimizer's groups and state (after a load replaced them)."""
+        start = 0
+        for part in self.parts:
+            count = len(part.param_groups)
+            part.param_groups = self.param_groups[start:start + count]
+            part.state = self.state
+            start += count
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share()
+
+
+def deepspeed_muon(cfg: Any, lr: float) -> dict[str, Any]:
+    """DeepSpeed's optimizer section for Muon (its MuonWithAuxAdam: Muon at muon_lr, Adam at lr)."""
+    return {"type": "muon", "params": {"lr": lr, "muon_lr": cfg.muon_lr, "adam_lr": lr, "momentum": cfg.muon_momentum,
+                                       "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}}
