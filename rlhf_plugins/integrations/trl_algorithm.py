@@ -74,7 +74,7 @@ def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
 
 
 def _loss_of_its_own(f: dict[str, Any], raw: dict[str, Any], loss: str, high: float) -> None:
-    """cispo and sapo: token-level ratios only; cispo's weight cap is epsilon_high itself (ScaleRL's
+    """cispo, sapo and vespo: token-level ratios only; cispo's weight cap is epsilon_high itself (ScaleRL's
     eps_max, 5.0 recommended), our cap 1 + clip_high."""
     if f["importance_sampling_level"] != "token":
         raise ConfigError(f"TRL loss_type '{loss}' with importance_sampling_level "
