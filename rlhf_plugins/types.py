@@ -197,7 +197,9 @@ class LearnerBackend(Component):
     the learner offers ``live_weights()``, its parameters themselves, updated in place.
     ``shards_reference``: built for the role ``"reference"`` it is a frozen sharded model (no
     optimizer) whose ``logprobs`` the reference role serves, each rank holding 1/N of it.
-    ``compiles``: the learner honours ``--learner.compile`` (else the config is refused)."""
+    ``compiles``: the learner honours ``--learner.compile`` (else the config is refused). ``graphs``:
+    its compiled modules may replay CUDA graphs (``--learner.compile_mode reduce-overhead``): their
+    weights keep their memory from one step to the next."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
@@ -206,6 +208,7 @@ class LearnerBackend(Component):
     live_weights: bool = field(default=False, kw_only=True)
     shards_reference: bool = field(default=False, kw_only=True)
     compiles: bool = field(default=False, kw_only=True)
+    graphs: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,9 +6,10 @@
 # on an H200 (2026-11-25, tests and two bench sides); 344 s on an H100 (2026-11-26, run 4: tests,
 # bench/head.py and four bench sides); run 6 (2026-11-27, H100): the tests alone 183 s. The whole check
 # keeps to DEVICE_CHECK_SECONDS (default 500; 480 with a device call limit of 520 s leaves a lent
-# session's 15 minutes room for a second, shorter call): the bench's sides run in order ours,
-# ours-compile-16384, trl, ours-compile-layers-16384 (BENCH_SIDES to choose; bench/gpu.py --help lists
-# the others) and the JSON is written after each, so a short deadline drops the last sides first.
+# session's 15 minutes room for a second, shorter call): the bench's sides run in the order given,
+# ours-graphs-layers-16384 (CUDA graphs, new since run 6), ours-compile-16384 (run 6's best), ours,
+# trl (BENCH_SIDES to choose; bench/gpu.py --help lists the others) and the JSON is written after
+# each, so a short deadline drops the last sides first.
 # DEVICE_CHECK_TESTS=0 runs the benchmarks alone (about 110 s for bench/head.py and one side).
 # Without CUDA (checking it here) the tests are skipped and the benchmarks are not run.
 set -uo pipefail
@@ -56,7 +57,7 @@ if "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     timeout 90 "$PY" bench/head.py --device cuda --tokens 16384 --json "$OUT/head.json" || echo "bench/head.py failed ($?)"
     left=$(( DEADLINE - $(date +%s) - 20 ))
     echo "bench/gpu.py: $left s left"
-    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours,ours-compile-16384,trl,ours-compile-layers-16384}" --json "$OUT/gpu_bench.json" && bench=ok \
+    timeout "$left" "$PY" bench/gpu.py --steps "${BENCH_STEPS:-4}" --sides "${BENCH_SIDES:-ours-graphs-layers-16384,ours-compile-16384,ours,trl}" --json "$OUT/gpu_bench.json" && bench=ok \
         || bench="failed ($?)"
 else
     echo "no CUDA here: bench/gpu.py not run"

@@ -270,23 +270,26 @@ def ppo_update(learner: Any, batch: dict[str, Any]) -> dict[str, float]:
 TINY_CHUNKS, WHOLE_LOGITS = 0.02, 256.0
 
 
-def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", **learner_cfg: Any) -> dict[str, dict[str, float]]:
+def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", compile_mode: str = "default",
+                          **learner_cfg: Any) -> dict[str, dict[str, float]]:
     """``--learner.compile`` against eager torch: a compiled and an eager learner in ``dtype`` and an
     eager float32 one make two SGD updates (old log-probs without gradient first) on batches of other
     shapes. Returns, for the compiled and the eager ``dtype`` learner, the largest distance from the
     float32 learner of the old log-probs, of the gradient norm (relative) and of the optimizer's
-    weights (the float32 masters of a 16-bit run); ``compile_scope``: the compiled learner's;
+    weights (the float32 masters of a 16-bit run); ``compile_scope``, ``compile_mode``: the compiled learner's;
     ``learner_cfg``: more ``learner.*`` settings of all three. Also checks that what ran was compiled
     (dynamo made graphs)."""
+    import torch
     from torch._dynamo.utils import counters
 
     def weights(learner: Any) -> list[Any]:
         return [p for group in learner.optimizer.param_groups for p in group["params"]]
 
+    torch._dynamo.reset()  # compiled afresh, whatever ran before: the check below sees this compilation
     # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
     # which flips wherever a gradient is rounding noise)
-    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, compile_scope=compile_scope if c else "blocks",
-                                 **learner_cfg)
+    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **learner_cfg,
+                                 **({"compile_scope": compile_scope, "compile_mode": compile_mode} if c else {}))
                    for d, c in (("float32", False), (dtype, True), (dtype, False)))
     gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
     counters.clear()

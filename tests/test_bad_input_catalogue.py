@@ -95,6 +95,13 @@ FLAGS = [
     ("entropy-bounds-reversed", ["--algo.policy_loss.entropy_target", "0.5", "--algo.policy_loss.entropy_coef_min",
                                  "0.2", "--algo.policy_loss.entropy_coef_max", "0.1"],
      "algo.policy_loss.entropy_coef_min (0.2) must not exceed entropy_coef_max (0.1)"),
+    ("compile-mode-alone", ["--learner.compile_mode", "reduce-overhead"],
+     "learner.compile_mode reduce-overhead says how --learner.compile compiles; add --learner.compile true or drop "
+     "--learner.compile_mode"),
+    ("cuda-graphs-on-fsdp", ["--learner.backend", "fsdp", "--learner.compile", "true", "--learner.compile_mode",
+                             "reduce-overhead"],
+     "learner.compile_mode reduce-overhead replays CUDA graphs, which the 'fsdp' learner does not allow (its weights "
+     "move between steps); use --learner.compile_mode default (or max-autotune-no-cudagraphs) or --learner.backend torch"),
     ("muon-on-fsdp", ["--learner.optimizer", "muon", "--learner.backend", "fsdp"],
      "learner.optimizer muon orthogonalises whole matrices, and FSDP2 holds row shards of them; use "
      "--learner.backend torch or deepspeed"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from rlhf_plugins.errors import ConfigError
 from rlhf_plugins.models.compiled import cpu_compiler
@@ -126,12 +127,83 @@ def test_a_learner_that_does_not_compile_refuses_the_flag():
         prepare({"learner": {"backend": "deepspeed", "compile": True}}, autoload=False)
 
 
-def test_a_compile_scope_without_compile_is_refused():
+@pytest.mark.parametrize("name,value", [("compile_scope", "layers"), ("compile_mode", "reduce-overhead")])
+def test_a_compile_scope_or_mode_without_compile_is_refused(name, value):
     from rlhf_plugins.api import prepare
 
-    with pytest.raises(ConfigError, match="^learner.compile_scope layers says what --learner.compile compiles; add "
-                                          "--learner.compile true or drop --learner.compile_scope$"):
-        prepare({"learner": {"compile_scope": "layers"}}, autoload=False)
+    with pytest.raises(ConfigError, match=f"^learner.{name} {value} says how --learner.compile compiles; add "
+                                          f"--learner.compile true or drop --learner.{name}$"):
+        prepare({"learner": {name: value}}, autoload=False)
+
+
+def test_cuda_graph_modes_are_refused_by_the_fsdp_learner_and_other_modes_are_not():
+    from rlhf_plugins.api import prepare
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ConfigError, match=f"^learner.compile_mode {mode} replays CUDA graphs, which the 'fsdp' "
+                                              "learner does not allow"):
+            prepare({"learner": {"backend": "fsdp", "compile": True, "compile_mode": mode}}, autoload=False)
+    config, _, plan = prepare({"learner": {"backend": "fsdp", "compile": True,
+                                           "compile_mode": "max-autotune-no-cudagraphs"}}, autoload=False)
+    assert config.learner.compile_mode == "max-autotune-no-cudagraphs" and not plan.learner.graphs
+    assert prepare({"learner": {"compile": True, "compile_mode": "reduce-overhead"}}, autoload=False)[2].learner.graphs
+
+
+class _Gated(torch.nn.Module):
+    """A module of this test's own (its code compiled nowhere else in the process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.proj(x)) * x
+
+
+def test_with_cuda_graphs_only_calls_under_autograd_run_the_graphed_code():
+    """A module compiled in ``reduce-overhead`` mode: a call without gradients runs code compiled
+    without CUDA graphs, one under autograd the code that asks inductor for them (on a CPU inductor
+    then counts a skipped graph: the request reached it); both compute what the eager module does."""
+    from torch._dynamo.utils import counters
+
+    from rlhf_plugins.models.compiled import _compile
+
+    torch.manual_seed(0)
+    module, x = _Gated(), torch.randn(5, 8)
+    want = module(x)
+    _compile(module, "reduce-overhead")
+    counters.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), want)
+    assert counters["stats"]["unique_graphs"] == 1 and counters["inductor"]["cudagraph_skips"] == 0
+    got = module(x.requires_grad_())
+    torch.testing.assert_close(got, want)
+    assert counters["stats"]["unique_graphs"] >= 2 and counters["inductor"]["cudagraph_skips"] >= 1
+    got.sum().backward()
+    assert module.proj.weight.grad is not None and x.grad is not None
+
+
+def test_cuda_graph_modes_on_a_cpu_compile_without_graphs_and_say_so(caplog):
+    """On a CPU ``--learner.compile_mode reduce-overhead`` says in one line that CUDA graphs need a
+    GPU and compiles in the default mode (no graph requested of inductor): the learner's log-probs
+    are the eager learner's."""
+    from torch._dynamo.utils import counters
+
+    from tests.helpers import ppo_batch, ppo_update
+
+    torch._dynamo.reset()  # compiled afresh: the counters below see this learner's compilation
+    counters.clear()
+    with caplog.at_level("WARNING", logger="rlhf_plugins"):
+        learner = torch_learner("float32", compile=True, compile_mode="reduce-overhead")
+    assert [r.getMessage() for r in caplog.records if "compile_mode" in r.getMessage()] == [
+        "learner.compile_mode reduce-overhead: CUDA graphs need a GPU; on the CPU the compiled modules run without them"]
+    batch = ppo_batch(3)
+    got = learner.logprobs(batch)
+    want = torch_learner("float32").logprobs(batch)
+    assert float((got - want).abs()[batch["action_mask"].bool()].max()) < 1e-5
+    batch["old_logprobs"] = got
+    assert ppo_update(learner, batch)["grad_norm"] > 0  # a training forward and backward, under autograd
+    assert counters["stats"]["unique_graphs"] >= 2 and counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_without_a_cpu_compiler_the_run_stops_in_one_line(tmp_path):
@@ -157,10 +229,12 @@ def test_trl_torch_compile_turns_it_on_and_liger_is_a_note():
 
     raw, notes = from_grpo_fields({"torch_compile": True})
     assert raw["learner"]["compile"] is True and notes == []
-    raw, notes = from_grpo_fields({"torch_compile_mode": "max-autotune"})  # the Trainer compiles then too
-    assert raw["learner"]["compile"] is True
-    assert notes == ["TRL field 'torch_compile_mode' ('max-autotune') is ignored: --learner.compile compiles the "
-                     "decoder's norms, MLPs and head's log-softmax with inductor's default mode"]
+    raw, notes = from_grpo_fields({"torch_compile_mode": "reduce-overhead"})  # the Trainer compiles then too
+    assert raw["learner"]["compile"] is True and raw["learner"]["compile_mode"] == "reduce-overhead" and notes == []
+    raw, notes = from_grpo_fields({"torch_compile_backend": "aot_eager"})
+    assert raw["learner"]["compile"] is True and "compile_mode" not in raw["learner"]
+    assert notes == ["TRL field 'torch_compile_backend' ('aot_eager') is ignored: --learner.compile compiles the "
+                     "decoder's norms, MLPs and head's log-softmax with inductor"]
     raw, notes = from_grpo_fields({"use_liger_kernel": True})
     assert "compile" not in raw.get("learner", {})
     assert [n for n in notes if "use_liger_kernel" in n] == [

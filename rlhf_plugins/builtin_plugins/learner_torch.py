@@ -17,4 +17,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         memory=Lazy("rlhf_plugins.models.memory:torch_learner_memory"),
         live_weights=True,
         compiles=True,
+        graphs=True,  # its weights stay where they are: CUDA graphs of the compiled modules can hold them
     )

@@ -153,12 +153,7 @@ def check_combinations(c: Config, plan: Plan) -> None:
     if sync.needs_adapter and not engine.supports_adapter:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
-    if c.learner.compile and not plan.learner.compiles:
-        raise ConfigError(f"learner.compile: the '{plan.learner.name}' learner does not compile its model; use "
-                          "--learner.backend torch (or fsdp) or drop --learner.compile")
-    if c.learner.compile_scope != "blocks" and not c.learner.compile:
-        raise ConfigError(f"learner.compile_scope {c.learner.compile_scope} says what --learner.compile compiles; "
-                          "add --learner.compile true or drop --learner.compile_scope")
+    check_compile(c, plan)
     if plan.engine_workers < 1:
         raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
     if plan.engine_workers > 1 and not placement.multi_rank:
@@ -198,6 +193,25 @@ def resolve_environment(c: Config, pm: RLHFPluginManager, plan: Plan) -> None:
     _require(not c.generation.partial_rollout, "generation.partial_rollout continues one long generation across "
                                                "weight updates, which multi-turn rollouts do not do; drop it with "
                                                "--env.name")
+
+
+def check_compile(c: Config, plan: Plan) -> None:
+    """--learner.compile and what it takes: a learner that compiles, and for CUDA graphs one that allows them."""
+    if c.learner.compile and not plan.learner.compiles:
+        raise ConfigError(f"learner.compile: the '{plan.learner.name}' learner does not compile its model; use "
+                          "--learner.backend torch (or fsdp) or drop --learner.compile")
+    for name, default in (("compile_scope", "blocks"), ("compile_mode", "default")):
+        if getattr(c.learner, name) != default and not c.learner.compile:
+            raise ConfigError(f"learner.{name} {getattr(c.learner, name)} says how --learner.compile compiles; "
+                              f"add --learner.compile true or drop --learner.{name}")
+    if c.learner.compile_mode != "default" and not plan.learner.graphs:
+        from ..models.compiled import GRAPHED_MODES  # torch: only when a mode is asked for
+
+        if c.learner.compile_mode in GRAPHED_MODES:
+            raise ConfigError(f"learner.compile_mode {c.learner.compile_mode} replays CUDA graphs, which the "
+                              f"'{plan.learner.name}' learner does not allow (its weights move between steps); use "
+                              "--learner.compile_mode default (or max-autotune-no-cudagraphs) or --learner.backend "
+                              "torch")
 
 
 def check_kl_ratio(c: Config) -> None:

@@ -155,13 +155,19 @@ def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
 
 
 def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """transformers' Trainer compiles when any of its three fields is set (we: norms, MLPs, head; inductor)."""
+    """transformers' Trainer compiles when any of its three fields is set (we: norms, MLPs, head; inductor,
+    in the Trainer's mode)."""
     if f.get("torch_compile") or f.get("torch_compile_backend") or f.get("torch_compile_mode"):
         _set(raw, "learner.compile", True)
-    for name in ("torch_compile_backend", "torch_compile_mode"):
-        if f.get(name) not in (None, "inductor", "default"):
-            notes.append(f"TRL field '{name}' ({f[name]!r}) is ignored: --learner.compile compiles the decoder's "
-                         "norms, MLPs and head's log-softmax with inductor's default mode")
+    mode = f.get("torch_compile_mode")
+    if mode in ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        _set(raw, "learner.compile_mode", mode)
+    elif mode not in (None, "default"):
+        notes.append(f"TRL field 'torch_compile_mode' ({mode!r}) is ignored: torch.compile has no such mode; "
+                     "--learner.compile runs inductor's default mode")
+    if f.get("torch_compile_backend") not in (None, "inductor"):
+        notes.append(f"TRL field 'torch_compile_backend' ({f['torch_compile_backend']!r}) is ignored: "
+                     "--learner.compile compiles the decoder's norms, MLPs and head's log-softmax with inductor")
 
 
 def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:

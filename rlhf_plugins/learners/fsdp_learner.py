@@ -92,7 +92,7 @@ class FSDPLearner(Learner):
         if self.cfg.compile and not frozen:  # inside each FSDP unit: its gathered weights, compiled kernels
             from ..models.compiled import compile_blocks
 
-            compile_blocks(model, self.device, self.role, self.cfg.compile_scope)
+            compile_blocks(model, self.device, self.role, self.cfg.compile_scope, self.cfg.compile_mode)
         if not o.offload_params and source is None:
             model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))

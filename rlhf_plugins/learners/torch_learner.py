@@ -37,7 +37,7 @@ class TorchLearner(Learner):
         if self.cfg.compile:  # the decoder's norms and MLPs as fused kernels (models/compiled.py)
             from ..models.compiled import compile_blocks
 
-            compile_blocks(model, self.device, self.role, self.cfg.compile_scope)
+            compile_blocks(model, self.device, self.role, self.cfg.compile_scope, self.cfg.compile_mode)
         params = [p for p in model.parameters() if p.requires_grad]
         self.masters = None
         if dtype != torch.float32 and self.autocast_dtype is None:  # 16-bit weights, float32 masters

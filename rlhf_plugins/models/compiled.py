@@ -25,6 +25,14 @@ index is a symbolic integer, not a constant to recompile for), and the shared-pr
 cache is updated outside the graph (:class:`EagerUpdateCache`): otherwise each layer index and each
 cache state would be compiled apart, soon past dynamo's limit of eight versions (after which the
 layers run eagerly). A mixture-of-experts layer keeps its routing eager (its norms are compiled).
+
+``--learner.compile_mode`` is torch.compile's mode. ``reduce-overhead`` (and ``max-autotune``) replay
+each compiled module's kernels as a CUDA graph, one launch where eager issues dozens: the lever for an
+update that waits on the host to issue kernels (docs/gpu.md). Only the training forward and its
+backward replay graphs; the passes without gradients run the same compiled code without them (each
+call there would begin a new graph generation and free what earlier layers left in the KV cache).
+A graph is recorded per shape, so it pays where shapes repeat (fixed-length completions); on a CPU
+the mode runs without graphs, with one line saying so.
 """
 from __future__ import annotations
 
@@ -41,6 +49,8 @@ from .logits import output_head
 
 logger = logging.getLogger("rlhf_plugins")
 
+#: torch.compile's modes (``--learner.compile_mode``) whose compiled code replays CUDA graphs
+GRAPHED_MODES = ("reduce-overhead", "max-autotune")
 #: set on a model whose decoder layers run compiled (``--learner.compile_scope layers``)
 LAYERS = "_rlhf_compiled_layers"
 
@@ -93,11 +103,14 @@ def dense_layers(model: Any) -> list[torch.nn.Module]:
     return [layer for layer in decoder_layers(model) if not any(map(_mixture_of_experts, layer.modules()))]
 
 
-def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope: str = "blocks") -> int:
+def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope: str = "blocks",
+                   mode: str = "default") -> int:
     """Compile ``model``'s RMSNorms and dense MLPs, or with ``scope="layers"`` its dense decoder layers
     whole and the norms outside them, in place (``nn.Module.compile``: the module keeps its parameters,
-    names and hooks; only its call runs compiled). Returns how many modules were compiled."""
+    names and hooks; only its call runs compiled), in torch.compile's ``mode``. Returns how many
+    modules were compiled."""
     check_compiler(device)
+    mode = graph_mode(mode, device)
     layers = dense_layers(model) if scope == "layers" else []
     inside = {id(m) for layer in layers for m in layer.modules()}
     blocks = [m for m in model.modules() if compilable(m) and id(m) not in inside]
@@ -105,9 +118,9 @@ def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope:
         raise ConfigError(f"learner.compile: {type(model).__name__} has no RMSNorm or MLP block to compile; "
                           "drop --learner.compile")
     for block in blocks:
-        block.compile(dynamic=True)
+        _compile(block, mode)
     for layer in layers:
-        layer.compile(dynamic=True)
+        _compile(layer, mode)
         layer._compiled_call_impl = _unspecialized(layer._compiled_call_impl)
     setattr(model, LAYERS, bool(layers))
     head = output_head(model)
@@ -119,6 +132,30 @@ def compile_blocks(model: Any, device: torch.device, role: str = "actor", scope:
                 len(layers) + len(blocks), role, ", ".join(kinds),
                 " and its output head's log-softmax" if marked else "")
     return len(layers) + len(blocks)
+
+
+def graph_mode(mode: str, device: torch.device) -> str:
+    """``mode`` where it can run: CUDA graphs need a GPU, so on another device a mode that replays
+    them runs without (said in one line)."""
+    if mode in GRAPHED_MODES and device.type != "cuda":
+        logger.warning("learner.compile_mode %s: CUDA graphs need a GPU; on the %s the compiled modules run "
+                       "without them", mode, device.type.upper())
+        return "max-autotune-no-cudagraphs" if mode == "max-autotune" else "default"
+    return mode
+
+
+def _compile(module: torch.nn.Module, mode: str) -> None:
+    """``module`` compiled in ``mode``. With CUDA graphs its call under autograd (a training forward,
+    whose backward keeps every layer's call in one graph generation) replays them, and its calls
+    without gradients (old log-probs, the reference, generation) run the same kernels without: there
+    each call would start a new generation and free the tensors earlier calls left in the KV cache."""
+    module.compile(dynamic=True, **({} if mode == "default" else {"mode": mode}))
+    if mode in GRAPHED_MODES:
+        graphed, plain = module._compiled_call_impl, torch.compile(module._call_impl, dynamic=True)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return (graphed if torch.is_grad_enabled() else plain)(*args, **kwargs)
+        module._compiled_call_impl = call
 
 
 def compiled_blocks(model: Any) -> list[str]:

@@ -255,6 +255,24 @@ def test_whole_decoder_layers_compiled_train_as_the_eager_learner_on_cuda(report
     assert max(gaps["compiled"].values()) < 1e-4, gaps
 
 
+def test_decoder_layers_replayed_as_cuda_graphs_train_as_the_eager_learner(report):
+    """--learner.compile_mode reduce-overhead with whole layers compiled: each layer's compiled parts
+    in the training forward and backward replay CUDA graphs (inductor skipped none, the graph tree
+    recorded some) and, in float32, two updates on batches of other shapes equal the eager learner's;
+    the no-gradient passes (old log-probs) run the same compiled code without graphs."""
+    from torch._dynamo.utils import counters
+
+    gaps = compiled_learner_gaps("float32", compile_scope="layers", compile_mode="reduce-overhead")
+    report("cuda_graph_layers_float32_gaps_to_eager", gaps["compiled"])
+    assert max(gaps["compiled"].values()) < 1e-4, gaps
+    if DEVICE == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+        assert manager is not None and sum(map(len, manager.roots.values())) >= 1
+
+
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):
     from rlhf_plugins.cli import main
 

@@ -1,0 +1,68 @@
+"""The ``learner`` section of the config: the optimizer, its batches and schedule, precision and
+compilation of the trainable model (:mod:`.schema` holds the whole config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..settings import setting
+
+
+@dataclass
+class LearnerConfig:
+    #: torch (one process) | deepspeed (ZeRO 0-3, several ranks) or a plugin's
+    backend: str = "torch"
+    #: peak learning rate of the policy
+    lr: float = setting(5e-4, gt=0)
+    #: decoupled weight decay (AdamW) or L2 (Adam, SGD)
+    weight_decay: float = setting(0.0, ge=0)
+    #: clip the global gradient norm to this (0: no clipping)
+    max_grad_norm: float = setting(1.0, ge=0)
+    #: passes over each rollout
+    epochs: int = setting(1, ge=1)
+    #: samples per optimizer step; 0 means the whole rollout (one step per rollout per epoch)
+    mini_batch_size: int = setting(0, ge=0)
+    #: samples per forward/backward (gradient accumulation); 0 means the mini batch
+    micro_batch_size: int = setting(0, ge=0)
+    #: pack micro batches of at most N real tokens, no padding (learner and reference); 0: micro_batch_size
+    max_tokens_per_micro_batch: int = setting(0, ge=0)
+    #: MiB of one chunk of output-head logits (log-probs and gradients a chunk of tokens at a time; 0: at once)
+    logits_memory_mb: float = setting(256.0, ge=0)
+    #: recompute activations in the backward pass (less memory, about a third more compute)
+    gradient_checkpointing: bool = False
+    #: 16-bit runs (torch learner): 16-bit weights + float32 masters; false: float32 weights under autocast
+    master_weights: bool = True
+    #: torch and fsdp learners: compile the decoder's norms, MLPs and the head's log-softmax (torch.compile)
+    compile: bool = False
+    #: what --learner.compile compiles: blocks (norms, MLPs) | layers (each whole decoder layer: fewer kernels)
+    compile_scope: Literal["blocks", "layers"] = "blocks"
+    #: torch.compile's mode for --learner.compile: reduce-overhead and max-autotune replay CUDA graphs (GPU)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    #: keep a moving average of the actor's weights and save the final model from it (OpenRLHF's --enable_ema)
+    ema: bool = False
+    #: the average's decay: average = beta x average + (1 - beta) x weights after every update
+    ema_beta: float = setting(0.992, gt=0, lt=1)
+    #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr)
+    optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
+    #: Muon's learning rate (the hidden matrices; OpenRLHF's --muon.lr)
+    muon_lr: float = setting(0.02, gt=0)
+    #: Muon's momentum
+    muon_momentum: float = setting(0.95, ge=0, lt=1)
+    #: Muon's Nesterov momentum
+    muon_nesterov: bool = True
+    #: Newton-Schulz iterations per Muon step
+    muon_ns_steps: int = setting(5, ge=1)
+    #: Adam(W)'s beta1 and beta2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: Adam(W)'s epsilon
+    eps: float = setting(1e-8, gt=0)
+    #: SGD's momentum
+    momentum: float = setting(0.0, ge=0, lt=1)
+    #: constant | linear | cosine to ``min_lr_ratio`` * lr over all updates, after ``warmup_steps`` of warm-up
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    #: optimizer updates of linear warm-up from 0 to lr
+    warmup_steps: int = setting(0, ge=0)
+    #: warm-up as a share of all optimizer updates (used when warmup_steps is 0)
+    warmup_ratio: float = setting(0.0, ge=0, le=1)
+    #: where linear and cosine decay end, as a share of lr
+    min_lr_ratio: float = setting(0.0, ge=0, le=1)
