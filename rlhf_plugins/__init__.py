@@ -59,7 +59,7 @@ _LAZY = {
     "Plan": "rlhf_plugins.config.validate",
     "build_config": "rlhf_plugins.config.loading",
     "MemoryInputs": "rlhf_plugins.models.memory",
-    "ModelShape": "rlhf_plugins.models.memory",
+    "ModelShape": "rlhf_plugins.models.model_shape",
     "Delegate": "rlhf_plugins.extending",
     "builtin": "rlhf_plugins.extending",
     "derive": "rlhf_plugins.extending",

@@ -47,6 +47,30 @@ def fake_grads(named, seed):
 
 
 @needs_muon
+def test_the_memory_plan_counts_the_optimizer_states_a_step_makes(tiny_model):
+    """The analytic optimizer states of a Muon run equal the elements of the state tensors a real step
+    leaves (Muon's momentum on the hidden matrices, AdamW's two moments on the rest), and are fewer than
+    AdamW's two per parameter; with LoRA every adapter is a hidden matrix."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.memory import MemoryInputs, ModelShape, torch_learner_memory
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    named = list(model.named_parameters())
+    opt = MuonWithAdamW(named, settings(), 1e-3)
+    fake_grads(named, seed=3)
+    opt.step()
+    real = sum(t.numel() for state in opt.state.values() for k, t in state.items() if k != "step")
+    shape = ModelShape.of_folder(tiny_model)
+    config, _, _ = prepare({"learner": {"optimizer": "muon"}, "model": {"dtype": "float32"}}, autoload=False)
+    items = torch_learner_memory(MemoryInputs(config, shape, "actor", 1, shape.parameters, 0, 0))
+    assert items["optimizer states"] == 4 * real
+    assert 4 * shape.parameters < items["optimizer states"] < 4 * 2 * shape.parameters
+    adapters = torch_learner_memory(MemoryInputs(config, shape, "actor", 1, 1000, 0, 0))
+    assert adapters["optimizer states"] == 4 * 1000
+
+
+@needs_muon
 def test_a_step_is_torchs_muon_and_adamw_run_apart_and_the_schedule_scales_both(tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..models.model_shape import uses_muon
+
 
 def check_torch_muon() -> None:
     """One line when this torch predates ``torch.optim.Muon``."""
@@ -20,10 +22,6 @@ def check_torch_muon() -> None:
 
         raise ConfigError(f"learner.optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch "
                           f"{torch.__version__}: upgrade torch or use --learner.backend deepspeed")
-
-
-def uses_muon(name: str, param: torch.Tensor) -> bool:
-    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -11,121 +11,17 @@ Learners and engines declare their own memory model (``LearnerBackend.memory`` /
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .model_shape import ModelShape  # also imported from here: half of what a memory model sees
+
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: bytes of one Adam(W) state element per parameter (exp_avg + exp_avg_sq) in units of the state dtype
 ADAM_STATES = 2
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that decide a decoder-only model's memory (counted exactly on the meta device)."""
-
-    parameters: int
-    #: parameters of the largest decoder layer (what ZeRO-3 gathers at once, besides the embedding)
-    layer_parameters: int
-    #: elements of the largest single tensor (usually the embedding)
-    largest_tensor: int
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    q_dim: int
-    kv_dim: int
-    tied: bool
-    #: the longest context the model takes (max_position_embeddings), when it says
-    max_positions: int | None = None
-    #: a mixture of experts: experts per layer, experts per token and one expert's width (0: dense)
-    experts: int = 0
-    experts_per_token: int = 0
-    expert_intermediate: int = 0
-
-    @property
-    def kv_elements_per_token(self) -> int:
-        """Keys and values of one token over all layers."""
-        return 2 * self.layers * self.kv_dim
-
-    def activation_elements_per_token(self, compiled: bool = False) -> int:
-        """Elements one token of a training micro batch keeps for the backward pass in one layer
-        (norm inputs and outputs, q/k/v and their rotary forms, attention output, the MLP's gate, up,
-        activation and product): checked against the saved tensors of a real forward within 15%.
-        ``compiled`` (``--learner.compile``): the compiled norms keep their inputs and recompute their
-        outputs in the backward pass, the compiled MLP recomputes its activation (2 hidden-sized and 3
-        intermediate-sized elements instead of 6 and 4), checked the same way."""
-        norms_attention = (2 if compiled else 6) * self.hidden + 6 * self.q_dim + 4 * self.kv_dim
-        if self.experts_per_token:  # the routed block (eager even when compiled)
-            return norms_attention + self.moe_elements_per_token()
-        return norms_attention + (3 if compiled else 4) * self.intermediate
-
-    def moe_elements_per_token(self) -> int:
-        """A mixture-of-experts block (transformers' experts loop): per token, each of its k experts
-        keeps the gathered input, gate-up output, activation, product and weighted output (2kH + 4kI),
-        the router its probabilities (2E); within 2% of the saved tensors of a Qwen3-MoE forward."""
-        k, width = self.experts_per_token, self.expert_intermediate
-        return 2 * k * self.hidden + 4 * k * width + 2 * self.experts
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        params = list(model.parameters())
-        layers = _decoder_layers(model)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        out = model.get_output_embeddings()
-        return cls(
-            parameters=sum(p.numel() for p in params),
-            layer_parameters=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-            largest_tensor=max(p.numel() for p in params),
-            vocab=config.vocab_size,
-            hidden=config.hidden_size,
-            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-            layers=len(layers) or config.num_hidden_layers,
-            q_dim=heads * head_dim,
-            kv_dim=kv_heads * head_dim,
-            tied=out is not None and out.weight is model.get_input_embeddings().weight,
-            max_positions=getattr(config, "max_position_embeddings", None),
-            **_experts(config),
-        )
-
-    @classmethod
-    def of_folder(cls, path: str | Path, trust_remote_code: bool = False) -> ModelShape:
-        return _shape_of(str(Path(path).expanduser().resolve()), trust_remote_code)
-
-
-@functools.lru_cache(maxsize=8)
-def _shape_of(path: str, trust_remote_code: bool) -> ModelShape:
-    from transformers import AutoConfig
-
-    return ModelShape.from_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
-
-
-def _experts(config: Any) -> dict[str, int]:
-    """A mixture of experts' sizes from its config (Qwen-MoE ``num_experts``, Mixtral
-    ``num_local_experts``; an expert's width is ``moe_intermediate_size`` or else the MLP's)."""
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-    per_token = getattr(config, "num_experts_per_tok", None) or 0
-    if not experts or not per_token:
-        return {}
-    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return dict(experts=int(experts), experts_per_token=int(per_token), expert_intermediate=int(width))
-
-
-def _decoder_layers(model: Any) -> list[Any]:
-    import torch
-
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    return list(max(lists, key=len)) if lists else []
 
 
 @dataclass(frozen=True)
@@ -166,9 +62,16 @@ def activations(m: MemoryInputs) -> int:
     return m.micro_tokens * m.shape.layers * per_layer
 
 
-def optimizer_elements(config: Any) -> int:
-    c = config.learner
-    return (1 if c.momentum else 0) if c.optimizer == "sgd" else ADAM_STATES
+def optimizer_states(m: MemoryInputs) -> int:
+    """Optimizer state elements of the trainable parameters, unsharded: Adam(W)'s two, SGD's momentum, or
+    Muon's momentum on the hidden matrices (all of LoRA's adapters) beside AdamW's two on the rest."""
+    c, T = m.config.learner, m.trainable
+    if c.optimizer == "sgd":
+        return T if c.momentum else 0
+    if c.optimizer != "muon":
+        return T * ADAM_STATES
+    matrices = m.shape.matrix_parameters if T == m.shape.parameters else T
+    return matrices + (T - matrices) * ADAM_STATES
 
 
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
@@ -181,7 +84,7 @@ def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
         "weights": m.shape.parameters * (m.dtype_bytes if masters else 4),
         "fp32 master weights": m.trainable * 4 if masters else 0,
         "gradients": m.trainable * 4,
-        "optimizer states": m.trainable * 4 * optimizer_elements(m.config),
+        "optimizer states": optimizer_states(m) * 4,
         "weight average": m.average_bytes,
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
@@ -206,7 +109,7 @@ def deepspeed_learner_memory(m: MemoryInputs) -> dict[str, int]:
     out["gradients"] = T * (4 if stage >= 1 else b) // (n if stage >= 2 else 1)
     if m.options.get("offload_optimizer"):  # the offloaded optimizer's own float32 gradient partition
         out["offloaded gradients"] = T * 4 // n  # (stage3.py initialize_optimizer_states: one per sub-group)
-    states = T * 4 * optimizer_elements(m.config) if stage >= 1 else T * b * optimizer_elements(m.config)
+    states = optimizer_states(m) * (4 if stage >= 1 else b)
     out["optimizer states"] = states // (n if stage >= 1 else 1)
     out["weight average"] = m.average_bytes // (n if stage == 3 else 1)
     out["reduce bucket"] = zero_bucket_elements(m.shape) * 4 if stage >= 2 else 0
@@ -230,7 +133,7 @@ def fsdp_learner_memory(m: MemoryInputs) -> dict[str, int]:
         "weights": P * 4 // n,
         "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b,
         "gradients": T * 4 // n,
-        "optimizer states": T * 4 * optimizer_elements(m.config) // n,
+        "optimizer states": optimizer_states(m) * 4 // n,
         "weight average": m.average_bytes // n,
         "activations": activations(m),
         "logits chunk": m.logits_bytes,
