@@ -231,6 +231,12 @@ def test_trl_torch_compile_turns_it_on_and_liger_is_a_note():
     assert raw["learner"]["compile"] is True and notes == []
     raw, notes = from_grpo_fields({"torch_compile_mode": "reduce-overhead"})  # the Trainer compiles then too
     assert raw["learner"]["compile"] is True and raw["learner"]["compile_mode"] == "reduce-overhead" and notes == []
+    for mode in ("max-autotune", "max-autotune-no-cudagraphs"):  # every mode torch.compile has but its default
+        assert from_grpo_fields({"torch_compile_mode": mode})[0]["learner"]["compile_mode"] == mode
+    raw, notes = from_grpo_fields({"torch_compile_mode": "fastest"})
+    assert "compile_mode" not in raw["learner"] and notes == [
+        "TRL field 'torch_compile_mode' ('fastest') is ignored: torch.compile has no such mode; --learner.compile "
+        "runs inductor's default mode"]
     raw, notes = from_grpo_fields({"torch_compile_backend": "aot_eager"})
     assert raw["learner"]["compile"] is True and "compile_mode" not in raw["learner"]
     assert notes == ["TRL field 'torch_compile_backend' ('aot_eager') is ignored: --learner.compile compiles the "

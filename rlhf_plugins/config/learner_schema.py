@@ -7,6 +7,9 @@ from typing import Literal
 
 from ..settings import setting
 
+#: torch.compile's modes (TRL's torch_compile_mode takes the same names)
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
 
 @dataclass
 class LearnerConfig:
@@ -37,7 +40,7 @@ class LearnerConfig:
     #: what --learner.compile compiles: blocks (norms, MLPs) | layers (each whole decoder layer: fewer kernels)
     compile_scope: Literal["blocks", "layers"] = "blocks"
     #: torch.compile's mode for --learner.compile: reduce-overhead and max-autotune replay CUDA graphs (GPU)
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    compile_mode: CompileMode = "default"
     #: keep a moving average of the actor's weights and save the final model from it (OpenRLHF's --enable_ema)
     ema: bool = False
     #: the average's decay: average = beta x average + (1 - beta) x weights after every update

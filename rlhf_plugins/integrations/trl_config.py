@@ -159,8 +159,12 @@ def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     in the Trainer's mode)."""
     if f.get("torch_compile") or f.get("torch_compile_backend") or f.get("torch_compile_mode"):
         _set(raw, "learner.compile", True)
+    from typing import get_args
+
+    from ..config.learner_schema import CompileMode
+
     mode = f.get("torch_compile_mode")
-    if mode in ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+    if mode in get_args(CompileMode) and mode != "default":
         _set(raw, "learner.compile_mode", mode)
     elif mode not in (None, "default"):
         notes.append(f"TRL field 'torch_compile_mode' ({mode!r}) is ignored: torch.compile has no such mode; "
