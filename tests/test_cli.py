@@ -233,3 +233,25 @@ def test_config_template_round_trips_to_the_defaults(rlhf, tmp_path, capsys):
     assert code == 0 and list(yaml.safe_load(out)) == ["algo"]
     code, out, err = rlhf("config", "nope")
     assert code == 2 and "unknown config section 'nope'; choose one of: model, data, generation" in err
+
+
+@pytest.mark.parametrize("body", [
+    "[np.float32(len(c) % 3) for c in completions]",  # numpy scalars (np.mean, np.float32(...))
+    "np.array([len(c) % 3 for c in completions])",
+    "torch.tensor([float(len(c) % 3) for c in completions])",
+    "[torch.tensor(len(c) % 3) for c in completions]",
+    "[len(c) % 3 for c in completions]",
+], ids=["numpy-scalars", "numpy-array", "tensor", "0-d-tensors", "ints"])
+def test_a_reward_may_return_the_numbers_trl_takes(tmp_path, body):
+    """TRL turns a reward function's output into a float tensor; so do we, from a list of Python or
+    numpy numbers or 0-d tensors, a numpy array or a tensor: the same scores each way."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
+
+    path = write(tmp_path / "forms.py", f"import numpy as np\nimport torch\n\ndef r(prompts, completions, **kw):\n"
+                                        f"    return {body}\n")
+    cfg, pm, plan = prepare({"reward": {"functions": ["r"]}}, [path], autoload=False)
+    role = RewardRole(cfg, pm.spec, plan.rewards, plan.weights)
+    completions = ["a", "bb", "ccc", "dddd"]
+    result = role.score(RewardBatch(["p"] * 4, completions, [[1]] * 4))
+    assert result.scores == [1.0, 2.0, 0.0, 1.0] and all(type(v) is float for v in result.scores)

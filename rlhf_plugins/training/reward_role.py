@@ -275,6 +275,6 @@ def _as_list(out: Any, where: str) -> list[Any]:
         return out.detach().float().reshape(-1).tolist()
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
         return list(out.tolist())
-    if isinstance(out, (list, tuple)):
-        return [v.item() if is_tensor(v) else v for v in out]
+    if isinstance(out, (list, tuple)):  # 0-d tensors and numpy scalars (np.float32(1.0)) as Python numbers
+        return [v.item() if is_tensor(v) or getattr(v, "shape", None) == () else v for v in out]
     raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")
