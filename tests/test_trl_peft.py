@@ -65,6 +65,24 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
             from_grpo_fields({field: value})
 
 
+def test_generation_kwargs_override_the_sampling_fields_and_anything_else_is_one_error():
+    """TRL hands generation_kwargs to vLLM's SamplingParams or transformers' GenerationConfig over its own
+    sampling fields: the keys we have land on generation.* (vLLM's top_k -1: none); others would change
+    what is sampled and stop the conversion naming them."""
+    raw, notes = from_grpo_fields({"temperature": 1.0, "max_completion_length": 32, "generation_kwargs": {
+        "temperature": 0.7, "top_k": -1, "min_p": 0.05, "max_tokens": 64, "do_sample": True}})
+    assert notes == [] and raw["generation"]["temperature"] == 0.7 and raw["generation"]["top_k"] == 0
+    assert raw["generation"]["min_p"] == 0.05 and raw["generation"]["max_new_tokens"] == 64
+    raw, _ = from_grpo_fields({"generation_kwargs": '{"max_new_tokens": 48, "top_k": 20}'})  # JSON from a command line
+    assert raw["generation"]["max_new_tokens"] == 48 and raw["generation"]["top_k"] == 20
+    for kwargs, message in (({"stop": ["\\n"], "num_beams": 2}, "TRL generation_kwargs: no equivalent in rlhf-plugins "
+                             "for 'num_beams', 'stop'; it takes temperature, top_p, top_k"),
+                            ({"do_sample": False}, "TRL generation_kwargs do_sample false: GRPO samples"),
+                            ({"top_p": "high"}, "TRL generation_kwargs 'top_p' expects float; got 'high'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_grpo_fields({"generation_kwargs": kwargs})
+
+
 def test_model_init_kwargs_and_the_sampler_carry_over_and_speed_knobs_are_notes():
     """from_pretrained's dtype and trust_remote_code become ours (bf16 still wins, as TRL's autocast
     would); attention and device placement are notes; anything else in it, an unknown dtype or a

@@ -19,11 +19,13 @@ from .trl_fields import (
     DERIVED,
     DIRECT,
     DTYPES,
+    GENERATION_KWARGS,
     IGNORED_WHY,
     INIT_IGNORED,
     OPTIMIZERS,
     SCHEDULERS,
     UNSUPPORTED,
+    mapping,
 )
 
 
@@ -60,8 +62,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             try:
                 _set(raw, key, conv(f[name]))
             except (TypeError, ValueError):
-                expected = getattr(conv, "__name__", "a value")
-                raise ConfigError(f"TRL field '{name}' expects {expected}; got {f[name]!r}") from None
+                raise ConfigError(f"TRL field '{name}' expects {_expected(conv)}; got {f[name]!r}") from None
     algorithm(f, raw, notes)
     updates_per_rollout = _batch_shape(f, raw)
     reference_sync(f, raw, notes, updates_per_rollout)
@@ -69,6 +70,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw)
     _compile(f, raw, notes)
+    _generation_kwargs(f, raw)
     notes += _leftovers(f, changed)
     return raw, notes
 
@@ -172,6 +174,33 @@ def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     if f.get("torch_compile_backend") not in (None, "inductor"):
         notes.append(f"TRL field 'torch_compile_backend' ({f['torch_compile_backend']!r}) is ignored: "
                      "--learner.compile compiles the decoder's norms, MLPs and head's log-softmax with inductor")
+
+
+def _generation_kwargs(f: dict[str, Any], raw: dict[str, Any]) -> None:
+    """generation_kwargs: the sampling settings we have (over TRL's own fields, as TRL lets them); any other
+    key would change what is sampled, so it is one error naming it."""
+    try:
+        kwargs = mapping(f.get("generation_kwargs"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"TRL field 'generation_kwargs' expects a mapping; got {f['generation_kwargs']!r} ({exc})") \
+            from None
+    if kwargs.pop("do_sample", True) is not True:
+        raise ConfigError("TRL generation_kwargs do_sample false: GRPO samples its completions; remove do_sample")
+    unknown = sorted(k for k in kwargs if k not in GENERATION_KWARGS)
+    if unknown:
+        raise ConfigError(f"TRL generation_kwargs: no equivalent in rlhf-plugins for {', '.join(map(repr, unknown))}; "
+                          f"it takes {', '.join(GENERATION_KWARGS)} (and do_sample true)")
+    for name, value in kwargs.items():
+        key, conv = GENERATION_KWARGS[name]
+        try:
+            _set(raw, key, conv(value))
+        except (TypeError, ValueError):
+            raise ConfigError(f"TRL generation_kwargs '{name}' expects {_expected(conv)}; got {value!r}") from None
+
+
+def _expected(conv: Any) -> str:
+    name = getattr(conv, "__name__", "")
+    return "a number" if name == "<lambda>" else name or "a value"
 
 
 def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:

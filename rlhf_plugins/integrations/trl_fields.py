@@ -106,6 +106,18 @@ DERIVED = {
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
     "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
     "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
+    "generation_kwargs",
+}
+#: generation_kwargs keys (transformers' GenerationConfig or vLLM's SamplingParams; they override TRL's own
+#: sampling fields, as in TRL) -> (our dotted key, converter); vLLM's top_k -1 and transformers' None: no top-k
+GENERATION_KWARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "temperature": ("generation.temperature", float),
+    "top_p": ("generation.top_p", float),
+    "top_k": ("generation.top_k", lambda v: max(int(v or 0), 0)),
+    "min_p": ("generation.min_p", lambda v: float(v or 0)),
+    "repetition_penalty": ("generation.repetition_penalty", float),
+    "max_tokens": ("generation.max_new_tokens", int),
+    "max_new_tokens": ("generation.max_new_tokens", int),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why
