@@ -83,6 +83,23 @@ def test_generation_kwargs_override_the_sampling_fields_and_anything_else_is_one
             from_grpo_fields({"generation_kwargs": kwargs})
 
 
+def test_fields_of_earlier_trl_releases_convert_with_a_note():
+    """A YAML file of TRL 0.x / transformers 4 holds max_prompt_length and warmup_ratio, which TRL 1.x's
+    GRPOConfig lacks: they still land on our keys, each with a note of what differs."""
+    raw, notes = from_grpo_fields({"max_prompt_length": 512, "warmup_ratio": 0.1, "lr_scheduler_type": "cosine"})
+    assert raw["data"]["max_prompt_tokens"] == 512 and raw["learner"]["warmup_ratio"] == 0.1
+    assert raw["learner"]["lr_scheduler"] == "cosine"
+    assert notes == ["TRL 0.x's max_prompt_length (gone from TRL 1.x) becomes --data.max_prompt_tokens: longer "
+                     "prompts are dropped with a warning, where TRL 0.x cut them from the left",
+                     "transformers 4's warmup_ratio (transformers 5 reads a warmup_steps below 1 as the ratio) "
+                     "becomes --learner.warmup_ratio"]
+    raw, notes = from_grpo_fields({"max_prompt_length": None})
+    assert "max_prompt_tokens" not in raw["data"]
+    assert notes == ["TRL field 'max_prompt_length' (null) is ignored: --data.max_prompt_tokens keeps its default"]
+    with pytest.raises(ConfigError, match=re.escape("TRL field 'max_prompt_length' expects int; got 'long'")):
+        from_grpo_fields({"max_prompt_length": "long"})
+
+
 def test_model_init_kwargs_and_the_sampler_carry_over_and_speed_knobs_are_notes():
     """from_pretrained's dtype and trust_remote_code become ours (bf16 still wins, as TRL's autocast
     would); attention and device placement are notes; anything else in it, an unknown dtype or a

@@ -22,6 +22,7 @@ from .trl_fields import (
     GENERATION_KWARGS,
     IGNORED_WHY,
     INIT_IGNORED,
+    LEGACY,
     OPTIMIZERS,
     SCHEDULERS,
     UNSUPPORTED,
@@ -50,6 +51,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """TRL GRPOConfig fields (missing ones take TRL's defaults) -> (our raw config, notes)."""
     defaults = grpo_defaults()
+    fields, legacy = {k: v for k, v in fields.items() if k not in LEGACY}, _legacy(fields)
     changed = _check_fields(fields, defaults)
     f = {**defaults, **fields}
     raw: dict[str, Any] = {}
@@ -57,6 +59,10 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     # rendered with the chat template ("conversational")
     _set(raw, "data.template_strings", False)
     notes: list[str] = []
+    for key, value, note in legacy:
+        if value is not None:
+            _set(raw, key, value)
+        notes.append(note)
     for name, (key, conv) in DIRECT.items():
         if name in f and (name in changed or not name.startswith("vllm_")):
             try:
@@ -73,6 +79,21 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     _generation_kwargs(f, raw)
     notes += _leftovers(f, changed)
     return raw, notes
+
+
+def _legacy(fields: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(our key, value or None, note) for each field of an earlier TRL release the config holds."""
+    out = []
+    for name in sorted(k for k in fields if k in LEGACY):
+        key, conv, note = LEGACY[name]
+        if fields[name] is None:
+            out.append((key, None, f"TRL field '{name}' (null) is ignored: --{key} keeps its default"))
+            continue
+        try:
+            out.append((key, conv(fields[name]), note))
+        except (TypeError, ValueError):
+            raise ConfigError(f"TRL field '{name}' expects {_expected(conv)}; got {fields[name]!r}") from None
+    return out
 
 
 def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:

@@ -137,3 +137,12 @@ LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "toke
 LOSS_NAMES = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
 SAMPLING_CORRECTION = {"token_truncate": "tis", "token_mask": "icepop", "sequence_mask": "seq_mask",
                        "sequence_truncate": "seq_tis"}
+#: fields of earlier TRL / transformers releases, gone from TRL 1.x's GRPOConfig, that older YAML files still
+#: hold -> (our dotted key, converter, the note the conversion prints)
+LEGACY: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "max_prompt_length": ("data.max_prompt_tokens", int, "TRL 0.x's max_prompt_length (gone from TRL 1.x) becomes "
+                          "--data.max_prompt_tokens: longer prompts are dropped with a warning, where TRL 0.x cut "
+                          "them from the left"),
+    "warmup_ratio": ("learner.warmup_ratio", float, "transformers 4's warmup_ratio (transformers 5 reads a "
+                     "warmup_steps below 1 as the ratio) becomes --learner.warmup_ratio"),
+}
