@@ -75,6 +75,8 @@ FLAGS = [
     ("weights-count", ["--reward.weights", "1,2"],
      "reward.weights has 2 values for 1 reward sources (1 functions, 0 models); give one per source"),
     ("remote-url", ["--reward.remote_urls", "ftp://x"], "reward.remote_urls entry 'ftp://x' is not an http(s) URL"),
+    ("remote-url-file", ["--reward.remote_urls", "reward_func.py"], "reward.remote_urls entry 'reward_func.py' is a "
+     "Python file, not a server; load it with --plugin reward_func.py and name its function in --reward.functions"),
     ("ipc-locally", ["--sync.method", "ipc"],
      "weight sync 'ipc' needs the engine in its own process, which placement 'local' does not do; use --sync.method inprocess"),
     ("adapter-without-lora", ["--sync.method", "adapter"],

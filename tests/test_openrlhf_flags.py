@@ -178,3 +178,34 @@ def test_openrlhfs_dataset_list_and_probs_convert_to_a_mixture_rlhf_accepts(tmp_
     assert config["data"]["max_samples"] == 50 and config["data"]["input_template"] == "Q: {}\nA: "
     assert config["data"]["apply_chat_template"] is False  # OpenRLHF's default, where the template applies
     assert not {"--prompt_data_probs", "--max_samples", "--input_template"} & set(dict(conv.skipped))
+
+
+REWARD_FUNC = '''
+import torch
+
+def reward_func(queries, prompts, labels):
+    return torch.tensor([1.0 if q.endswith(label) else 0.0 for q, label in zip(queries, labels)])
+'''
+
+
+def test_a_reward_func_file_given_as_remote_rm_url_becomes_the_runs_reward(tmp_path, monkeypatch):
+    """OpenRLHF's GRPO recipe passes a local reward_func(queries, prompts, labels) file as --remote_rm_url:
+    the converted config loads it as a plugin and scores with its reward_func, labels from --label_key."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
+
+    (tmp_path / "reward_func.py").write_text(REWARD_FUNC)
+    monkeypatch.chdir(tmp_path)
+    conv = convert(["--pretrain", "m", "--remote_rm_url", "reward_func.py", "--label_key", "answer",
+                    "--advantage_estimator", "group_norm"])
+    raw = yaml.safe_load(render(conv))
+    assert raw["plugins"] == ["reward_func.py"] and raw["reward"]["functions"] == ["reward_func"]
+    assert "remote_urls" not in raw["reward"] and "--remote_rm_url" in dict(conv.partial)
+    cfg, pm, plan = prepare({"reward": raw["reward"], "data": raw["data"], "plugins": raw["plugins"]}, autoload=False)
+    assert plan.rewards == ["reward_func"] and cfg.data.label_key == "answer"
+    role = RewardRole(cfg, pm.spec, plan.rewards, plan.weights)
+    scores = role.score(RewardBatch(["1+1=", "2+2="], ["2", "5"], [[1], [2]], {"label": ["2", "4"]})).scores
+    assert scores == [1.0, 0.0]
+    both = convert(["--remote_rm_url", "http://127.0.0.1:5000/get_reward,reward_func.py"])
+    assert both.raw["reward"]["remote_urls"] == ["http://127.0.0.1:5000/get_reward"]
+    assert both.raw["plugins"] == ["reward_func.py"]

@@ -121,6 +121,7 @@ def convert(argv: list[str]) -> Converted:
     for role, counts in roles.items():
         out.put(f"ray.{role}_workers", counts.get("nodes", 1) * counts.get("gpus", 8))
     if command == "ppo":
+        _reward_file(out)
         if out.raw.get("vllm", {}).get("num_engines") == 0:
             out.raw["vllm"].pop("num_engines")
             out.put("generation.backend", "transformers")
@@ -129,6 +130,26 @@ def convert(argv: list[str]) -> Converted:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
     return out
+
+
+def _reward_file(out: Converted) -> None:
+    """OpenRLHF reads a --remote_rm_url ending in .py as a local file of ``reward_func(queries, prompts,
+    labels)``: here that file is a plugin and its reward_func the run's reward function."""
+    urls = out.raw.get("reward", {}).get("remote_urls") or []
+    files = [u for u in urls if str(u).endswith(".py")]
+    if not files:
+        return
+    servers = [u for u in urls if u not in files]
+    if servers:
+        out.raw["reward"]["remote_urls"] = servers
+    else:
+        del out.raw["reward"]["remote_urls"]
+    out.put("plugins", files[:1])
+    out.put("reward.functions", ["reward_func"])
+    out.partial.append(("--remote_rm_url", f"{files[0]} is a plugin here (plugins:) and its reward_func(queries, "
+                                           "prompts, labels) the reward (reward.functions: [reward_func])"))
+    for extra in files[1:]:
+        out.skipped.append((f"--remote_rm_url {extra}", "one reward_func file per run, as in OpenRLHF"))
 
 
 def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:

@@ -33,6 +33,8 @@ def check_ranges(c: Config) -> None:
         f"reward.overlong_buffer ({r.overlong_buffer}) must not exceed generation.max_new_tokens ({g.max_new_tokens})",
     )
     for url in r.remote_urls:
+        _require(not url.endswith(".py"), f"reward.remote_urls entry '{url}' is a Python file, not a server; load it "
+                                          f"with --plugin {url} and name its function in --reward.functions")
         _require(url.startswith(("http://", "https://")), f"reward.remote_urls entry '{url}' is not an http(s) URL")
     if r.filter_range is not None:
         _require(
