@@ -35,8 +35,9 @@ def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, a
     raw["plugins"] = all_plugins
     config = build_config(raw, options)
     plan = validate(config, pm)
-    from .config.scale import apply_scale_defaults
+    from .config.scale import apply_scale_defaults, given_keys
 
+    plan.steps_given = "train.steps" in given_keys(raw)
     note = apply_scale_defaults(config, raw)
     if note:
         plan.notes.append(note)
@@ -44,9 +45,10 @@ def prepare(raw: dict[str, Any] | None = None, plugins: Iterable[str] = (), *, a
 
 
 #: keys that may change when a run is resumed (extend it, or change how it reports and waits)
-SAFE_TO_CHANGE = ("train.steps", "train.progress", "train.save_every", "train.keep_checkpoints", "train.save_final",
-                  "ray.address", "ray.ready_timeout", "ray.connect_timeout", "ray.log_to_driver", "ray.call_timeout",
-                  "ray.max_restarts", "reward.max_retries", "reward.timeout", "plugins", "eval.", "train.best_")
+SAFE_TO_CHANGE = ("train.steps", "train.episodes", "train.progress", "train.save_every", "train.keep_checkpoints",
+                  "train.save_final", "ray.address", "ray.ready_timeout", "ray.connect_timeout", "ray.log_to_driver",
+                  "ray.call_timeout", "ray.max_restarts", "reward.max_retries", "reward.timeout", "plugins", "eval.",
+                  "train.best_")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -81,6 +83,7 @@ def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, 
         raise ConfigError(f"resuming '{run_dir}' with a different config: {shown}{more}; only "
                           f"{', '.join(SAFE_TO_CHANGE[:2])} and logging settings may change (start a new run instead)")
     plan.resume = (run_dir, folder)
+    plan.steps_given = "train.episodes" not in given or "train.steps" in given  # more episodes: count again
     return config, pm, plan
 
 

@@ -39,6 +39,7 @@ PPO_DEFAULTS: dict[str, Any] = {
     "learner.lr_scheduler": "cosine",
     "learner.min_lr_ratio": 0.1,
     "train.prompts_per_step": 1024,
+    "train.episodes": 1,
     "learner.mini_batch_size": 128,
     "learner.micro_batch_size": 1,
     "reward.clip": 10.0,

@@ -164,6 +164,9 @@ class SyncConfig:
 class TrainConfig:
     #: rollout steps (generate, score, update, sync) of the run
     steps: int = setting(200, ge=1)
+    #: passes over the training prompts (OpenRLHF's --num_episodes, TRL's num_train_epochs): above 0 and
+    #: without train.steps, the run makes ceil(episodes x prompts / prompts_per_step) steps
+    episodes: float = setting(0.0, ge=0)
     #: prompts per rollout (each sampled n_samples_per_prompt times)
     prompts_per_step: int = setting(16, ge=1)
     #: seeds sampling, prompt order, initialisation and evaluation

@@ -49,6 +49,8 @@ class Plan:
     resume: tuple[Path, Path] | None = None
     #: the environment of --env.name (rows may name others in --env.column)
     environment: Environment | None = None
+    #: the config gave train.steps (it then decides the run's length over train.episodes)
+    steps_given: bool = False
     #: what the run chose for the user and why (printed with the config)
     notes: list[str] = field(default_factory=list)
 

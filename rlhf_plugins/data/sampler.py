@@ -1,6 +1,14 @@
 """The order prompts are trained in: seeded epochs, its position part of a checkpoint."""
 from __future__ import annotations
 
+import math
+
+
+def steps_for_episodes(episodes: float, prompts: int, per_step: int) -> int:
+    """Rollout steps for ``episodes`` passes over ``prompts`` prompts, ``per_step`` a step (at least one; a
+    last partial step takes its remaining prompts from the next pass)."""
+    return max(1, math.ceil(episodes * prompts / per_step))
+
 
 class PromptSampler:
     """Seeded epochs over the prompt set; its position is part of a checkpoint."""

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -92,7 +91,6 @@ class GRPOTrainer:
         self.rewards = TRLRewards(callables) if callables else None
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
         self.model_path, self.run_dir = str(model), None
-        _epochs_to_steps(self.raw, fields, self.rows)
 
     def train(self) -> Any:
         """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns what TRL's
@@ -141,12 +139,3 @@ class GRPOTrainer:
             raise ConfigError("save_model() before train(): there is no trained model yet")
         target = Path(output_dir or self.raw.get("train", {}).get("output_dir") or "trainer_output")
         shutil.copytree(self.run_dir / "final", target, dirs_exist_ok=True)
-
-
-def _epochs_to_steps(raw: dict[str, Any], fields: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
-    """Without max_steps TRL runs num_train_epochs passes over the dataset: as many rollout steps here."""
-    if int(fields.get("max_steps", -1) or -1) > 0 or rows is None or "steps" in raw.get("train", {}):
-        return
-    epochs = float(fields.get("num_train_epochs", grpo_defaults()["num_train_epochs"]))
-    per_step = int(raw.get("train", {}).get("prompts_per_step", 1))
-    _set(raw, "train.steps", max(1, math.ceil(epochs * len(rows) / per_step)))

@@ -26,6 +26,7 @@ from .trl_fields import (
     OPTIMIZERS,
     SCHEDULERS,
     UNSUPPORTED,
+    expected,
     mapping,
 )
 
@@ -68,7 +69,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             try:
                 _set(raw, key, conv(f[name]))
             except (TypeError, ValueError):
-                raise ConfigError(f"TRL field '{name}' expects {_expected(conv)}; got {f[name]!r}") from None
+                raise ConfigError(f"TRL field '{name}' expects {expected(conv)}; got {f[name]!r}") from None
     algorithm(f, raw, notes)
     updates_per_rollout = _batch_shape(f, raw)
     reference_sync(f, raw, notes, updates_per_rollout)
@@ -92,7 +93,7 @@ def _legacy(fields: dict[str, Any]) -> list[tuple[str, Any, str]]:
         try:
             out.append((key, conv(fields[name]), note))
         except (TypeError, ValueError):
-            raise ConfigError(f"TRL field '{name}' expects {_expected(conv)}; got {fields[name]!r}") from None
+            raise ConfigError(f"TRL field '{name}' expects {expected(conv)}; got {fields[name]!r}") from None
     return out
 
 
@@ -131,6 +132,8 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
     updates_per_rollout = int(f["num_iterations"]) * max(1, per_gen // gas)
     if int(f["max_steps"]) > 0:
         _set(raw, "train.steps", math.ceil(int(f["max_steps"]) / updates_per_rollout))
+    else:  # num_train_epochs passes over the dataset: the run counts the steps once its prompts are loaded
+        _set(raw, "train.episodes", float(f["num_train_epochs"]))
     return updates_per_rollout
 
 
@@ -216,12 +219,7 @@ def _generation_kwargs(f: dict[str, Any], raw: dict[str, Any]) -> None:
         try:
             _set(raw, key, conv(value))
         except (TypeError, ValueError):
-            raise ConfigError(f"TRL generation_kwargs '{name}' expects {_expected(conv)}; got {value!r}") from None
-
-
-def _expected(conv: Any) -> str:
-    name = getattr(conv, "__name__", "")
-    return "a number" if name == "<lambda>" else name or "a value"
+            raise ConfigError(f"TRL generation_kwargs '{name}' expects {expected(conv)}; got {value!r}") from None
 
 
 def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:

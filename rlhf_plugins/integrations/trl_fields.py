@@ -15,7 +15,6 @@ UNSUPPORTED = {
 }
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
-    "num_train_epochs": "rlhf-plugins counts rollout steps: set max_steps",
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
     "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
     "pad_to_multiple_of": "padding to a multiple does not change the loss",
@@ -45,6 +44,12 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
                         "local_rank", "project", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
                         "accelerator_config", "deepspeed", "parallelism_config", "num_generations_eval",
                         "vllm_server", "vllm_group_port", "disable_tqdm")
+
+def expected(conv: Any) -> str:
+    """What a converter takes, for an error line (its type's name; a lambda's: a number)."""
+    name = getattr(conv, "__name__", "")
+    return "a number" if name == "<lambda>" else name or "a value"
+
 
 def mapping(value: Any) -> dict[str, Any]:
     """A dict field of TRL's: a mapping, or (from a command line) its JSON text, as transformers reads
@@ -106,7 +111,7 @@ DERIVED = {
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
     "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
     "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
-    "generation_kwargs",
+    "generation_kwargs", "num_train_epochs",
 }
 #: generation_kwargs keys (transformers' GenerationConfig or vLLM's SamplingParams; they override TRL's own
 #: sampling fields, as in TRL) -> (our dotted key, converter); vLLM's top_k -1 and transformers' None: no top-k

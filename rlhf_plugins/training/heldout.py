@@ -77,3 +77,9 @@ def run_eval(trainer: Any, run_dir: Path, log: Any, console: Console, progress: 
         write_json(run_dir / "best.json", trainer.best)
     trainer.pm.notify("rlhf_after_eval", step=step, metrics=metrics)
     return metrics
+
+
+def eval_due(config: Any, done: int) -> bool:
+    """Evaluate after ``done`` steps: at the end, and every ``eval.every`` steps."""
+    every = config.eval.every
+    return done == config.train.steps or bool(every and done % every == 0)

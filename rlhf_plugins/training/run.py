@@ -21,7 +21,7 @@ from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
 from ..errors import ConfigError, Interrupted, RoleFailed, UsageError
 from . import checkpoint
-from .heldout import make_evaluator, run_eval
+from .heldout import eval_due, make_evaluator, run_eval
 from .out_of_memory import OutOfMemory, explain, is_out_of_memory
 from .runlog import is_eval_row, make_run_dir, quiet_libraries
 from .stopping import STATUS, StopRequests, resume_hint, save_failed_step, write_status
@@ -91,17 +91,12 @@ def plan_memory(config: Config, plan: Plan, console: Console, prompt_tokens: int
     return mplan
 
 
-def eval_due(config: Config, done: int) -> bool:
-    """Evaluate after ``done`` steps: at the end, and every ``eval.every`` steps."""
-    every = config.eval.every
-    return done == config.train.steps or bool(every and done % every == 0)
-
-
 def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Console,
                  rows: list[dict[str, Any]] | None = None, resume: tuple[Path, Path] | None = None) -> Path:
     """Train into a new run directory, or continue ``resume = (run directory, checkpoint folder)``."""
     from transformers import AutoTokenizer
 
+    from ..data.sampler import steps_for_episodes
     from ..models.tiny_model import default_model_path
     from .loop import Trainer
 
@@ -109,10 +104,14 @@ def run_training(config: Config, pm: RLHFPluginManager, plan: Plan, console: Con
     model_path = config.model.path or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     prompts, held = load_data(config, plan, tokenizer, rows)
+    t = config.train
+    if t.episodes and not plan.steps_given:  # passes over the prompts: the steps, now that they are counted
+        t.steps = steps_for_episodes(t.episodes, len(prompts), t.prompts_per_step)
     mplan = plan_memory(config, plan, console, max(len(p) for p in prompts.prompt_ids))
     run_dir = open_run_dir(config, resume)
     console.print(
-        f"run directory: [bold]{escape(str(run_dir))}[/]  prompts: {len(prompts)}  model: {escape(model_path)}",
+        f"run directory: [bold]{escape(str(run_dir))}[/]  prompts: {len(prompts)}  steps: {t.steps}  "
+        f"model: {escape(model_path)}",
         soft_wrap=True,
     )
     trainer = Trainer(config, pm, plan, prompts, tokenizer, model_path)
