@@ -432,3 +432,31 @@ def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
     assert sorted(ours) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_peft_config_reaches_the_run_whole(tmp_path, tiny_model, monkeypatch):
+    """GRPOTrainer(peft_config=LoraConfig(...)): rank, alpha, dropout and targets become the lora section;
+    a config that sets more (DoRA, rsLoRA) travels whole as its adapter_config.json, and the adapter the
+    run saves is a DoRA one; another PEFT method is one error."""
+    from peft import IA3Config, LoraConfig
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+    reward = "rlhf_plugins.builtin_plugins.rewards.exact_match"
+    plain = GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args,
+                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    assert plain.raw["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    dora = GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, train_dataset=task_rows("train")[:8],
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True, use_rslora=True),
+                       rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    assert dora.raw["lora"] == {"config": str(tmp_path / "out" / "peft_config")}
+    dora.train()
+    saved = json.loads((dora.run_dir / "final" / "adapter_config.json").read_text())
+    assert saved["use_dora"] is True and saved["use_rslora"] is True and saved["target_modules"] == ["q_proj"]
+    with pytest.raises(ConfigError, match="peft_config is a IA3Config; rlhf-plugins trains LoRA adapters"):
+        GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, peft_config=IA3Config(target_modules=["q_proj"]))

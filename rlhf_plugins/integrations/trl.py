@@ -38,7 +38,24 @@ class TRLRewards:
             yield comp
 
 
-def _peft_to_lora(peft_config: Any) -> dict[str, Any]:
+#: LoraConfig fields the lora section holds (with what only names the task or the base)
+PLAIN_LORA = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "base_model_name_or_path",
+              "revision", "inference_mode"}
+
+
+def _peft_to_lora(peft_config: Any, output_dir: str) -> dict[str, Any]:
+    """A peft.LoraConfig as the lora section; one that sets more (DoRA, rsLoRA, PiSSA, modules_to_save,
+    per-module ranks...) is saved whole as ``<output_dir>/peft_config/adapter_config.json`` for --lora.config."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise ConfigError(f"peft_config is a {type(peft_config).__name__}; rlhf-plugins trains LoRA adapters: pass a "
+                          "peft.LoraConfig")
+    defaults = LoraConfig().to_dict()
+    if any(v != defaults.get(k) for k, v in peft_config.to_dict().items() if k not in PLAIN_LORA):
+        folder = Path(output_dir) / "peft_config"
+        peft_config.save_pretrained(str(folder))
+        return {"config": str(folder.resolve())}
     targets = peft_config.target_modules
     targets = [targets] if isinstance(targets, str) else sorted(targets or [])
     return {"rank": int(peft_config.r), "alpha": float(peft_config.lora_alpha),
@@ -84,7 +101,7 @@ class GRPOTrainer:
                               "defines get_reward")
         _set(raw, "reward.functions", names)
         if peft_config is not None:
-            raw = merge(raw, {"lora": _peft_to_lora(peft_config)})
+            raw = merge(raw, {"lora": _peft_to_lora(peft_config, fields.get("output_dir") or "trainer_output")})
         if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory
             _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
         self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})
