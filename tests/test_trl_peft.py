@@ -460,3 +460,34 @@ def test_a_peft_config_reaches_the_run_whole(tmp_path, tiny_model, monkeypatch):
     assert saved["use_dora"] is True and saved["use_rslora"] is True and saved["target_modules"] == ["q_proj"]
     with pytest.raises(ConfigError, match="peft_config is a IA3Config; rlhf-plugins trains LoRA adapters"):
         GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, peft_config=IA3Config(target_modules=["q_proj"]))
+
+
+def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_model, monkeypatch):
+    """TRL loads a reward_funcs entry naming a model as a sequence classifier: a folder (or a model loaded
+    from one) becomes reward.models, reward_weights follow it into our order (functions, then models), and
+    the run logs the model's scores; a model that is not from a folder is one error."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+    from tests.helpers import make_reward_model
+
+    monkeypatch.chdir(tmp_path)
+    rm = make_reward_model(tmp_path / "rm")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, use_cpu=True, bf16=False, report_to=[], reward_weights=[0.5, 1.0])
+    match = "rlhf_plugins.builtin_plugins.rewards.exact_match"
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[str(rm), match], args=args, train_dataset=task_rows("train")[:8],
+                          rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    assert trainer.raw["reward"]["models"] == [str(rm.resolve())] and trainer.raw["reward"]["functions"] == ["exact_match"]
+    assert trainer.raw["reward"]["weights"] == [1.0, 0.5]
+    trainer.train()
+    row = metrics_of(trainer.run_dir)[0]  # the model's weight 0.5 (first in TRL's order), the function's 1.0
+    assert row["reward/mean"] == pytest.approx(row["reward/exact_match"] + 0.5 * row["reward/rm"], rel=1e-9)
+    loaded = AutoModelForSequenceClassification.from_pretrained(rm)
+    assert GRPOTrainer(model=tiny_model, reward_funcs=loaded, args=args).raw["reward"]["models"] == [str(rm.resolve())]
+    unsaved = AutoModelForSequenceClassification.from_config(LlamaConfig(num_hidden_layers=1, hidden_size=8,
+                                                                         intermediate_size=16, num_attention_heads=2))
+    with pytest.raises(ConfigError, match="is not a local folder; save it with save_pretrained and pass the folder"):
+        GRPOTrainer(model=tiny_model, reward_funcs=unsaved, args=args)

@@ -62,6 +62,32 @@ def _peft_to_lora(peft_config: Any, output_dir: str) -> dict[str, Any]:
             "dropout": float(peft_config.lora_dropout), "target_modules": targets}
 
 
+def _reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
+    """TRL loads a reward_funcs entry that names a model (a local folder, or a loaded model) as a sequence
+    classifier: those become reward.models, TRL's reward_weights reordered to ours (functions, then
+    models). Returns the other entries."""
+    def folder(f: Any) -> str | None:
+        if isinstance(f, str):
+            return str(Path(f).resolve()) if f and Path(f).is_dir() else None
+        if not hasattr(f, "config"):  # a callable
+            return None
+        path = getattr(f, "name_or_path", "") or ""
+        if not path or not Path(path).is_dir():
+            raise ConfigError(f"reward model {type(f).__name__} ('{path}') is not a local folder; save it with "
+                              "save_pretrained and pass the folder")
+        return str(Path(path).resolve())
+
+    models = [folder(f) for f in funcs]
+    if not any(models):
+        return funcs
+    weights = raw.get("reward", {}).get("weights") or []
+    if weights:
+        _set(raw, "reward.weights", [w for w, m in zip(weights, models) if m is None]
+             + [w for w, m in zip(weights, models) if m is not None])
+    _set(raw, "reward.models", [m for m in models if m is not None])
+    return [f for f, m in zip(funcs, models) if m is None]
+
+
 class GRPOTrainer:
     """``trl.GRPOTrainer``'s arguments, rlhf-plugins' loop (local or Ray).
 
@@ -87,6 +113,7 @@ class GRPOTrainer:
         _set(raw, "model.path", str(model))
         funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
                                                  else [reward_funcs])
+        funcs = _reward_models(funcs, raw)
         self.plugins = [f.rpartition(".")[0] for f in funcs if isinstance(f, str)]
         callables = [f for f in funcs if not isinstance(f, str)]
         from ..rewards.callables import component_name
@@ -96,7 +123,7 @@ class GRPOTrainer:
         self.rollouts = TRLRollouts(tools, environment_factory, rollout_func, RolloutTrainer(args, n))
         if self.rollouts.factories and self.rollouts.owns_reward():
             names.append("env_reward")  # TRL adds the environment's get_reward as a reward source
-        if not names:
+        if not names and not raw.get("reward", {}).get("models"):
             raise ConfigError("no reward source: pass reward_funcs, or an environment_factory whose environment "
                               "defines get_reward")
         _set(raw, "reward.functions", names)
