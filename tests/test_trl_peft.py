@@ -491,3 +491,33 @@ def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_mo
                                                                          intermediate_size=16, num_attention_heads=2))
     with pytest.raises(ConfigError, match="is not a local folder; save it with save_pretrained and pass the folder"):
         GRPOTrainer(model=tiny_model, reward_funcs=unsaved, args=args)
+
+
+def test_trl_scripts_reward_names_and_reward_model_convert(tmp_path, monkeypatch):
+    """`trl grpo`'s YAML: reward_funcs may name TRL's own rewards (its script's registry, trl.rewards),
+    reward_model_name_or_path adds a reward model first in TRL's order; the weights follow it into ours
+    (functions, then models). The soft-overlong factory is one line pointing at our overlong penalty."""
+    import yaml
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+    from tests.helpers import make_reward_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def short(prompts, completions, **kw):\n    return [-len(c) for c in completions]\n")
+    rm = make_reward_model(tmp_path / "rm")
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(yaml.safe_dump({"reward_funcs": ["think_format_reward", "mine.short"],
+                                   "reward_model_name_or_path": str(rm), "reward_weights": [0.5, 1.0, 2.0]}))
+    raw, _, plugins = from_trl_yaml(cfg)
+    assert plugins == ["trl.rewards.format_rewards", "mine"]
+    assert raw["reward"]["functions"] == ["think_format_reward", "short"] and raw["reward"]["models"] == [str(rm)]
+    assert raw["reward"]["weights"] == [1.0, 2.0, 0.5]
+    config, _, plan = prepare(raw, plugins, autoload=False)
+    assert plan.rewards == ["think_format_reward", "short"] and plan.weights == [1.0, 2.0, 0.5]
+    cfg.write_text(yaml.safe_dump({"reward_funcs": ["get_soft_overlong_punishment"]}))
+    with pytest.raises(ConfigError, match="is --reward.overlong_buffer N --reward.overlong_penalty 1 here"):
+        from_trl_yaml(cfg)
+    cfg.write_text(yaml.safe_dump({"reward_funcs": ["nonsense"]}))
+    with pytest.raises(ConfigError, match="'nonsense' must be 'module.function' or one of TRL's: accuracy_reward"):
+        from_trl_yaml(cfg)

@@ -268,11 +268,12 @@ def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
     from ..config.loading import load_yaml
+    from .trl_script import script_rewards
 
     data = load_yaml(path)
-    plugins: list[str] = []
     script: dict[str, Any] = {}
-    for key in ("model_name_or_path", "dataset_name", "reward_funcs", "dataset_train_split", "dataset_config"):
+    for key in ("model_name_or_path", "dataset_name", "reward_funcs", "reward_model_name_or_path",
+                "dataset_train_split", "dataset_config"):
         if key in data:
             script[key] = data.pop(key)
     raw, notes = from_grpo_fields(data)
@@ -280,17 +281,7 @@ def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str
         _set(raw, "model.path", str(script["model_name_or_path"]))
     if script.get("dataset_name"):
         _set(raw, "data.path", str(script["dataset_name"]))
-    funcs = script.get("reward_funcs") or []
-    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
-    names = []
-    for spec in funcs:
-        module, _, func = str(spec).rpartition(".")
-        if not module:
-            raise ConfigError(f"TRL reward_funcs entry '{spec}' must be 'module.function'")
-        plugins.append(module)
-        names.append(func)
-    if names:
-        _set(raw, "reward.functions", names)
+    plugins = script_rewards(script, raw)
     for key in ("dataset_train_split", "dataset_config"):
         if key in script:
             notes.append(f"TRL field '{key}' is ignored: dataset_name is read as a local file or folder")
