@@ -205,6 +205,10 @@ def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
     assert report["metrics"] == {k.removeprefix("eval/"): v for k, v in last.items() if k != "step"}
     assert report["model"] == "runs/r/final" and report["data"] == "builtin:addition-test" and report["prompts"] == 20
     assert report["settings"]["n_samples"] == 8 and report["settings"]["reward"] == ["exact_match"]
+    code, _, err = rlhf("eval", "runs/r", "--eval.n_samples", "2", "--output", "positional.json")  # as rlhf plot RUN
+    assert code == 0, err
+    again = json.loads(Path("positional.json").read_text())
+    assert again["model"] == "runs/r/final" and again["settings"]["n_samples"] == 2
 
 
 def test_rlhf_eval_of_a_plain_folder_with_its_own_data_and_samples(rlhf, tiny_model, tmp_path):

@@ -24,7 +24,7 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
                        description="Held-out evaluation (pass@1, pass@k, mean@k, maj@k, greedy) of a saved policy or a "
                                    "run directory, through the same engines as training. Every config key is a flag "
                                    "(--eval.n_samples 16). With no arguments: the default model on the default task's "
-                                   "test split.")
+                                   "test split. `rlhf eval RUN_DIR` is `rlhf eval --model RUN_DIR`.")
     p.add_argument("--model", metavar="PATH", help="a run directory (its final/ policy and its config), a run's best/ "
                                                    "or final/ folder, or any save_pretrained folder")
     p.add_argument("--data", metavar="PATH", help="held-out prompts (file, folder or builtin:NAME); default: the run's "
@@ -61,6 +61,8 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     from ..config.loading import load_yaml, merge, parse_overrides
 
     offline_defaults()
+    if args.model is None and rest and not rest[0].startswith("-"):  # rlhf eval RUN_DIR, as rlhf plot RUN_DIR
+        args.model = rest.pop(0)
     folder, saved = model_and_config(args.model)
     raw = merge(saved, load_yaml(args.config) if args.config else {})
     raw = merge(raw, parse_overrides(rest))
