@@ -475,8 +475,9 @@ def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_mo
 
     monkeypatch.chdir(tmp_path)
     rm = make_reward_model(tmp_path / "rm")
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, use_cpu=True, bf16=False, report_to=[], reward_weights=[0.5, 1.0])
+    shape = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                 max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+    args, one = GRPOConfig(**shape, reward_weights=[0.5, 1.0]), GRPOConfig(**shape)
     match = "rlhf_plugins.builtin_plugins.rewards.exact_match"
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[str(rm), match], args=args, train_dataset=task_rows("train")[:8],
                           rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
@@ -486,11 +487,13 @@ def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_mo
     row = metrics_of(trainer.run_dir)[0]  # the model's weight 0.5 (first in TRL's order), the function's 1.0
     assert row["reward/mean"] == pytest.approx(row["reward/exact_match"] + 0.5 * row["reward/rm"], rel=1e-9)
     loaded = AutoModelForSequenceClassification.from_pretrained(rm)
-    assert GRPOTrainer(model=tiny_model, reward_funcs=loaded, args=args).raw["reward"]["models"] == [str(rm.resolve())]
+    assert GRPOTrainer(model=tiny_model, reward_funcs=loaded, args=one).raw["reward"]["models"] == [str(rm.resolve())]
+    with pytest.raises(ConfigError, match="TRL reward_weights has 2 values for 1 reward_funcs; give one each"):
+        GRPOTrainer(model=tiny_model, reward_funcs=[str(rm)], args=args)
     unsaved = AutoModelForSequenceClassification.from_config(LlamaConfig(num_hidden_layers=1, hidden_size=8,
                                                                          intermediate_size=16, num_attention_heads=2))
     with pytest.raises(ConfigError, match="is not a local folder; save it with save_pretrained and pass the folder"):
-        GRPOTrainer(model=tiny_model, reward_funcs=unsaved, args=args)
+        GRPOTrainer(model=tiny_model, reward_funcs=unsaved, args=one)
 
 
 def test_trl_scripts_reward_names_and_reward_model_convert(tmp_path, monkeypatch):
@@ -515,6 +518,10 @@ def test_trl_scripts_reward_names_and_reward_model_convert(tmp_path, monkeypatch
     assert raw["reward"]["weights"] == [1.0, 2.0, 0.5]
     config, _, plan = prepare(raw, plugins, autoload=False)
     assert plan.rewards == ["think_format_reward", "short"] and plan.weights == [1.0, 2.0, 0.5]
+    cfg.write_text(yaml.safe_dump({"reward_funcs": ["mine.short"], "reward_model_name_or_path": str(rm),
+                                   "reward_weights": [1.0]}))
+    with pytest.raises(ConfigError, match="TRL reward_weights has 1 values for 2 reward sources"):
+        from_trl_yaml(cfg)
     cfg.write_text(yaml.safe_dump({"reward_funcs": ["get_soft_overlong_punishment"]}))
     with pytest.raises(ConfigError, match="is --reward.overlong_buffer N --reward.overlong_penalty 1 here"):
         from_trl_yaml(cfg)

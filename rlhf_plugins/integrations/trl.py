@@ -81,6 +81,8 @@ def _reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
     if not any(models):
         return funcs
     weights = raw.get("reward", {}).get("weights") or []
+    if weights and len(weights) != len(funcs):
+        raise ConfigError(f"TRL reward_weights has {len(weights)} values for {len(funcs)} reward_funcs; give one each")
     if weights:
         _set(raw, "reward.weights", [w for w, m in zip(weights, models) if m is None]
              + [w for w, m in zip(weights, models) if m is not None])

@@ -39,6 +39,9 @@ def script_rewards(script: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     if model:
         _set(raw, "reward.models", [str(model)])
         weights = raw.get("reward", {}).get("weights") or []
+        if weights and len(weights) != len(names) + 1:
+            raise ConfigError(f"TRL reward_weights has {len(weights)} values for {len(names) + 1} reward sources "
+                              "(reward_model_name_or_path, then reward_funcs); give one each")
         if weights:  # TRL's first weight is the model's
             _set(raw, "reward.weights", [*weights[1:], weights[0]])
     return list(dict.fromkeys(plugins))
