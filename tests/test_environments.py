@@ -199,6 +199,40 @@ def test_agent_environment_ends_with_env_done_and_sums_rewards(tokenizer, engine
         assert feedback == tokenizer("<|user|>again<|assistant|>", add_special_tokens=False)["input_ids"]
 
 
+class AsyncInitAgent:
+    """OpenRLHF's example agent's shape: ``async def __init__`` sets the episode's state, which
+    ``reset`` leaves alone (OpenRLHF builds one instance per trajectory)."""
+
+    built = 0
+    loops: set[int] = set()
+
+    async def __init__(self, *args, **kwargs):
+        type(self).built += 1
+        type(self).loops.add(id(asyncio.get_running_loop()))
+        self.step_idx, self.max_steps = 0, 2
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        done = self.step_idx >= self.max_steps - 1
+        self.step_idx += 1
+        return {"rewards": torch.tensor(1.0 if done else 0.0), "environment_feedback": "" if done else "<|user|>more",
+                "done": done}
+
+
+def test_an_agent_with_an_async_init_is_built_afresh_for_every_trajectory(tokenizer, engine):
+    runner = runner_for(tokenizer, factory=AsyncInitAgent, max_turns=4)
+    data = rows(3)
+    params = SamplingParams(n=2, max_new_tokens=8, seed=5)
+    for rollout in (1, 2):  # a reused instance would end the second rollout's trajectories at once
+        traj = runner.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 3, params)
+        assert traj.turns == [2] * 6 and traj.finish_reasons == ["env_done"] * 6 and traj.env_rewards == [1.0] * 6
+        assert AsyncInitAgent.built == 6 * rollout
+    runner.close()
+    assert AsyncInitAgent.loops == {id(runner.loop)}  # awaited on the run's own event loop
+
+
 def session(tokenizer, tools):
     import concurrent.futures
 

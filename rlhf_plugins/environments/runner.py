@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..protocols import SamplingParams
-from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent
+from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent, is_agent_class
 from .tools import Renderer, run_in
 
 FINISH_REASONS = ("stop", "length", "max_turns", "env_done")
@@ -75,8 +75,8 @@ class Trajectories:
 
 class EnvRunner:
     """Runs the multi-turn rollouts of a run: the environments by name (``{name: Environment}``),
-    which environment each row uses, and instance pools (an instance is built once and reset
-    for every trajectory it serves)."""
+    which environment each row uses, and instance pools of TRL environments (an instance is built
+    once and reset for every trajectory it serves; an OpenRLHF agent is built for each one)."""
 
     def __init__(self, config: Any, tokenizer: Any, environments: dict[str, Any]) -> None:
         self.cfg, self.tokenizer = config.env, tokenizer
@@ -90,7 +90,9 @@ class EnvRunner:
         self.loop = asyncio.new_event_loop()
         self.executor = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="rlhf-tool")
         self.renderer: Renderer | None = None
-        if any(not is_agent(self._probe(name)) for name in self.factories):
+        #: OpenRLHF agents: a new instance per trajectory (TRL environments are pooled and reset)
+        self.agents = {name for name in self.factories if self._is_agent(name)}
+        if set(self.factories) - self.agents:
             try:
                 self.renderer = Renderer(tokenizer, template_kwargs)
             except Exception as exc:
@@ -98,6 +100,12 @@ class EnvRunner:
                                   f"({type(exc).__name__}: {exc}); multi-turn tool use needs a template "
                                   "that does") from exc
         self.ctx = SessionContext(tokenizer, self.renderer, run_in(self.executor), self.chat, template_kwargs)
+
+    def _is_agent(self, name: str) -> bool:
+        """Whether an environment is an OpenRLHF agent: told by its class (whose ``__init__`` may be
+        async), else by a probe instance (checked for a known shape)."""
+        factory = self.factories[name]
+        return (isinstance(factory, type) and is_agent_class(factory)) or is_agent(self._probe(name))
 
     def _probe(self, name: str) -> Any:
         """One instance, checked for a known shape; it seeds the pool."""
@@ -180,11 +188,12 @@ class EnvRunner:
     def _sessions(self, rows: list[dict[str, Any]], where: list[str], n: int) -> list[Any]:
         """One session per trajectory: an agent's own, or the tool-calling loop of its environment."""
         names = [self.env_of(row) for row in rows for _ in range(n)]
+        pooled = self._instances([None if name in self.agents else name for name in names])
         sessions: list[Any] = []
-        for j, (name, inst) in enumerate(zip(names, self._instances(names))):
+        for j, (name, inst) in enumerate(zip(names, pooled)):
             row, at = rows[j // n], where[j // n]
-            if inst is not None and is_agent(inst):
-                sessions.append(AgentSession(name or "", inst, self.ctx, row, at))
+            if name in self.agents:
+                sessions.append(AgentSession(name, self.factories[name], self.ctx, row, at))
             else:
                 tools = list(self.envs[name].tools) if name is not None else []
                 sessions.append(ToolSession(name or "none", inst, tools, self.ctx, row, at))

@@ -46,7 +46,23 @@ class SessionContext:
 
 def is_agent(instance: Any) -> bool:
     """OpenRLHF's shape: an async ``step``."""
-    return inspect.iscoroutinefunction(getattr(type(instance), "step", None))
+    return is_agent_class(type(instance))
+
+
+def is_agent_class(cls: type) -> bool:
+    """A class of OpenRLHF's shape (told without building one: its ``__init__`` may be async)."""
+    return inspect.iscoroutinefunction(getattr(cls, "step", None))
+
+
+async def new_agent(factory: Callable[[], Any]) -> Any:
+    """One OpenRLHF agent, built as OpenRLHF builds one per trajectory (the class called with no
+    arguments). OpenRLHF's own example declares ``async def __init__``, which a plain call refuses
+    ("__init__() should return None"): such an initialiser is awaited here, on the run's event loop."""
+    if isinstance(factory, type) and inspect.iscoroutinefunction(factory.__init__):
+        instance = factory.__new__(factory)
+        await instance.__init__()
+        return instance
+    return await _maybe_await(factory())
 
 
 def check_shape(name: str, instance: Any) -> None:
@@ -148,14 +164,21 @@ class ToolSession(_Session):
 
 
 class AgentSession(_Session):
-    """An OpenRLHF ``AgentInstance``: the prompt comes from ``reset``, feedback from ``step``."""
+    """An OpenRLHF ``AgentInstance``: a new one per trajectory (as OpenRLHF's executor makes, so state
+    its ``__init__`` sets starts afresh), the prompt from ``reset``, feedback from ``step``."""
 
-    def __init__(self, env: str, instance: Any, ctx: SessionContext, row: dict[str, Any], where: str) -> None:
-        super().__init__(env, instance, ctx, row, where)
+    def __init__(self, env: str, factory: Callable[[], Any], ctx: SessionContext, row: dict[str, Any],
+                 where: str) -> None:
+        super().__init__(env, None, ctx, row, where)
+        self.factory = factory
         self.observation = ""
         self.total = 0.0
 
     async def start(self, prompt: Any, reset_row: dict[str, Any]) -> list[int]:
+        try:
+            self.instance = await new_agent(self.factory)
+        except Exception as exc:
+            raise self.fail("failed in __init__()", exc) from exc
         states = {"observation": self.render_prompt(prompt, None, None), "label": self.row.get("label")}
         try:
             out = await _maybe_await(self.instance.reset(states))
