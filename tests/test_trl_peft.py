@@ -208,6 +208,43 @@ def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):
     assert yaml.safe_load((the_run() / "config.yaml").read_text())["reward"]["functions"] == ["reward_func"]
 
 
+def test_an_openrlhf_reward_func_reads_rendered_prompts_and_queries_and_logs_its_extra_logs(rlhf, tmp_path,
+                                                                                             tiny_model):
+    """As OpenRLHF calls it: ``prompts`` as the policy saw them (chat template applied to the messages),
+    ``queries`` the prompt and completion tokens decoded together (special tokens kept); the returned
+    ``extra_logs`` become metrics."""
+    from transformers import AutoTokenizer
+
+    seen = tmp_path / "seen.jsonl"
+    (tmp_path / "orm.py").write_text(textwrap.dedent(f"""
+        import json, torch
+        def reward_func(queries, prompts, labels):
+            with open({str(seen)!r}, "a") as f:
+                for q, p, l in zip(queries, prompts, labels):
+                    f.write(json.dumps({{"q": q, "p": p, "l": l}}) + "\\n")
+            right = torch.tensor([1.0 if l in q[len(p):] else 0.0 for q, p, l in zip(queries, prompts, labels)])
+            return {{"rewards": right, "scores": right, "extra_logs": {{"seen_twice": torch.full_like(right, 2.0)}}}}
+    """))
+    rows = [{"problem": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a in range(4) for b in range(4)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = rlhf("train", "--plugin", "orm.py", "--data.path", "chat.jsonl", "--data.prompt_key", "problem",
+                        "--data.label_key", "answer", "--data.apply_chat_template", "true", *short_run())
+    assert code == 0, err
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rendered = {r["answer"]: tok.apply_chat_template(r["problem"], add_generation_prompt=True, tokenize=False)
+                for r in rows if r["answer"] in ("0", "6")}  # answers 1-5 have several rows; these one each
+    calls = [json.loads(x) for x in seen.read_text().splitlines()]
+    assert len(calls) == 3 * 4 * 4
+    for call in calls:
+        assert call["p"].startswith(tok.bos_token) and call["p"].endswith("<|assistant|>")
+        assert call["q"].startswith(call["p"]) and call["l"] in {r["answer"] for r in rows}
+        if call["l"] in rendered:
+            assert call["p"] == rendered[call["l"]]
+    assert any(c["q"].endswith(tok.eos_token) for c in calls)  # special tokens kept, as OpenRLHF decodes
+    assert [r["seen_twice"] for r in metrics_of(the_run())] == [2.0, 2.0, 2.0]
+
+
 def test_from_trl_doc_runs_on_ray(tmp_path):
     """docs/from_trl.md, as written: a TRL script on a local Ray cluster."""
     doc = (ROOT / "docs" / "from_trl.md").read_text()

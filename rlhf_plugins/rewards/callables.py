@@ -61,20 +61,41 @@ class TRLReward:
 
 
 class OpenRLHFReward:
-    """Adapts ``reward_func(queries, prompts, labels)``."""
+    """Adapts ``reward_func(queries, prompts, labels)`` as OpenRLHF calls it: ``prompts`` as the policy
+    saw them (chat template included), ``queries`` the prompt and completion tokens decoded together
+    (special tokens kept). The returned dict's ``extra_logs`` become metrics (their batch means), as
+    OpenRLHF logs them."""
+
+    #: the reward role passes the rendered texts (``queries``, ``prompt_texts``)
+    wants_queries = True
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
-    def __call__(self, *, prompts: list[Any], completions: list[str], **kwargs: Any) -> Any:
-        texts = [p if isinstance(p, str) else str(p) for p in prompts]
-        queries = [p + c for p, c in zip(texts, completions)]
-        out = self.fn(queries=queries, prompts=texts, labels=kwargs.get("label"))
+    def __call__(self, *, prompts: list[Any], completions: list[str], queries: list[str] | None = None,
+                 prompt_texts: list[str] | None = None, **kwargs: Any) -> Any:
+        if prompt_texts is None or queries is None:  # called without the rendered texts: the raw ones
+            prompt_texts = [p if isinstance(p, str) else str(p) for p in prompts]
+            queries = [p + c for p, c in zip(prompt_texts, completions)]
+        out = self.fn(queries=queries, prompts=prompt_texts, labels=kwargs.get("label"))
         if inspect.isawaitable(out):
             out = _run(out)
         if isinstance(out, dict):
+            _log_extra(out.get("extra_logs"), kwargs.get("log_metric"))
             out = out.get("rewards", out.get("scores"))
         return out
+
+
+def _log_extra(extra: Any, log_metric: Callable[[str, float], None] | None) -> None:
+    """OpenRLHF's ``extra_logs`` (name -> a number, or one per sample) as metrics: each one's mean."""
+    if not isinstance(extra, dict) or log_metric is None:
+        return
+    for name, value in extra.items():
+        values = value.flatten().tolist() if hasattr(value, "flatten") else value
+        values = [values] if isinstance(values, (int, float)) else list(values or [])
+        numbers = [float(v) for v in values if isinstance(v, (int, float))]
+        if numbers:
+            log_metric(str(name), sum(numbers) / len(numbers))
 
 
 def _run(awaitable: Any) -> Any:

@@ -10,7 +10,7 @@ from rich.console import Console
 from ..data.prompts import PromptSet
 from ..errors import DataError
 from ..evaluation.evaluator import EvalSettings, Evaluator
-from .reward_role import RewardBatch, RewardRole
+from .reward_role import RewardBatch, RewardRole, reads_texts
 
 
 def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: Any, prompts: PromptSet,
@@ -21,9 +21,10 @@ def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: An
     (a multi-turn run) every sample is a trajectory in its environment, judged as in training."""
     if config.eval.reward_functions:
         names = list(config.eval.reward_functions)
-        judge, with_texts = RewardRole(config, pm.spec, names, [1.0] * len(names)), False
-    else:  # reward servers see the prompt as the policy did (template included)
-        judge, with_texts = reward, bool(config.reward.remote_urls)
+        judge, with_texts = RewardRole(config, pm.spec, names, [1.0] * len(names)), reads_texts(pm, names)
+    else:  # reward servers and OpenRLHF reward_func files see the prompt as the policy did (template included)
+        judge, with_texts = reward, reads_texts(pm, list(config.reward.functions),
+                                                   config.reward.remote_urls)
 
     def score(index: list[int], samples: Any, texts: list[str], step: int, extra: dict[str, list[Any]]) -> list[float]:
         p = prompts

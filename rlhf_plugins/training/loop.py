@@ -27,7 +27,7 @@ from ..protocols import SamplingParams
 from ..sync import folder_tolerance, verify_parity
 from .memory_watch import role_memory
 from .reference_sync import refresh_reference
-from .reward_role import RewardBatch
+from .reward_role import RewardBatch, reads_texts
 from .rollout import Rollout, make_batch, mask_truncated, rollout_metrics, step_timings
 from .rollout_sources import step_rollout
 
@@ -51,6 +51,8 @@ class Trainer:
         #: the loop state at the start of the current step (an exact checkpoint while in "rollout")
         self.snapshot: dict[str, Any] | None = None
         self.reward_retries = 0
+        #: whether reward sources read the rendered texts (reward servers, OpenRLHF reward_func files)
+        self.reads_texts = reads_texts(pm, list(config.reward.functions), config.reward.remote_urls)
         #: updates the engine's weights have had (the policy version it samples with)
         self.engine_version = 0
         #: held-out evaluation (attach_eval), and the best evaluation so far {"metric", "value", "step"}
@@ -118,7 +120,7 @@ class Trainer:
         c = self.config
         result = self.reward.score(RewardBatch.of(self.tokenizer, rollout.prompts, rollout.prompt_ids,
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
-                                                  rollout.finish_reasons, bool(c.reward.remote_urls)))
+                                                  rollout.finish_reasons, self.reads_texts))
         rollout.raw_scores, rollout.reward_components = result.scores, result.parts
         rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
         self.reward_retries += result.retries

@@ -119,6 +119,15 @@ class Source:
     weight: float
 
 
+def reads_texts(pm: Any, names: list[str], remote_urls: list[str] | None = None) -> bool:
+    """Whether the reward sources read the policy's rendered texts (``RewardBatch.queries`` and
+    ``prompt_texts``): a reward server, or a function that asks for them (an OpenRLHF ``reward_func``)."""
+    if remote_urls:
+        return True
+    funcs = (pm.components.get(RewardFunction, name).func for name in names)
+    return any(getattr(fn, "wants_queries", False) for fn in funcs)
+
+
 def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) -> list[Source]:
     """Functions by name, then reward models, then the remote servers, in the order of ``weights``."""
     r = config.reward
