@@ -218,10 +218,10 @@ class AsyncInitAgent:
         done = self.step_idx >= self.max_steps - 1
         self.step_idx += 1
         return {"rewards": torch.tensor(1.0 if done else 0.0), "environment_feedback": "" if done else "<|user|>more",
-                "done": done}
+                "done": done, "extra_logs": {"steps_taken": torch.tensor([float(self.step_idx)])}}
 
 
-def test_an_agent_with_an_async_init_is_built_afresh_for_every_trajectory(tokenizer, engine):
+def test_an_agent_with_an_async_init_is_built_afresh_for_every_trajectory_and_logs_its_extra_logs(tokenizer, engine):
     runner = runner_for(tokenizer, factory=AsyncInitAgent, max_turns=4)
     data = rows(3)
     params = SamplingParams(n=2, max_new_tokens=8, seed=5)
@@ -229,6 +229,7 @@ def test_an_agent_with_an_async_init_is_built_afresh_for_every_trajectory(tokeni
         traj = runner.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 3, params)
         assert traj.turns == [2] * 6 and traj.finish_reasons == ["env_done"] * 6 and traj.env_rewards == [1.0] * 6
         assert AsyncInitAgent.built == 6 * rollout
+        assert traj.metrics()["steps_taken"] == 2.0  # the last step's extra_logs, logged as OpenRLHF logs them
     runner.close()
     assert AsyncInitAgent.loops == {id(runner.loop)}  # awaited on the run's own event loop
 

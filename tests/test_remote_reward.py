@@ -92,7 +92,7 @@ def test_training_with_a_remote_reward_scores_like_the_same_reward_in_process(ex
 
 
 class Faulty(BaseHTTPRequestHandler):
-    """Answers by ``server.mode``: 500, 500-once, notjson, count, slow."""
+    """Answers by ``server.mode``: 500, 500-once, notjson, count, slow, extra (OpenRLHF's extra_logs)."""
 
     def log_message(self, *args):  # quiet
         pass
@@ -111,6 +111,9 @@ class Faulty(BaseHTTPRequestHandler):
             return self._send(200, json.dumps({"rewards": [0.0] * (n + 1)}).encode())
         if mode == "slow":
             time.sleep(3)
+        if mode == "extra":  # per-sample values and a scalar, as OpenRLHF's servers send them
+            extra = {"format_ok": [float(len(q) % 2) for q in body["query"]], "server_batch": float(n)}
+            return self._send(200, json.dumps({"rewards": [0.5] * n, "extra_logs": extra}).encode())
         return self._send(200, json.dumps({"rewards": [0.5] * n}).encode())
 
     def _send(self, code, body):
@@ -155,6 +158,22 @@ def test_a_transient_500_is_retried(faulty):
     server.mode = "500-once"
     assert RemoteReward([url], backoff=0.01)(["a", "b"], ["1", "2"]) == [0.5, 0.5]
     assert server.calls == 2
+
+
+def test_a_servers_extra_logs_become_metrics_of_the_step(faulty):
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
+
+    server, url = faulty
+    server.mode = "extra"
+    cfg, pm, plan = prepare({"reward": {"remote_urls": [url], "remote_batch_size": 2}}, autoload=False)
+    role = RewardRole(cfg, pm.spec, plan.rewards, plan.weights)
+    queries = ["1+1=2", "1+1=22", "2+2=4", "2+2=44"]  # odd, even, odd, even lengths
+    batch = RewardBatch(["1+1="] * 2 + ["2+2="] * 2, ["2", "22", "4", "44"], [[1]] * 4, {}, 1, queries,
+                        ["1+1="] * 2 + ["2+2="] * 2)
+    result = role.score(batch)
+    assert result.scores == [0.5] * 4 and server.calls == 2
+    assert result.logged == {"format_ok": [0.5, 0.5], "server_batch": [2.0, 2.0]}  # each request's means
 
 
 def test_requests_are_spread_over_several_urls(faulty):

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..protocols import SamplingParams
+from ..rewards.callables import log_extra
 from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent, is_agent_class
 from .tools import Renderer, run_in
 
@@ -49,6 +50,8 @@ class Trajectories:
     turns: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
     tool_failures: list[int] = field(default_factory=list)
+    #: an OpenRLHF agent's ``extra_logs`` of its last step (None for other environments)
+    extra_logs: list[Any] = field(default_factory=list)
     #: prompt tokens of the turns after the first, and how many of them the engine's prefix cache
     #: served (None: the engine does not say)
     later_prompt_tokens: int = 0
@@ -70,6 +73,10 @@ class Trajectories:
             out[f"env/finish_{reason}"] = sum(r == reason for r in self.finish_reasons) / n
         if self.later_cached_tokens is not None and self.later_prompt_tokens:
             out["env/prefix_cache_hit_rate"] = self.later_cached_tokens / self.later_prompt_tokens
+        logged: dict[str, list[float]] = {}
+        for extra in self.extra_logs:  # by their own names, as OpenRLHF logs them
+            log_extra(extra, lambda name, value: logged.setdefault(name, []).append(value))
+        out.update({name: sum(values) / len(values) for name, values in logged.items()})
         return out
 
 
@@ -183,6 +190,7 @@ class EnvRunner:
         out.messages = [s.messages for s in sessions]
         out.tool_calls = [s.tool_calls for s in sessions]
         out.tool_failures = [s.tool_failures for s in sessions]
+        out.extra_logs = [getattr(s, "extra_logs", None) for s in sessions]
         return out
 
     def _sessions(self, rows: list[dict[str, Any]], where: list[str], n: int) -> list[Any]:

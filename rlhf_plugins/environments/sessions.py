@@ -173,6 +173,8 @@ class AgentSession(_Session):
         self.factory = factory
         self.observation = ""
         self.total = 0.0
+        #: the last step's ``extra_logs`` (OpenRLHF logs them as metrics)
+        self.extra_logs: Any = None
 
     async def start(self, prompt: Any, reset_row: dict[str, Any]) -> list[int]:
         try:
@@ -204,6 +206,7 @@ class AgentSession(_Session):
         if not isinstance(feedback, str):
             raise self.fail(f"step() returned environment_feedback of type {type(feedback).__name__}; return a string")
         self.total += _number(self, out.get("rewards", 0.0), "step()['rewards']")
+        self.extra_logs = out.get("extra_logs")
         self.observation += turn_text + feedback
         self.messages.append({"role": "assistant", "content": parse_turn(self.ctx.tokenizer, turn_text)[0]})
         if feedback:

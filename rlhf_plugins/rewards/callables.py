@@ -81,12 +81,12 @@ class OpenRLHFReward:
         if inspect.isawaitable(out):
             out = _run(out)
         if isinstance(out, dict):
-            _log_extra(out.get("extra_logs"), kwargs.get("log_metric"))
+            log_extra(out.get("extra_logs"), kwargs.get("log_metric"))
             out = out.get("rewards", out.get("scores"))
         return out
 
 
-def _log_extra(extra: Any, log_metric: Callable[[str, float], None] | None) -> None:
+def log_extra(extra: Any, log_metric: Callable[[str, float], None] | None) -> None:
     """OpenRLHF's ``extra_logs`` (name -> a number, or one per sample) as metrics: each one's mean."""
     if not isinstance(extra, dict) or log_metric is None:
         return

@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import RewardError
+from .callables import log_extra
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -35,15 +37,18 @@ class RemoteReward:
         self.client = httpx.Client(timeout=timeout or None, limits=httpx.Limits(max_connections=concurrency))
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rlhf-remote-reward")
         self.wants_queries = True
+        self.logs_metrics = True  # the servers' extra_logs, as OpenRLHF logs them
 
     @classmethod
     def from_config(cls, r: Any) -> RemoteReward:
         return cls(r.remote_urls, r.remote_batch_size, r.remote_concurrency, r.timeout, r.remote_retries)
 
     def __call__(self, prompts: list[Any], completions: list[str], queries: list[str] | None = None,
-                 prompt_texts: list[str] | None = None, label: list[Any] | None = None, **kwargs: Any) -> list[float]:
+                 prompt_texts: list[str] | None = None, label: list[Any] | None = None,
+                 log_metric: Callable[[str, float], None] | None = None, **kwargs: Any) -> list[float]:
         """``queries`` / ``prompt_texts``: the policy's rendered texts (template included), as
-        OpenRLHF sends them; without them, the raw prompt and prompt + completion."""
+        OpenRLHF sends them; without them, the raw prompt and prompt + completion. The servers'
+        ``extra_logs`` go to ``log_metric`` (each request's means)."""
         texts = prompt_texts or [p if isinstance(p, str) else str(p) for p in prompts]
         queries = queries or [p + c for p, c in zip(texts, completions)]
         labels = list(label) if label is not None else [None] * len(completions)
@@ -52,9 +57,13 @@ class RemoteReward:
         urls = itertools.cycle(self.urls)
         jobs = [(next(urls), {"query": [queries[i] for i in c], "prompts": [texts[i] for i in c],
                               "labels": [labels[i] for i in c]}) for c in chunks]
-        return [x for part in self.pool.map(lambda job: self.post(*job), jobs) for x in part]
+        answers = list(self.pool.map(lambda job: self.post(*job), jobs))
+        for _, extra in answers:
+            log_extra(extra, log_metric)
+        return [x for rewards, _ in answers for x in rewards]
 
-    def post(self, url: str, payload: dict[str, list[Any]]) -> list[float]:
+    def post(self, url: str, payload: dict[str, list[Any]]) -> tuple[list[float], Any]:
+        """One request's rewards and its ``extra_logs``, retried on connection errors and 5xx."""
         import httpx
 
         n, what = len(payload["query"]), ""
@@ -77,7 +86,7 @@ class RemoteReward:
         raise RewardError(f"reward server {url} failed {self.attempts} times; last: {what}")
 
     @staticmethod
-    def _rewards(url: str, response: Any, n: int) -> list[float]:
+    def _rewards(url: str, response: Any, n: int) -> tuple[list[float], Any]:
         try:
             data = response.json()
         except ValueError:
@@ -88,7 +97,7 @@ class RemoteReward:
             raise RewardError(f"reward server {url} answered without a 'rewards' list: {_short(response.text)!r}")
         if len(rewards) != n:
             raise RewardError(f"reward server {url} returned {len(rewards)} rewards for {n} queries")
-        return rewards
+        return rewards, data.get("extra_logs")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -185,10 +185,12 @@ class RewardRole(Role):
     def _call(self, source: Source, batch: RewardBatch, where: str, logged: dict[str, list[float]]) -> Any:
         kwargs = dict(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
                       **batch.columns)
+        log_metric = lambda name, value: logged.setdefault(str(name), []).append(float(value))  # noqa: E731
         if source.where.startswith("plugin"):  # TRL passes these to every reward function
-            kwargs.update(trainer_state=TrainerState(batch.step, self.max_steps),
-                          log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+            kwargs.update(trainer_state=TrainerState(batch.step, self.max_steps), log_metric=log_metric,
                           log_extra=lambda column, values: None)
+        elif getattr(source.fn, "logs_metrics", False):
+            kwargs.update(log_metric=log_metric)
         if getattr(source.fn, "wants_queries", False):
             kwargs.update(queries=batch.queries, prompt_texts=batch.prompt_texts)
         if getattr(source.fn, "wants_tokens", False):
