@@ -113,8 +113,11 @@ def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeyp
             "--zero_stage 2 --bf16 --lora_rank 8").split()
     conv = convert(argv)
     assert conv.command == "sft"
+    # OpenRLHF's global batch (128 by default) as TRL's per-device batch x accumulation steps
     assert conv.raw["trl"] == {"max_length": 128, "learning_rate": 5e-6, "num_train_epochs": 2,
-                               "per_device_train_batch_size": 4}
+                               "per_device_train_batch_size": 4, "gradient_accumulation_steps": 32}
+    assert any(c.startswith("--train_batch_size 128 (128 samples per optimizer step: 4 per device x 32")
+               for c in conv.carried)
     assert conv.raw["lora"]["rank"] == 8 and conv.raw["model"]["dtype"] == "bfloat16"
     assert "--zero_stage" in dict(conv.skipped)
     text = render(conv).replace("MODEL", tiny_model).replace("path: DATA", "path: null")
@@ -122,6 +125,32 @@ def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeyp
     (tmp_path / "sft.yaml").write_text(text)
     code, out, err = rlhf("sft", "--config", str(tmp_path / "sft.yaml"), "--dry-run")
     assert code == 0, err
+
+
+def test_a_stages_global_batch_and_logging_steps_reach_trl(tmp_path, rlhf, monkeypatch):
+    """--train_batch_size is OpenRLHF's global batch: TRL's per-device batch (--micro_train_batch_size,
+    or TRL's 8) times gradient_accumulation_steps; --logging_steps is TRL's for a stage."""
+    dpo = convert("python -m openrlhf.cli.train_dpo --pretrain M --train_batch_size 64 --micro_train_batch_size 2 "
+                  "--logging_steps 1".split())
+    assert (dpo.raw["trl"]["per_device_train_batch_size"], dpo.raw["trl"]["gradient_accumulation_steps"]) == (2, 32)
+    assert dpo.raw["trl"]["logging_steps"] == 1 and "--logging_steps" not in dict(dpo.skipped)
+    assert "64 samples per optimizer step: 2 per device x 32" in dict(dpo.partial)["--train_batch_size"]
+    rm = convert("python -m openrlhf.cli.train_rm --pretrain M --train_batch_size 32".split())
+    assert (rm.raw["trl"]["per_device_train_batch_size"], rm.raw["trl"]["gradient_accumulation_steps"]) == (8, 4)
+    ppo = convert("--pretrain M --train_batch_size 64 --logging_steps 1".split())
+    assert ppo.raw["learner"]["mini_batch_size"] == 64 and "trl" not in ppo.raw  # rlhf train: ours, unchanged
+    assert "--logging_steps" in dict(ppo.skipped)
+
+
+def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tmp_path, rlhf):
+    code, out, err = rlhf("convert", "openrlhf", "-o", "ppo.yaml", "--", "python3", "-m",
+                          "openrlhf.cli.train_ppo_ray", "--pretrain", "M", "--actor_learning_rate", "5e-7")
+    assert code == 0, err
+    assert "wrote ppo.yaml" in out and "learner:" not in out
+    config = yaml.safe_load((tmp_path / "ppo.yaml").read_text())
+    assert config["learner"]["lr"] == 5e-7 and config["model"]["path"] == "M"
+    code, _, err = rlhf("convert", "openrlhf", "-o", "--", "--pretrain", "M")
+    assert code == 2 and "-o needs a file name" in err and [p.name for p in tmp_path.glob("*.yaml")] == ["ppo.yaml"]
 
 
 def test_input_template_and_max_samples_shape_the_prompts_the_engine_gets(rlhf, tmp_path, tiny_model):

@@ -17,6 +17,8 @@ from ..errors import UsageError
 
 #: sections a stage (rlhf sft / rm / dpo) config has; other keys of ours apply to rlhf train only
 STAGE_SECTIONS = ("model", "data", "train", "lora", "trl")
+#: OpenRLHF's global batch flag; its default in train_sft, train_rm and train_dpo; TRL's per-device default
+GLOBAL_BATCH, STAGE_GLOBAL_BATCH, TRL_PER_DEVICE = ("--train_batch_size", "--train.batch_size"), 128, 8
 
 
 @dataclass
@@ -98,6 +100,7 @@ def convert(argv: list[str]) -> Converted:
     command, flags = split_command(argv)
     out = Converted(command=command)
     roles: dict[str, dict[str, int]] = {}
+    stage_batch: int | None = None
     i = 0
     while i < len(flags):
         token = flags[i]
@@ -111,15 +114,19 @@ def convert(argv: list[str]) -> Converted:
         if flag is None:
             out.skipped.append((name, "not a flag of OpenRLHF's train_ppo_ray / train_sft / train_rm / train_dpo / "
                                       "serve_rm (0.9-0.11)"))
-        elif flag.kind == "none":
+        elif flag.kind == "none" and not (flag.stage and command in ("sft", "rm", "dpo")):
             out.skipped.append((name, flag.note))
         elif flag.role:
             role, what = flag.role.split(".")
             roles.setdefault(role, {})[what] = int(vals[0])
+        elif name in GLOBAL_BATCH and command in ("sft", "rm", "dpo"):
+            stage_batch = int(vals[0])
         else:
             _apply(out, flag, name, vals)
     for role, counts in roles.items():
         out.put(f"ray.{role}_workers", counts.get("nodes", 1) * counts.get("gpus", 8))
+    if command in ("sft", "rm", "dpo"):
+        _stage_batch(out, stage_batch)
     if command == "ppo":
         _reward_file(out)
         if out.raw.get("vllm", {}).get("num_engines") == 0:
@@ -130,6 +137,24 @@ def convert(argv: list[str]) -> Converted:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
     return out
+
+
+def _stage_batch(out: Converted, given: int | None) -> None:
+    """OpenRLHF's global batch of a stage (``--train_batch_size``, 128 by default) as TRL's per-device
+    batch times ``gradient_accumulation_steps`` on one process."""
+    trl = out.raw.setdefault("trl", {})
+    per_device = int(trl.get("per_device_train_batch_size") or TRL_PER_DEVICE)
+    total = STAGE_GLOBAL_BATCH if given is None else given
+    steps = max(1, round(total / per_device))
+    out.put("trl.per_device_train_batch_size", per_device)
+    out.put("trl.gradient_accumulation_steps", steps)
+    how = (f"{total} samples per optimizer step: {per_device} per device x {steps} accumulation steps "
+           "(trl.gradient_accumulation_steps) on one process; under accelerate launch with N processes, divide "
+           "trl.gradient_accumulation_steps by N")
+    if given is None:
+        out.carried.append(f"--train_batch_size {total} ({how})")
+    else:
+        out.partial.append(("--train_batch_size", how))
 
 
 def _reward_file(out: Converted) -> None:
@@ -204,10 +229,20 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, help="the command line, after --")
 
 
+def _own_output(argv: list[str], output: Path | None) -> tuple[list[str], Path | None]:
+    """``-o FILE`` written after ``openrlhf`` (``rlhf convert openrlhf -o FILE -- ...``, as the docs
+    write it) lands in the remainder: take it back, up to the ``--`` that starts the command line."""
+    while argv and (argv[0] in ("-o", "--output") or argv[0].startswith("--output=")):
+        flag = argv.pop(0)
+        value = flag.partition("=")[2] if "=" in flag else (argv.pop(0) if argv else "")
+        if not value or value == "--":
+            raise UsageError(f"{flag} needs a file name, e.g. rlhf convert openrlhf -o ppo.yaml -- python3 -m ...")
+        output = Path(value)
+    return (argv[1:] if argv[:1] == ["--"] else argv), output
+
+
 def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
-    argv = [*args.argv, *rest]
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
+    argv, args.output = _own_output([*args.argv, *rest], args.output)
     if not argv:
         raise UsageError("give the OpenRLHF command line after --, e.g. rlhf convert openrlhf -- "
                          "python3 -m openrlhf.cli.train_ppo_ray --pretrain ...")
