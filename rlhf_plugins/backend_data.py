@@ -40,6 +40,9 @@ class SamplingParams:
     #: a token already in the prompt or the completion has its logit divided by this when positive,
     #: multiplied when negative, before the temperature (HF's and vLLM's rule; 1: off)
     repetition_penalty: float = 1.0
+    #: a completion ends once its text contains one of these strings: the token that completes it is
+    #: kept (as vLLM keeps it) and the finish reason is "stop"
+    stop: tuple[str, ...] = ()
 
 
 @dataclass

@@ -361,6 +361,20 @@ def sampling_logprobs(model: Any, prompt: list[int], completion: list[int], temp
     return table.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1), table.exp()
 
 
+def stopped_by_strings(tokenizer: Any, samples: Any, stop: tuple[str, ...]) -> int:
+    """Checks vLLM's stop-string rule on ``samples``: no completion's text holds a stop string before its
+    last token; one whose whole text holds one finished with "stop". Returns how many a stop string ended
+    (texts decoded without special tokens, as vLLM matches them)."""
+    ended = 0
+    for completion, reason in zip(samples.completion_ids, samples.finish_reasons):
+        before = tokenizer.decode(completion[:-1], skip_special_tokens=True)
+        assert not any(s in before for s in stop), (before, completion)
+        if any(s in tokenizer.decode(completion, skip_special_tokens=True) for s in stop):
+            assert reason == "stop", completion
+            ended += 1
+    return ended
+
+
 def rollout_spy(folder: Path) -> tuple[Path, Any]:
     """A plugin file that records every step's rollout prompts and prompt ids, and a function that
     reads them back: ``[(prompts, prompt_ids), ...]``, one per step."""

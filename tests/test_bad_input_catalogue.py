@@ -66,6 +66,18 @@ FLAGS = [
     ("partial-without-async", ["--generation.partial_rollout", "true"],
      "generation.partial_rollout swaps weights during a generation, which needs asynchronous training; set "
      "--train.max_staleness 1 (or more), or drop partial_rollout"),
+    ("vllm-temperature", ["--generation.backend", "vllm", "--generation.temperature", "3"],
+     "generation.temperature 3 is above 2, which vLLM refuses to sample at; lower it, or use --generation.backend "
+     "transformers"),
+    ("vllm-eval-temperature", ["--generation.backend", "vllm", "--eval.temperature", "2.5"],
+     "eval.temperature 2.5 is above 2, which vLLM refuses to sample at; lower it, or use --generation.backend "
+     "transformers"),
+    ("stop-empty", ["--generation.stop", '["</answer>", ""]'],
+     "generation.stop holds an empty string, which would end every completion at once; remove it"),
+    ("stop-partial-rollout", ["--generation.stop", '["</answer>"]', "--generation.partial_rollout", "true",
+                              "--train.max_staleness", "1", "--algo.policy_loss.mismatch", "tis"],
+     "generation.stop is matched within one generation call, and a partial rollout generates in chunks; drop one "
+     "of them"),
     ("betas", ["--learner.betas", "[0.9, 1.5]"],
      "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
     ("optimizer", ["--learner.optimizer", "lion"],

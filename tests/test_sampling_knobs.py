@@ -1,13 +1,16 @@
-"""min-p sampling and the repetition penalty (TRL's min_p / repetition_penalty, vLLM's sampling
-parameters) in the transformers engine: what is drawn and the log-probs it reports, by hand."""
+"""min-p sampling, the repetition penalty and stop strings (TRL's min_p / repetition_penalty /
+generation_kwargs stop, vLLM's sampling parameters) in the transformers engine: what is drawn and the
+log-probs it reports, by hand."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from rlhf_plugins import SamplingParams
 from rlhf_plugins.engines.transformers_engine import filter_logits, sample_token
-from tests.helpers import sampling_logprobs
+from tests.helpers import sampling_logprobs, stopped_by_strings
 
 
 def test_min_p_leaves_out_exactly_the_tokens_below_its_share_of_the_top_probability():
@@ -70,3 +73,26 @@ def test_the_engines_samples_carry_the_penalized_tempered_logprobs_by_hand(engin
         assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), want, atol=1e-4)
         drawn = probs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
         assert (drawn >= 0.02 * probs.max(-1).values).all()  # min-p: nothing below its share was drawn
+
+
+def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(engine_and_model, tiny_model):
+    """The same draws as without stop strings, cut after the token whose text completes one (kept, as vLLM
+    keeps it), finish reason "stop"; a completion without one is unchanged. At temperature 4 the tiny
+    model writes long, varied text."""
+    from transformers import AutoTokenizer
+
+    engine, _ = engine_and_model
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = uneven_prompts(tiny_model)
+    free = SamplingParams(n=4, max_new_tokens=12, temperature=4.0, seed=3)
+    plain = engine.generate(ids, free)
+    stop = ("1", "s")
+    cut = engine.generate(ids, dataclasses.replace(free, stop=stop))
+    assert stopped_by_strings(tok, cut, stop) >= 4
+    for full, was, short, reason in zip(plain.completion_ids, plain.finish_reasons, cut.completion_ids,
+                                        cut.finish_reasons):
+        assert full[: len(short)] == short  # the same draws, up to where the stop string ended it
+        texts = [tok.decode(full[:k], skip_special_tokens=True) for k in range(1, len(full) + 1)]
+        first = next((k for k, text in enumerate(texts, 1) if any(x in text for x in stop)), None)
+        assert len(short) == (first if first is not None else len(full))
+        assert reason == ("stop" if first is not None else was)

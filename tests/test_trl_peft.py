@@ -75,8 +75,13 @@ def test_generation_kwargs_override_the_sampling_fields_and_anything_else_is_one
     assert raw["generation"]["min_p"] == 0.05 and raw["generation"]["max_new_tokens"] == 64
     raw, _ = from_grpo_fields({"generation_kwargs": '{"max_new_tokens": 48, "top_k": 20}'})  # JSON from a command line
     assert raw["generation"]["max_new_tokens"] == 48 and raw["generation"]["top_k"] == 20
-    for kwargs, message in (({"stop": ["\\n"], "num_beams": 2}, "TRL generation_kwargs: no equivalent in rlhf-plugins "
-                             "for 'num_beams', 'stop'; it takes temperature, top_p, top_k"),
+    raw, _ = from_grpo_fields({"generation_kwargs": {"stop": ["</answer>", "\n\n"]}})  # vLLM's stop strings
+    assert raw["generation"]["stop"] == ["</answer>", "\n\n"]
+    raw, _ = from_grpo_fields({"generation_kwargs": {"stop_strings": "</answer>"}})  # transformers' spelling
+    assert raw["generation"]["stop"] == ["</answer>"]
+    for kwargs, message in (({"num_beams": 2, "use_beam_search": True}, "TRL generation_kwargs: no equivalent in "
+                             "rlhf-plugins for 'num_beams', 'use_beam_search'; it takes temperature, top_p, top_k"),
+                            ({"stop": [3]}, "TRL generation_kwargs 'stop' expects a string or a list of strings"),
                             ({"do_sample": False}, "TRL generation_kwargs do_sample false: GRPO samples"),
                             ({"top_p": "high"}, "TRL generation_kwargs 'top_p' expects float; got 'high'")):
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -99,6 +99,18 @@ class TestEngine:
                 if not params.min_p:
                     assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), want, atol=1e-4)
 
+    def test_stop_strings_end_completions_by_the_transformers_engines_rule(self, engine, tiny_model):
+        """vLLM's stop (what generation.stop sets): the token completing a stop string is the last one kept,
+        the rule tests/test_sampling_knobs.py holds the transformers engine to."""
+        from transformers import AutoTokenizer
+
+        from tests.helpers import stopped_by_strings
+
+        stop = ("1", "s")
+        samples = engine.generate(prompts(tiny_model), SamplingParams(n=4, max_new_tokens=12, temperature=2.0, seed=3,
+                                                                      stop=stop))
+        assert stopped_by_strings(AutoTokenizer.from_pretrained(tiny_model), samples, stop) >= 4
+
     def test_inprocess_sync_changes_the_engine_and_keeps_parity(self, engine, tiny_model):
         from transformers import AutoModelForCausalLM
 

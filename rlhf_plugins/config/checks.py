@@ -47,6 +47,7 @@ def check_ranges(c: Config) -> None:
     )
     _check_policy_loss(p)
     _check_muon(c)
+    _check_generation(c)
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")
@@ -131,6 +132,19 @@ def check_staleness(c: Config) -> None:
     if c.generation.partial_rollout and k == 0:
         raise ConfigError("generation.partial_rollout swaps weights during a generation, which needs "
                           "asynchronous training; set --train.max_staleness 1 (or more), or drop partial_rollout")
+
+
+def _check_generation(c: Config) -> None:
+    """Sampling settings the engine would refuse mid-run, and stop strings."""
+    g = c.generation
+    if g.backend == "vllm":  # vLLM's SamplingParams refuse temperatures above 2 (the OpenAI range)
+        for key, value in (("generation.temperature", g.temperature), ("eval.temperature", c.eval.temperature)):
+            _require(value <= 2, f"{key} {value:g} is above 2, which vLLM refuses to sample at; lower it, or use "
+                                 "--generation.backend transformers")
+    _require(all(g.stop), "generation.stop holds an empty string, which would end every completion at once; "
+                          "remove it")
+    _require(not (g.stop and g.partial_rollout), "generation.stop is matched within one generation call, and a "
+                                                 "partial rollout generates in chunks; drop one of them")
 
 
 def _check_muon(c: Config) -> None:

@@ -85,6 +85,9 @@ class GenerationConfig:
     min_p: float = setting(0.0, ge=0, le=1)
     #: > 1 makes tokens of the prompt and the completion so far less likely (HF's and vLLM's rule; 1: off)
     repetition_penalty: float = setting(1.0, gt=0)
+    #: strings that end a completion (e.g. ["</answer>"]): it stops with the token that completes one, which
+    #: it keeps, as vLLM's stop does (TRL's generation_kwargs stop); [] stops at EOS only
+    stop: list[str] = field(default_factory=list)
     #: with train.max_staleness >= 1: generate in chunks, taking new weights between chunks (a long
     #: generation continues from its prefix with the newest policy; tokens record their version)
     partial_rollout: bool = False

@@ -20,6 +20,7 @@ from ..models.recurrent import keeps_recurrent_state
 from ..models.weights import load_named_weights
 from ..protocols import BackendContext, Samples, SamplingParams
 from .static_decode import StaticDecode
+from .stop_strings import StopStrings
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -63,6 +64,7 @@ class TransformersEngine:
         self.device = role_device()
         self.model = load_engine_model(ctx, self.device)
         tokenizer = AutoTokenizer.from_pretrained(ctx.model_path, trust_remote_code=ctx.config.model.trust_remote_code)
+        self.tokenizer = tokenizer  # stop strings are matched on decoded text
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -142,6 +144,7 @@ class TransformersEngine:
         # drawn on the CPU whatever the device: the same seed samples the same tokens everywhere
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         uniforms = torch.rand((params.max_new_tokens, B), generator=gen).to(device)
+        stopper = StopStrings(self.tokenizer, params.stop)
         for t in range(params.max_new_tokens):
             token, logp = sample_token(logits, params, uniforms[t], seen)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
@@ -150,6 +153,8 @@ class TransformersEngine:
             tokens[:, t] = token
             logps[:, t] = logp.masked_fill(done, 0.0)
             finished_now = ~done & torch.isin(token, self.eos_ids)
+            if stopper:
+                finished_now |= stopper.hit(tokens, t, ~done & ~finished_now)
             lengths = torch.where(finished_now, torch.full_like(lengths, t + 1), lengths)
             done = done | finished_now
             if bool(done.all()) or t + 1 == params.max_new_tokens:

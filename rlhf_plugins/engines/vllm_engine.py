@@ -155,7 +155,9 @@ class VLLMEngine:
             repetition_penalty=params.repetition_penalty,
             seed=params.seed,
             logprobs=0,
-            detokenize=False,  # the loop decodes what it needs; vLLM's incremental detokenizer is per token
+            stop=list(params.stop) or None,
+            # the loop decodes what it needs; vLLM's incremental detokenizer runs only to match stop strings
+            detokenize=bool(params.stop),
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
                                     lora_request=self._take_lora())

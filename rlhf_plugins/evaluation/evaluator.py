@@ -38,12 +38,14 @@ class EvalSettings:
     threshold: float = 1.0
     batch_prompts: int = 64
     seed: int = 0
+    #: the training rollouts' stop strings (generation.stop)
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Any) -> EvalSettings:
         e = config.eval
         return cls(e.n_samples, e.temperature, e.max_new_tokens or config.generation.max_new_tokens, e.threshold,
-                   e.batch_prompts, config.train.seed)
+                   e.batch_prompts, config.train.seed, tuple(config.generation.stop))
 
 
 class Evaluator:
@@ -67,7 +69,7 @@ class Evaluator:
         s = self.settings
         total = len(self.prompts)
         sampled = SamplingParams(n=s.n_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                                 seed=s.seed)
+                                 seed=s.seed, stop=s.stop)
         greedy = dataclasses.replace(sampled, n=1, temperature=1.0, top_k=1)
         scores: list[list[float]] = []
         answers: list[list[Any]] = []

@@ -48,7 +48,15 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
 def expected(conv: Any) -> str:
     """What a converter takes, for an error line (its type's name; a lambda's: a number)."""
     name = getattr(conv, "__name__", "")
-    return "a number" if name == "<lambda>" else name or "a value"
+    return {"<lambda>": "a number", "strings": "a string or a list of strings"}.get(name, name or "a value")
+
+
+def strings(value: Any) -> list[str]:
+    """A string or a list of strings (vLLM's ``stop``, transformers' ``stop_strings``) as a list."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    if not all(isinstance(x, str) for x in items):
+        raise TypeError("expected strings")
+    return items
 
 
 def mapping(value: Any) -> dict[str, Any]:
@@ -123,6 +131,8 @@ GENERATION_KWARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "repetition_penalty": ("generation.repetition_penalty", float),
     "max_tokens": ("generation.max_new_tokens", int),
     "max_new_tokens": ("generation.max_new_tokens", int),
+    "stop": ("generation.stop", strings),
+    "stop_strings": ("generation.stop", strings),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 #: from_pretrained arguments of model_init_kwargs that change nothing here, and why

@@ -90,4 +90,5 @@ def build_algorithm(trainer: Trainer) -> None:
         top_k=c.generation.top_k,
         min_p=c.generation.min_p,
         repetition_penalty=c.generation.repetition_penalty,
+        stop=tuple(c.generation.stop),
     )
