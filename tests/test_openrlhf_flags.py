@@ -24,7 +24,8 @@ PPO_FLAT = """python3 -m openrlhf.cli.train_ppo_ray --ref_num_nodes 1 --ref_num_
  --prompt_max_len 64 --max_samples 1000 --generate_max_len 16 --zero_stage 3 --bf16 --actor_learning_rate 5e-7
  --critic_learning_rate 9e-6 --init_kl_coef 0.01 --prompt_data DATA --input_key prompt --apply_chat_template
  --normalize_reward --gradient_checkpointing --packing_samples --vllm_sync_backend nccl --enforce_eager
- --vllm_enable_sleep --deepspeed_enable_sleep --use_wandb KEY --save_steps -1 --eval_steps -1""".split()
+ --vllm_enable_sleep --deepspeed_enable_sleep --use_wandb KEY --save_steps -1 --eval_steps -1
+ --freezing_actor_steps -1""".split()
 PPO_DOTTED = """python3 -m openrlhf.cli.train_ppo_ray --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1
  --actor.num_gpus_per_node 2 --vllm.num_engines 2 --train.colocate_all --actor.model_name_or_path MODEL
  --reward.model_name_or_path RM --train.micro_batch_size 4 --train.batch_size 32 --rollout.batch_size 8
@@ -97,6 +98,7 @@ def test_openrlhfs_readme_command_converts_to_a_config_rlhf_train_accepts(tmp_pa
     assert "--micro_rollout_batch_size" in dict(conv.skipped)
     # OpenRLHF's -1 (never on the way) is our 0 (at the end only), which the config accepts
     assert config["train"]["save_every"] == 0 and config["eval"]["every"] == 0
+    assert config["critic"]["freezing_steps"] == 0
     assert "config is valid" in out
 
 
