@@ -117,9 +117,12 @@ def test_an_sft_command_converts_to_rlhf_sft(tmp_path, rlhf, tiny_model, monkeyp
             "--zero_stage 2 --bf16 --lora_rank 8").split()
     conv = convert(argv)
     assert conv.command == "sft"
-    # OpenRLHF's global batch (128 by default) as TRL's per-device batch x accumulation steps
+    # OpenRLHF's defaults carried: the global batch (128) as TRL's per-device batch x accumulation steps,
+    # cosine decay to a tenth after a 3% warm-up, Adam betas (0.9, 0.95)
     assert conv.raw["trl"] == {"max_length": 128, "learning_rate": 5e-6, "num_train_epochs": 2,
-                               "per_device_train_batch_size": 4, "gradient_accumulation_steps": 32}
+                               "per_device_train_batch_size": 4, "gradient_accumulation_steps": 32,
+                               "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+                               "warmup_steps": 0.03, "adam_beta1": 0.9, "adam_beta2": 0.95}
     assert any(c.startswith("--train_batch_size 128 (128 samples per optimizer step: 4 per device x 32")
                for c in conv.carried)
     assert conv.raw["lora"]["rank"] == 8 and conv.raw["model"]["dtype"] == "bfloat16"
@@ -144,6 +147,36 @@ def test_a_stages_global_batch_and_logging_steps_reach_trl(tmp_path, rlhf, monke
     ppo = convert("--pretrain M --train_batch_size 64 --logging_steps 1".split())
     assert ppo.raw["learner"]["mini_batch_size"] == 64 and "trl" not in ppo.raw  # rlhf train: ours, unchanged
     assert "--logging_steps" in dict(ppo.skipped)
+
+
+STAGE_FLAGS = ("--pretrain MODEL --max_len 64 --train_batch_size 16 --micro_train_batch_size 4 --max_epochs 1 "
+               "--learning_rate 1e-3 --save_steps -1 --eval_steps -1 --logging_steps 1 --max_ckpt_num 3 "
+               "--lr_warmup_ratio 0.05 --lr_scheduler cosine_with_min_lr --zero_stage 2 --l2 0 --max_norm 1.0")
+
+
+@pytest.mark.parametrize("stage, extra", [
+    ("sft", "--dataset DATA --input_key question --output_key answer --adam_betas 0.9 0.95"),
+    ("rm", "--dataset DATA --prompt_key prompt --chosen_key chosen --rejected_key rejected --loss sigmoid"),
+    ("dpo", "--dataset DATA --prompt_key prompt --chosen_key chosen --rejected_key rejected --beta 0.1 "
+            "--nll_loss_coef 0.2 --label_smoothing 0"),
+])
+def test_openrlhfs_stage_commands_convert_to_configs_their_stage_runs(tmp_path, rlhf, tiny_model, stage, extra):
+    """What OpenRLHF's stage scripts pass (checkpoint counts, warm-up ratios, the RPO weight) converts to
+    fields the installed TRL has: each config is accepted, and the DPO one trains (RPO as TRL's loss list)."""
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b), "prompt": f"{a}+{b}=", "chosen": str(a + b),
+             "rejected": str(a + b + 1)} for a in range(4) for b in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conv = convert(f"python -m openrlhf.cli.train_{stage} {STAGE_FLAGS} {extra}".split())
+    trl = conv.raw["trl"]
+    assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"], trl["warmup_steps"]) == (4, 4, 0.05)
+    assert trl["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1} and "--max_ckpt_num" in dict(conv.skipped)
+    if stage == "dpo":
+        assert (trl["loss_type"], trl["loss_weights"]) == (["sigmoid", "sft"], [1.0, 0.2])
+    (tmp_path / "c.yaml").write_text(render(conv).replace("MODEL", tiny_model).replace("DATA", "data.jsonl"))
+    code, out, err = rlhf(stage, "--config", "c.yaml", *(["--dry-run"] if stage != "dpo" else []))
+    assert code == 0, err
+    if stage == "dpo":
+        assert "model saved to" in out.replace("\n", " ")
 
 
 def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tmp_path, rlhf):

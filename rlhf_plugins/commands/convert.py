@@ -14,11 +14,7 @@ import yaml
 from ..config.loading import set_dotted
 from ..config.openrlhf_flags import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
 from ..errors import UsageError
-
-#: sections a stage (rlhf sft / rm / dpo) config has; other keys of ours apply to rlhf train only
-STAGE_SECTIONS = ("model", "data", "train", "lora", "trl")
-#: OpenRLHF's global batch flag; its default in train_sft, train_rm and train_dpo; TRL's per-device default
-GLOBAL_BATCH, STAGE_GLOBAL_BATCH, TRL_PER_DEVICE = ("--train_batch_size", "--train.batch_size"), 128, 8
+from .convert_stages import BY_HAND, STAGES, convert_stage, stage_key
 
 
 @dataclass
@@ -100,7 +96,7 @@ def convert(argv: list[str]) -> Converted:
     command, flags = split_command(argv)
     out = Converted(command=command)
     roles: dict[str, dict[str, int]] = {}
-    stage_batch: int | None = None
+    by_hand: dict[str, list[str]] = {}
     i = 0
     while i < len(flags):
         token = flags[i]
@@ -114,19 +110,19 @@ def convert(argv: list[str]) -> Converted:
         if flag is None:
             out.skipped.append((name, "not a flag of OpenRLHF's train_ppo_ray / train_sft / train_rm / train_dpo / "
                                       "serve_rm (0.9-0.11)"))
-        elif flag.kind == "none" and not (flag.stage and command in ("sft", "rm", "dpo")):
+        elif flag.kind == "none" and not (flag.stage and command in STAGES):
             out.skipped.append((name, flag.note))
         elif flag.role:
             role, what = flag.role.split(".")
             roles.setdefault(role, {})[what] = int(vals[0])
-        elif name in GLOBAL_BATCH and command in ("sft", "rm", "dpo"):
-            stage_batch = int(vals[0])
+        elif command in STAGES and flag.flags[0] in BY_HAND:
+            by_hand[flag.flags[0]] = vals
         else:
             _apply(out, flag, name, vals)
     for role, counts in roles.items():
         out.put(f"ray.{role}_workers", counts.get("nodes", 1) * counts.get("gpus", 8))
-    if command in ("sft", "rm", "dpo"):
-        _stage_batch(out, stage_batch)
+    if command in STAGES:
+        convert_stage(out, by_hand)
     if command == "ppo":
         _reward_file(out)
         if out.raw.get("vllm", {}).get("num_engines") == 0:
@@ -137,24 +133,6 @@ def convert(argv: list[str]) -> Converted:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
     return out
-
-
-def _stage_batch(out: Converted, given: int | None) -> None:
-    """OpenRLHF's global batch of a stage (``--train_batch_size``, 128 by default) as TRL's per-device
-    batch times ``gradient_accumulation_steps`` on one process."""
-    trl = out.raw.setdefault("trl", {})
-    per_device = int(trl.get("per_device_train_batch_size") or TRL_PER_DEVICE)
-    total = STAGE_GLOBAL_BATCH if given is None else given
-    steps = max(1, round(total / per_device))
-    out.put("trl.per_device_train_batch_size", per_device)
-    out.put("trl.gradient_accumulation_steps", steps)
-    how = (f"{total} samples per optimizer step: {per_device} per device x {steps} accumulation steps "
-           "(trl.gradient_accumulation_steps) on one process; under accelerate launch with N processes, divide "
-           "trl.gradient_accumulation_steps by N")
-    if given is None:
-        out.carried.append(f"--train_batch_size {total} ({how})")
-    else:
-        out.partial.append(("--train_batch_size", how))
 
 
 def _reward_file(out: Converted) -> None:
@@ -179,7 +157,7 @@ def _reward_file(out: Converted) -> None:
 
 def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     """One flag into the config of ``out.command``."""
-    stage = out.command in ("sft", "rm", "dpo")
+    stage = out.command in STAGES
     if not flag.ours and not (stage and flag.stage):
         out.skipped.append((name, flag.note or "no equivalent here"))
         return
@@ -190,7 +168,7 @@ def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
         out.put(flag.stage, value)
         return
     keys = flag.ours
-    if stage and not all(k.split(".")[0] in STAGE_SECTIONS for k in keys):
+    if stage and not all(stage_key(k) for k in keys):
         out.skipped.append((name, f"no equivalent in {OURS[out.command]} (TRL's fields go under --trl.*)"))
         return
     if out.command == "serve_rm":

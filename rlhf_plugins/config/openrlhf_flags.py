@@ -149,6 +149,12 @@ reason. An OpenRLHF flag given to `rlhf` itself stops with one line naming our e
   (critic 9e-6) with 3% warm-up and cosine decay to a tenth, value clip 0.5, lambda 1.0, reward clip
   10, seed 42; the converter writes each of these where ours differ. (A model of 50M parameters or
   more gets the learning-rate part here by itself: docs/memory.md.)
+- **The stages.** `train_sft`, `train_rm` and `train_dpo` become `rlhf sft` / `rm` / `dpo`, which run
+  TRL's trainers: the global `--train_batch_size` (128 by default) is TRL's per-device batch
+  (`--micro_train_batch_size`) times `gradient_accumulation_steps` on one process (divide that by N under
+  `accelerate launch` with N processes); OpenRLHF's cosine decay to a tenth after a 3% warm-up and Adam betas
+  (0.9, 0.95) are carried as TRL's `lr_scheduler_type` / `warmup_steps` / `adam_beta1` / `adam_beta2`;
+  DPO's `--nll_loss_coef` is TRL's loss list `[sigmoid, sft]` weighted `[1, coef]`.
 - **Reward normalization.** A reward model's stored mean/std (OpenRLHF's `normalize_reward` config)
   is applied when the run asks for it with `--reward.normalize` (OpenRLHF: `--normalize_reward`).
 - **Models and data** are local folders and files (no hub names): download them first.
