@@ -179,6 +179,22 @@ def test_openrlhfs_stage_commands_convert_to_configs_their_stage_runs(tmp_path, 
         assert "model saved to" in out.replace("\n", " ")
 
 
+def test_a_serve_rm_command_converts_to_the_rlhf_serve_reward_line_it_parses_to():
+    import shlex
+
+    from rlhf_plugins.cli import build_parser
+
+    conv = convert("python -m openrlhf.cli.serve_rm --reward_pretrain /models/rm --port 5000 --bf16 --flash_attn "
+                   "--normalize_reward --value_head_prefix score --max_len 8192 --batch_size 16".split())
+    text = render(conv)
+    assert text.startswith("# rlhf serve-reward   (converted") and "--config" not in text
+    line = text.strip().splitlines()[-1]
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert (args.model, args.port, args.dtype, args.normalize_reward, args.batch_size) == \
+        ("/models/rm", 5000, "bfloat16", True, 16)
+    assert {"--flash_attn", "--value_head_prefix", "--max_len"} == set(dict(conv.skipped))
+
+
 def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tmp_path, rlhf):
     code, out, err = rlhf("convert", "openrlhf", "-o", "ppo.yaml", "--", "python3", "-m",
                           "openrlhf.cli.train_ppo_ray", "--pretrain", "M", "--actor_learning_rate", "5e-7")

@@ -5,6 +5,7 @@ differ and every flag that could not be converted listed with the reason."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ class Converted:
     #: (flag, how ours differs) for flags converted to an equivalent with a difference
     partial: list[tuple[str, str]] = field(default_factory=list)
     set_keys: set[str] = field(default_factory=set)
+    #: serve_rm: the arguments of the equivalent ``rlhf serve-reward`` command line
+    serve: list[str] = field(default_factory=list)
 
     def put(self, key: str, value: Any) -> None:
         set_dotted(self.raw, key, value)
@@ -155,8 +158,32 @@ def _reward_file(out: Converted) -> None:
         out.skipped.append((f"--remote_rm_url {extra}", "one reward_func file per run, as in OpenRLHF"))
 
 
+#: serve_rm's flags (first spelling) -> ``rlhf serve-reward``'s
+SERVE = {"--reward_pretrain": "--model", "--port": "--port", "--host": "--host", "--batch_size": "--batch-size",
+         "--bf16": "--dtype bfloat16", "--normalize_reward": "--normalize-reward"}
+#: serve_rm's flags rlhf serve-reward does without, and why
+SERVE_WHY = {"--value_head_prefix": "the value head is found by its name (score, or value_head)",
+             "--max_len": "whole queries are scored"}
+
+
+def _serve(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
+    """One serve_rm flag as an argument of ``rlhf serve-reward``."""
+    ours = SERVE.get(flag.flags[0])
+    value = ",".join(vals)
+    if ours is None:
+        why = flag.note if flag.kind == "none" and flag.note else SERVE_WHY.get(flag.flags[0], "no such option")
+        out.skipped.append((name, why))
+    elif ours == "--model" and "," in value:
+        out.skipped.append((name, "one reward model per server: serve each on its own port"))
+    else:
+        out.serve += [*ours.split(), *([] if flag.switch else [value])]
+
+
 def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     """One flag into the config of ``out.command``."""
+    if out.command == "serve_rm":
+        _serve(out, flag, name, vals)
+        return
     stage = out.command in STAGES
     if not flag.ours and not (stage and flag.stage):
         out.skipped.append((name, flag.note or "no equivalent here"))
@@ -171,9 +198,6 @@ def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     if stage and not all(stage_key(k) for k in keys):
         out.skipped.append((name, f"no equivalent in {OURS[out.command]} (TRL's fields go under --trl.*)"))
         return
-    if out.command == "serve_rm":
-        out.skipped.append((name, f"give it to {OURS['serve_rm']} as {flag.target or 'its own flag'}"))
-        return
     value = _value(flag, vals)
     if len(keys) == 2 and not isinstance(value, list):
         value = [value, value]
@@ -185,8 +209,10 @@ def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
 
 
 def render(conv: Converted) -> str:
-    """The YAML config with a header saying how to run it, what was carried and what was not converted."""
-    lines = [f"# {OURS[conv.command]} --config this.yaml   (converted from OpenRLHF's {conv.command} command by "
+    """The YAML config with a header saying how to run it, what was carried and what was not converted
+    (serve_rm: the ``rlhf serve-reward`` command line instead of a config)."""
+    run = "" if conv.command == "serve_rm" else " --config this.yaml"
+    lines = [f"# {OURS[conv.command]}{run}   (converted from OpenRLHF's {conv.command} command by "
              "`rlhf convert openrlhf`)"]
     if conv.carried:
         lines.append("# OpenRLHF's defaults, carried where rlhf-plugins' differ: " + "; ".join(conv.carried))
@@ -194,6 +220,8 @@ def render(conv: Converted) -> str:
         lines.append(f"# converted with a difference: {flag}: {how}")
     for flag, why in conv.skipped:
         lines.append(f"# not converted: {flag}: {why}")
+    if conv.command == "serve_rm":
+        return "\n".join([*lines, shlex.join(["rlhf", "serve-reward", *conv.serve])]) + "\n"
     return "\n".join(lines) + "\n" + yaml.safe_dump(conv.raw, sort_keys=False)
 
 

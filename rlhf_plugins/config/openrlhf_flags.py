@@ -128,11 +128,11 @@ rlhf convert openrlhf -- python3 -m openrlhf.cli.train_ppo_ray --pretrain ... --
 rlhf convert openrlhf -o ppo.yaml -- <the same command>    # then: rlhf train --config ppo.yaml
 ```
 
-`rlhf convert openrlhf` writes the equivalent config for `rlhf train` (or `rlhf sft` / `rm` / `dpo`
-for the other scripts), carries OpenRLHF's defaults where ours differ so the run means what the
-command meant, and lists every flag it converted with a difference or could not convert, with the
-reason. An OpenRLHF flag given to `rlhf` itself stops with one line naming our equivalent
-(`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`).
+`rlhf convert openrlhf` writes the equivalent config for `rlhf train` (or `rlhf sft` / `rm` / `dpo` for
+the other scripts; for `serve_rm`, the `rlhf serve-reward` command line), carries OpenRLHF's defaults
+where ours differ so the run means what the command meant, and lists every flag it converted with a
+difference or could not convert, with the reason. An OpenRLHF flag given to `rlhf` itself stops with one
+line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`).
 
 ## Where the semantics differ
 
