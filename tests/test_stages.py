@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import metrics_of, the_run
 
@@ -106,3 +107,26 @@ def test_pairs_whose_chosen_equals_rejected_are_counted_not_fatal(rlhf, tmp_path
     assert code == 0, err
     assert "3 of 11 preference rows" in err
     assert summary_of(the_run())["dropped_equal_pairs"] == 3
+
+
+def test_a_trl_yaml_runs_as_the_stage_with_its_script_fields_on_our_keys(rlhf, tmp_path, tiny_model):
+    """`trl sft --config sft.yaml`'s file: model and dataset, PEFT (with use_peft), the run's bookkeeping
+    and TRL's own fields each land where this stage reads them; older files' warmup_ratio is TRL 1.x's
+    warmup_steps; --config and flags still override."""
+    rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(5)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sft.yaml").write_text(
+        f"model_name_or_path: {tiny_model}\ndataset_name: sums.jsonl\ndataset_train_split: train\n"
+        "learning_rate: 5.0e-4\nnum_train_epochs: 1\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n"
+        "max_length: 64\nwarmup_ratio: 0.1\noutput_dir: out\nreport_to: none\nuse_peft: true\nlora_r: 4\n"
+        "lora_alpha: 8\nlora_target_modules: all-linear\nbf16: false\n")
+    code, out, err = rlhf("sft", "--trl-config", "sft.yaml", "--trl.num_train_epochs", "2")
+    assert code == 0, err
+    assert "TRL field 'warmup_ratio' becomes trl.warmup_steps" in out and "'report_to' is ignored" in out
+    run = the_run(tmp_path / "out")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["path"] == tiny_model and saved["data"]["path"] == "sums.jsonl"
+    assert (saved["lora"]["rank"], saved["lora"]["alpha"], saved["lora"]["target_modules"]) == (4, 8, ["all-linear"])
+    assert saved["trl"] == {"learning_rate": 5e-4, "num_train_epochs": 2, "per_device_train_batch_size": 4,
+                            "gradient_accumulation_steps": 2, "max_length": 64, "warmup_steps": 0.1}
+    assert (run / "final" / "model.safetensors").exists() and (run / "final-adapter").is_dir()

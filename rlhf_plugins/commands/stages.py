@@ -22,6 +22,9 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
                                        "TRL's own fields go under --trl.FIELD (e.g. --trl.learning_rate 1e-4). With no "
                                        "arguments it trains the embedded tiny Llama on data made for the default task.")
         p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
+        p.add_argument("--trl-config", metavar="FILE",
+                       help=f"a TRL YAML (as for `trl {stage if stage != 'rm' else 'reward'} --config`); --config and "
+                            "flags override it")
         p.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
@@ -35,7 +38,14 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     from ..stages.config import StageConfig, check, trl_config
 
     offline_defaults()
-    raw = merge(load_yaml(args.config) if args.config else {}, parse_overrides(rest))
+    raw: dict[str, Any] = {}
+    if args.trl_config:
+        from ..integrations.trl_stage_yaml import from_trl_stage_yaml
+
+        raw, notes = from_trl_stage_yaml(args.trl_config)
+        for note in notes:
+            console.print(f"[dim]{note}[/]", highlight=False)
+    raw = merge(merge(raw, load_yaml(args.config) if args.config else {}), parse_overrides(rest))
     cfg = build_dataclass(raw, StageConfig)
     check(cfg)
     console.rule(f"[bold]rlhf {args.command}")
