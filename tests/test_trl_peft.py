@@ -570,3 +570,26 @@ def test_trl_scripts_reward_names_and_reward_model_convert(tmp_path, monkeypatch
     cfg.write_text(yaml.safe_dump({"reward_funcs": ["nonsense"]}))
     with pytest.raises(ConfigError, match="'nonsense' must be 'module.function' or one of TRL's: accuracy_reward"):
         from_trl_yaml(cfg)
+
+
+def test_a_trl_yamls_model_config_fields_convert_with_use_peft(tmp_path):
+    """`trl grpo --config`'s file holds TRL's ModelConfig fields too: dtype, and the LoRA of use_peft (left
+    unused without it, as TRL leaves it); a PEFT setting a plain LoRA cannot honour is one line."""
+    import yaml
+
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+
+    cfg = tmp_path / "grpo.yaml"
+    base = {"learning_rate": 1e-4, "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["q_proj", "v_proj"],
+            "dtype": "bfloat16", "attn_implementation": "sdpa"}
+    cfg.write_text(yaml.safe_dump({**base, "use_peft": True}))
+    raw, notes, _ = from_trl_yaml(cfg)
+    assert raw["lora"] == {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    assert raw["model"]["dtype"] == "bfloat16" and raw["learner"]["lr"] == 1e-4
+    assert "TRL field 'attn_implementation' is ignored: transformers' default attention (SDPA) runs" in notes
+    cfg.write_text(yaml.safe_dump(base))  # no use_peft: TRL trains the whole model
+    assert "lora" not in from_trl_yaml(cfg)[0]
+    cfg.write_text(yaml.safe_dump({**base, "use_peft": True, "use_dora": True}))
+    with pytest.raises(ConfigError, match=r"TRL field 'use_dora' \(DoRA\) has no plain-field equivalent here; put it "
+                                          "in a PEFT adapter_config.json and give it as --lora.config"):
+        from_trl_yaml(cfg)

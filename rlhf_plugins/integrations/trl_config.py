@@ -267,16 +267,25 @@ def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
 
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
-    from ..config.loading import load_yaml
+    from ..config.loading import load_yaml, merge
     from .trl_script import script_rewards
+    from .trl_stage_yaml import IGNORED, model_fields
 
-    data = load_yaml(path)
+    data = dict(load_yaml(path))
+    model: dict[str, Any] = {}
+    model_notes: list[str] = []
+    model_fields(data, model, model_notes, "model.trust_remote_code")  # ModelConfig's: dtype, use_peft + lora_*
+    for key in ("attn_implementation", "model_revision", "lora_task_type"):
+        if key in data:
+            data.pop(key)
+            model_notes.append(f"TRL field '{key}' is ignored: {IGNORED[key]}")
     script: dict[str, Any] = {}
     for key in ("model_name_or_path", "dataset_name", "reward_funcs", "reward_model_name_or_path",
                 "dataset_train_split", "dataset_config"):
         if key in data:
             script[key] = data.pop(key)
     raw, notes = from_grpo_fields(data)
+    raw, notes = merge(raw, model), notes + model_notes
     if script.get("model_name_or_path"):
         _set(raw, "model.path", str(script["model_name_or_path"]))
     if script.get("dataset_name"):

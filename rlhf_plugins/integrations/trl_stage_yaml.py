@@ -1,17 +1,25 @@
-"""A ``trl sft`` / ``trl reward`` / ``trl dpo`` YAML (``trl sft --config sft.yaml``) as a stage config:
-TRL's script fields (model, dataset, PEFT) on our keys, the run's bookkeeping on ``train``, and every
-other field of TRL's config under ``trl:``, checked against the installed TRL when the stage starts."""
+"""TRL's YAML files (``trl sft`` / ``trl reward`` / ``trl dpo`` / ``trl grpo --config FILE``): the fields of
+TRL's ``ModelConfig`` every such file may hold (the model's dtype, PEFT with ``use_peft``) on our keys
+(:func:`model_fields`, shared with ``rlhf train --trl-config``), and a stage's file as a stage config
+(:func:`from_trl_stage_yaml`): the script's model, dataset and bookkeeping on ours, every other field of
+TRL's config under ``trl:``, checked against the installed TRL when the stage starts."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 from ..config.loading import set_dotted
+from ..errors import ConfigError
 
-#: TRL script / ModelConfig fields -> our stage keys
+#: TRL ModelConfig's PEFT fields (read with use_peft) -> our keys
+PEFT = {"lora_r": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+        "lora_target_modules": "lora.target_modules"}
+#: ModelConfig fields that would change training and that a plain LoRA here cannot honour
+PEFT_REFUSED = {"use_rslora": "rsLoRA", "use_dora": "DoRA", "lora_modules_to_save": "modules_to_save",
+                "load_in_4bit": "4-bit loading (QLoRA)", "load_in_8bit": "8-bit loading"}
+#: TRL script fields of a stage's file -> our stage keys
 SCRIPT = {"model_name_or_path": "model.path", "dataset_name": "data.path", "output_dir": "train.output_dir",
-          "run_name": "train.run_name", "seed": "train.seed", "lora_r": "lora.rank", "lora_alpha": "lora.alpha",
-          "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules"}
+          "run_name": "train.run_name", "seed": "train.seed"}
 #: fields that change nothing here, and why (one note each)
 IGNORED = {
     "dataset_train_split": "dataset_name is read as a local file or folder",
@@ -23,14 +31,37 @@ IGNORED = {
     "save_strategy": "final/ is always written",
     "use_cpu": "the device is chosen by what the machine has",
     "disable_tqdm": "see --train.progress",
-    "trust_remote_code": "stage models load without remote code",
     "model_revision": "model_name_or_path is a local folder",
+    "lora_task_type": "the task follows the model",
 }
-#: fields of earlier TRL / transformers releases that older YAML files still hold -> today's field
+#: fields of earlier TRL / transformers releases that older stage files still hold -> today's field
 LEGACY = {"warmup_ratio": ("warmup_steps", "transformers 5 reads a warmup_steps below 1 as the ratio"),
           "max_seq_length": ("max_length", "TRL renamed it")}
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32", "auto": None}
+          "float32": "float32", "fp32": "float32"}
+
+
+def model_fields(data: dict[str, Any], raw: dict[str, Any], notes: list[str], remote_code: str | None) -> None:
+    """Pops TRL ``ModelConfig``'s fields from ``data`` onto ``raw``: ``dtype`` / ``torch_dtype`` as
+    ``model.dtype`` (``auto``: the config's own), PEFT's as ``lora.*`` when ``use_peft`` is on (left
+    unused otherwise, as TRL leaves them), ``trust_remote_code`` as ``remote_code`` (None: noted)."""
+    peft = bool(data.pop("use_peft", False))
+    for key in [k for k in data if k in PEFT or k in PEFT_REFUSED or k in ("dtype", "torch_dtype",
+                                                                             "trust_remote_code")]:
+        value = data.pop(key)
+        if key in PEFT and peft:
+            set_dotted(raw, PEFT[key], [value] if key == "lora_target_modules" and isinstance(value, str) else value)
+        elif key in PEFT_REFUSED and value and (peft or key.startswith("load_in")):
+            raise ConfigError(f"TRL field '{key}' ({PEFT_REFUSED[key]}) has no plain-field equivalent here; put it in "
+                              "a PEFT adapter_config.json and give it as --lora.config" if key.startswith("use_")
+                              or key.endswith("save") else f"TRL field '{key}': {PEFT_REFUSED[key]} is not supported")
+        elif key in ("dtype", "torch_dtype") and str(value) in DTYPES:
+            set_dotted(raw, "model.dtype", DTYPES[str(value)])
+        elif key == "trust_remote_code" and value:
+            if remote_code is None:
+                notes.append("TRL field 'trust_remote_code' is ignored: stage models load without remote code")
+            else:
+                set_dotted(raw, remote_code, True)
 
 
 def from_trl_stage_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
@@ -40,17 +71,10 @@ def from_trl_stage_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     data = dict(load_yaml(path))
     raw: dict[str, Any] = {}
     notes: list[str] = []
-    peft = bool(data.pop("use_peft", False))
-    for key in list(data):
-        value = data.pop(key)
-        if key in SCRIPT and (peft or not key.startswith("lora_")):
-            set_dotted(raw, SCRIPT[key], [value] if key == "lora_target_modules" and isinstance(value, str)
-                       else value)
-        elif key.startswith("lora_") or key in ("use_rslora", "use_dora"):
-            continue  # PEFT fields without use_peft: TRL leaves them unused too
-        elif key in ("dtype", "torch_dtype"):
-            if DTYPES.get(str(value)) is not None:
-                set_dotted(raw, "model.dtype", DTYPES[str(value)])
+    model_fields(data, raw, notes, None)
+    for key, value in data.items():
+        if key in SCRIPT:
+            set_dotted(raw, SCRIPT[key], value)
         elif key in ("bf16", "fp16"):
             if value:
                 set_dotted(raw, "model.dtype", "bfloat16" if key == "bf16" else "float16")
