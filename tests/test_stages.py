@@ -130,3 +130,13 @@ def test_a_trl_yaml_runs_as_the_stage_with_its_script_fields_on_our_keys(rlhf, t
     assert saved["trl"] == {"learning_rate": 5e-4, "num_train_epochs": 2, "per_device_train_batch_size": 4,
                             "gradient_accumulation_steps": 2, "max_length": 64, "warmup_steps": 0.1}
     assert (run / "final" / "model.safetensors").exists() and (run / "final-adapter").is_dir()
+
+
+def test_an_older_trl_dpo_yaml_is_accepted_with_notes(rlhf, tmp_path, tiny_model):
+    """A TRL 0.x DPO file's max_prompt_length has no TRL 1.x field: noted, not fatal; loss_type as a string."""
+    (tmp_path / "dpo.yaml").write_text(f"model_name_or_path: {tiny_model}\nbeta: 0.2\nloss_type: sigmoid\n"
+                                       "max_length: 64\nmax_prompt_length: 32\n")
+    code, out, err = rlhf("dpo", "--trl-config", "dpo.yaml", "--dry-run")
+    assert code == 0, err
+    assert "TRL field 'max_prompt_length' is ignored: TRL 1.x's trainers bound prompt and answer" in " ".join(out.split())
+    assert "beta: 0.2" in out and "config is valid" in out

@@ -33,6 +33,9 @@ IGNORED = {
     "disable_tqdm": "see --train.progress",
     "model_revision": "model_name_or_path is a local folder",
     "lora_task_type": "the task follows the model",
+    "max_prompt_length": "TRL 1.x's trainers bound prompt and answer together by max_length (truncation_mode "
+                         "says which end is cut)",
+    "max_completion_length": "TRL 1.x's trainers bound prompt and answer together by max_length",
 }
 #: fields of earlier TRL / transformers releases that older stage files still hold -> today's field
 LEGACY = {"warmup_ratio": ("warmup_steps", "transformers 5 reads a warmup_steps below 1 as the ratio"),
