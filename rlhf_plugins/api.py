@@ -61,7 +61,8 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, plugins: Iterable[str] = (),
-                   *, autoload: bool | None = None) -> tuple[Config, RLHFPluginManager, Plan]:
+                   *, autoload: bool | None = None,
+                   inline: Iterable[tuple[str, object]] = ()) -> tuple[Config, RLHFPluginManager, Plan]:
     """The config of a run being resumed: its saved ``config.yaml`` plus ``overrides``; a change to
     anything but :data:`SAFE_TO_CHANGE` is refused naming the keys. The plan carries
     ``resume = (run directory, checkpoint folder)``."""
@@ -71,7 +72,7 @@ def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, 
 
     run_dir, folder = checkpoint.find(Path(target))
     saved = load_yaml(run_dir / "config.yaml")
-    config, pm, plan = prepare(merge(saved, overrides or {}), plugins, autoload=autoload)
+    config, pm, plan = prepare(merge(saved, overrides or {}), plugins, autoload=autoload, inline=inline)
     before, after, given = _flatten(saved), _flatten(config.to_dict()), set(_flatten(overrides or {}))
     # a key the saved config lacks is one added since the run began: its default keeps the old
     # behaviour, so only a value given now counts as a change
@@ -108,7 +109,7 @@ def train(raw: dict[str, Any] | None = None, *, plugins: Iterable[str] = (), inl
 
     offline_defaults()
     if resume is not None:
-        config, pm, plan = prepare_resume(resume, raw, plugins)
+        config, pm, plan = prepare_resume(resume, raw, plugins, inline=inline)
     else:
         config, pm, plan = prepare(raw, plugins, inline=inline)
     return run_training(config, pm, plan, console or Console(), rows=rows, resume=plan.resume)

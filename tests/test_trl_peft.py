@@ -593,3 +593,39 @@ def test_a_trl_yamls_model_config_fields_convert_with_use_peft(tmp_path):
     with pytest.raises(ConfigError, match=r"TRL field 'use_dora' \(DoRA\) has no plain-field equivalent here; put it "
                                           "in a PEFT adapter_config.json and give it as --lora.config"):
         from_trl_yaml(cfg)
+
+
+def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_does(tmp_path, tiny_model, monkeypatch):
+    """eval_dataset is the held-out set; a model loaded from a folder is that folder; train(
+    resume_from_checkpoint=True) continues the newest run under output_dir to a larger max_steps;
+    TrainerCallbacks and ready-made optimizers, which only TRL's loop would call, are one line each."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+    from tests.helpers import eval_rows_of
+
+    monkeypatch.chdir(tmp_path)
+    rows, held_out = task_rows("train")[:16], task_rows("test")[:6]
+
+    def trainer(steps, **extra):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+        return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model), args=args, train_dataset=rows,
+                           reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match",
+                           rlhf={"train": {"progress": False, "save_every": 1}}, **extra)
+
+    first = trainer(2, eval_dataset=held_out)
+    assert first.model_path == str(Path(tiny_model).resolve())
+    first.train()
+    saved = yaml.safe_load((first.run_dir / "config.yaml").read_text())
+    assert saved["eval"]["path"] == str(tmp_path / "out" / "eval_dataset.jsonl")
+    assert len((tmp_path / "out" / "eval_dataset.jsonl").read_text().splitlines()) == 6
+    assert [r["step"] for r in eval_rows_of(first.run_dir)] == [0, 2]
+    again = trainer(4, eval_dataset=held_out)
+    assert again.train(resume_from_checkpoint=True).global_step == 4 and again.run_dir == first.run_dir
+    with pytest.raises(ConfigError, match="callbacks are transformers TrainerCallbacks, which this loop does not call"):
+        trainer(2, callbacks=[object()])
+    with pytest.raises(ConfigError, match=r"optimizers=\(optimizer, scheduler\) are built for TRL's Trainer"):
+        trainer(2, optimizers=(object(), None))

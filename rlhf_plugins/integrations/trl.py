@@ -90,6 +90,51 @@ def _reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
     return [f for f, m in zip(funcs, models) if m is None]
 
 
+def _model_folder(model: Any) -> str:
+    """TRL takes a model name or a loaded model: here a local folder, or a model loaded from one."""
+    if isinstance(model, (str, Path)):
+        return str(model)
+    path = getattr(model, "name_or_path", "") or ""
+    if not path or not Path(path).is_dir():
+        raise ConfigError(f"model {type(model).__name__} ('{path}') is not a local folder; save it with "
+                          "save_pretrained and pass the folder")
+    return str(Path(path).resolve())
+
+
+def _refuse_hooks(callbacks: Any, optimizers: Any) -> None:
+    """transformers' TrainerCallbacks and a ready-made optimizer belong to TRL's Trainer loop, which does
+    not run here: one line each, pointing at what does the same."""
+    if callbacks:
+        raise ConfigError("callbacks are transformers TrainerCallbacks, which this loop does not call; write a "
+                          "plugin with rlhf_after_step / rlhf_after_rollout hooks (docs/plugin_hooks.md)")
+    if optimizers is not None and any(o is not None for o in optimizers):
+        raise ConfigError("optimizers=(optimizer, scheduler) are built for TRL's Trainer; set GRPOConfig's optim, "
+                          "learning_rate and lr_scheduler_type (or --learner.optimizer) instead")
+
+
+def _eval_file(eval_dataset: Any, fields: dict[str, Any]) -> str:
+    """The eval_dataset's rows as ``<output_dir>/eval_dataset.jsonl`` (the run reads held-out prompts
+    from a file, as it does on Ray workers)."""
+    import json
+
+    folder = Path(fields.get("output_dir") or "trainer_output")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "eval_dataset.jsonl"
+    path.write_text("".join(json.dumps(dict(row), default=str) + "\n" for row in eval_dataset))
+    return str(path.resolve())
+
+
+def _resume_target(resume: str | bool, raw: dict[str, Any]) -> str:
+    """TRL's resume_from_checkpoint: a folder, or True for the newest run under output_dir."""
+    if resume is not True:
+        return str(resume)
+    base = Path(raw.get("train", {}).get("output_dir") or "runs")
+    runs = sorted((d for d in base.glob("*") if (d / "checkpoints").is_dir()), key=lambda d: d.stat().st_mtime)
+    if not runs:
+        raise ConfigError(f"resume_from_checkpoint=True: no run with checkpoints under '{base}'")
+    return str(runs[-1])
+
+
 class GRPOTrainer:
     """``trl.GRPOTrainer``'s arguments, rlhf-plugins' loop (local or Ray).
 
@@ -101,12 +146,16 @@ class GRPOTrainer:
     config (e.g. the placement).
     """
 
-    def __init__(self, model: str, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
-                 processing_class: Any = None, peft_config: Any = None, tools: list[Callable[..., Any]] | None = None,
-                 rollout_func: Callable[..., Any] | None = None, environment_factory: Any = None,
-                 rlhf: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None,
+                 tools: list[Callable[..., Any]] | None = None, rollout_func: Callable[..., Any] | None = None,
+                 environment_factory: Any = None, rlhf: dict[str, Any] | None = None) -> None:
         from ..config.loading import merge
         from .trl_rollouts import RolloutTrainer, TRLRollouts
+
+        model = _model_folder(model)
+        _refuse_hooks(callbacks, optimizers)
 
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)} if args is not None else {}
         defaults = grpo_defaults()
@@ -135,13 +184,16 @@ class GRPOTrainer:
             _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
         self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})
         self.rewards = TRLRewards(callables) if callables else None
+        if eval_dataset is not None:  # held-out prompts, evaluated before the first step and after the last
+            self.raw = merge(self.raw, {"eval": {"enabled": True, "path": _eval_file(eval_dataset, fields)}})
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
         self.model_path, self.run_dir = str(model), None
 
-    def train(self) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
         """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns what TRL's
         ``train()`` does (``TrainOutput(global_step, training_loss, metrics)``); the run directory is
-        ``self.run_dir``, the trained policy ``self.model`` afterwards."""
+        ``self.run_dir``, the trained policy ``self.model`` afterwards. ``resume_from_checkpoint``: a run
+        directory or checkpoint folder, or True for the newest run under ``output_dir``, as in TRL."""
         from rich.console import Console
 
         from ..api import train
@@ -153,7 +205,13 @@ class GRPOTrainer:
         inline = [("trl_rewards", self.rewards)] if self.rewards is not None else []
         if self.rollouts.factories or self.rollouts.rollout_func is not None:
             inline.append(("trl_rollouts", self.rollouts))
-        self.run_dir = train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)
+        if resume_from_checkpoint:
+            steps = self.raw.get("train", {}).get("steps")  # a larger max_steps extends the run, as in TRL
+            target = _resume_target(resume_from_checkpoint, self.raw)
+            self.run_dir = train({"train": {"steps": steps}} if steps else None, plugins=self.plugins, inline=inline,
+                                 rows=self.rows, console=console, resume=target)
+        else:
+            self.run_dir = train(self.raw, plugins=self.plugins, inline=inline, rows=self.rows, console=console)
         return train_output(self.run_dir)
 
     @property
