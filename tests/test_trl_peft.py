@@ -629,3 +629,5 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
         trainer(2, callbacks=[object()])
     with pytest.raises(ConfigError, match=r"optimizers=\(optimizer, scheduler\) are built for TRL's Trainer"):
         trainer(2, optimizers=(object(), None))
+    with pytest.raises(ConfigError, match="reward_funcs entry 'Qwen/Qwen2.5-0.5B-RM' is not a local folder; download"):
+        GRPOTrainer(model=tiny_model, reward_funcs="Qwen/Qwen2.5-0.5B-RM", train_dataset=rows)

@@ -68,7 +68,12 @@ def _reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
     models). Returns the other entries."""
     def folder(f: Any) -> str | None:
         if isinstance(f, str):
-            return str(Path(f).resolve()) if f and Path(f).is_dir() else None
+            if f and Path(f).is_dir():
+                return str(Path(f).resolve())
+            if "/" in f:  # a hub name, as TRL would download: never a 'module.function'
+                raise ConfigError(f"reward_funcs entry '{f}' is not a local folder; download the reward model "
+                                  "(huggingface-cli download) and pass its folder")
+            return None
         if not hasattr(f, "config"):  # a callable
             return None
         path = getattr(f, "name_or_path", "") or ""
