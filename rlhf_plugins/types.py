@@ -92,7 +92,9 @@ class GenerationBackend(Component):
     ``memory(inputs: MemoryInputs) -> {item: bytes}`` the engine's analytic need per engine (an item
     named ``imports`` is the fixed cost of its libraries, shown apart). ``starts_empty(config)``:
     the engine starts without the checkpoint's weights under this config, so the loop syncs the
-    learner's weights into it before the first generation.
+    learner's weights into it before the first generation. ``refuses_sampling(config)``: the line
+    naming a sampling setting the engine would refuse mid-run (``None``: it takes them all), checked
+    before start.
     """
 
     area: ClassVar[str] = "generation backend"
@@ -105,6 +107,7 @@ class GenerationBackend(Component):
     max_length_key: str = field(default="", kw_only=True)
     memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
     starts_empty: Callable[[Any], bool] | None = field(default=None, kw_only=True)
+    refuses_sampling: Callable[[Any], str | None] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

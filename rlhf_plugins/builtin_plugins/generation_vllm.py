@@ -147,6 +147,16 @@ def vllm_memory(m: Any) -> dict[str, int]:
     return {k: v for k, v in items.items() if v}
 
 
+def refuses_sampling(config: Any) -> str | None:
+    """vLLM's SamplingParams refuse temperatures above 2 (the OpenAI range), training's or evaluation's."""
+    for key, value in (("generation.temperature", config.generation.temperature),
+                       ("eval.temperature", config.eval.temperature)):
+        if value > 2:
+            return (f"{key} {value:g} is above 2, which vLLM refuses to sample at; lower it, or use "
+                    "--generation.backend transformers")
+    return None
+
+
 @hookimpl
 def rlhf_generation_backends() -> Iterable[GenerationBackend]:
     yield GenerationBackend(
@@ -162,4 +172,5 @@ def rlhf_generation_backends() -> Iterable[GenerationBackend]:
         max_length_key="vllm.max_model_len",
         memory=vllm_memory,
         starts_empty=starts_empty,
+        refuses_sampling=refuses_sampling,
     )

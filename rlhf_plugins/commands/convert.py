@@ -158,9 +158,6 @@ def _reward_file(out: Converted) -> None:
         out.skipped.append((f"--remote_rm_url {extra}", "one reward_func file per run, as in OpenRLHF"))
 
 
-#: serve_rm's flags (first spelling) -> ``rlhf serve-reward``'s
-SERVE = {"--reward_pretrain": "--model", "--port": "--port", "--host": "--host", "--batch_size": "--batch-size",
-         "--bf16": "--dtype bfloat16", "--normalize_reward": "--normalize-reward"}
 #: serve_rm's flags rlhf serve-reward does without, and why
 SERVE_WHY = {"--value_head_prefix": "the value head is found by its name (score, or value_head)",
              "--max_len": "whole queries are scored"}
@@ -168,7 +165,7 @@ SERVE_WHY = {"--value_head_prefix": "the value head is found by its name (score,
 
 def _serve(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     """One serve_rm flag as an argument of ``rlhf serve-reward``."""
-    ours = SERVE.get(flag.flags[0])
+    ours = flag.serve or (flag.ours[0] if flag.commands == ("serve_rm",) else None)
     value = ",".join(vals)
     if ours is None:
         why = flag.note if flag.kind == "none" and flag.note else SERVE_WHY.get(flag.flags[0], "no such option")

@@ -28,7 +28,7 @@ def convert_stage(out: Any, given: dict[str, list[str]]) -> None:
     defaults for the others, into ``out`` (a :class:`~.convert.Converted` of a stage command)."""
     values = {**DEFAULTS, **given}
     for flag, default in DEFAULTS.items():
-        if flag not in given:
+        if flag not in given and flag != "--train_batch_size":  # the batch says how it is carried itself
             out.carried.append(f"{flag} {' '.join(default)}")
     _batch(out, int(float(values["--train_batch_size"][0])), "--train_batch_size" in given)
     scheduler = values["--lr_scheduler"][0]
@@ -63,7 +63,7 @@ def _batch(out: Any, total: int, given: bool) -> None:
     if given:
         out.partial.append(("--train_batch_size", how))
     else:
-        out.carried[out.carried.index(f"--train_batch_size {total}")] += f" ({how})"
+        out.carried.insert(0, f"--train_batch_size {total} ({how})")
 
 
 def stage_key(key: str) -> bool:

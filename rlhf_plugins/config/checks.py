@@ -135,12 +135,8 @@ def check_staleness(c: Config) -> None:
 
 
 def _check_generation(c: Config) -> None:
-    """Sampling settings the engine would refuse mid-run, and stop strings."""
+    """Stop strings (sampling settings an engine refuses: its ``refuses_sampling``, in validate)."""
     g = c.generation
-    if g.backend == "vllm":  # vLLM's SamplingParams refuse temperatures above 2 (the OpenAI range)
-        for key, value in (("generation.temperature", g.temperature), ("eval.temperature", c.eval.temperature)):
-            _require(value <= 2, f"{key} {value:g} is above 2, which vLLM refuses to sample at; lower it, or use "
-                                 "--generation.backend transformers")
     _require(all(g.stop), "generation.stop holds an empty string, which would end every completion at once; "
                           "remove it")
     _require(not (g.stop and g.partial_rollout), "generation.stop is matched within one generation call, and a "

@@ -68,6 +68,8 @@ class Flag:
     commands: tuple[str, ...] = ()
     stage: str | None = None
     stage_value: Any = None
+    #: the rlhf serve-reward argument it is for serve_rm (the serve_rm-only rows: ``ours``)
+    serve: str | None = None
 
     @property
     def target(self) -> str:

@@ -156,6 +156,9 @@ def check_combinations(c: Config, plan: Plan) -> None:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
     check_compile(c, plan)
+    refused = engine.refuses_sampling(c) if engine.refuses_sampling is not None else None
+    if refused:
+        raise ConfigError(refused)
     if plan.engine_workers < 1:
         raise ConfigError(f"generation backend '{engine.name}' asks for {plan.engine_workers} engines; it needs >= 1")
     if plan.engine_workers > 1 and not placement.multi_rank:

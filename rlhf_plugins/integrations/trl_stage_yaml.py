@@ -14,9 +14,11 @@ from ..errors import ConfigError
 #: TRL ModelConfig's PEFT fields (read with use_peft) -> our keys
 PEFT = {"lora_r": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
         "lora_target_modules": "lora.target_modules"}
-#: ModelConfig fields that would change training and that a plain LoRA here cannot honour
-PEFT_REFUSED = {"use_rslora": "rsLoRA", "use_dora": "DoRA", "lora_modules_to_save": "modules_to_save",
-                "load_in_4bit": "4-bit loading (QLoRA)", "load_in_8bit": "8-bit loading"}
+#: PEFT settings of ModelConfig that a plain LoRA cannot hold (a PEFT adapter_config.json can), with use_peft
+ADAPTER_ONLY = {"use_rslora": "rsLoRA", "use_dora": "DoRA", "lora_modules_to_save": "modules_to_save"}
+#: quantised loading, which this project does not do
+QUANTISED = {"load_in_4bit": "4-bit loading (QLoRA)", "load_in_8bit": "8-bit loading"}
+MODEL_KEYS = (*PEFT, *ADAPTER_ONLY, *QUANTISED, "dtype", "torch_dtype", "trust_remote_code")
 #: TRL script fields of a stage's file -> our stage keys
 SCRIPT = {"model_name_or_path": "model.path", "dataset_name": "data.path", "output_dir": "train.output_dir",
           "run_name": "train.run_name", "seed": "train.seed"}
@@ -49,15 +51,15 @@ def model_fields(data: dict[str, Any], raw: dict[str, Any], notes: list[str], re
     ``model.dtype`` (``auto``: the config's own), PEFT's as ``lora.*`` when ``use_peft`` is on (left
     unused otherwise, as TRL leaves them), ``trust_remote_code`` as ``remote_code`` (None: noted)."""
     peft = bool(data.pop("use_peft", False))
-    for key in [k for k in data if k in PEFT or k in PEFT_REFUSED or k in ("dtype", "torch_dtype",
-                                                                             "trust_remote_code")]:
+    for key in [k for k in data if k in MODEL_KEYS]:
         value = data.pop(key)
         if key in PEFT and peft:
             set_dotted(raw, PEFT[key], [value] if key == "lora_target_modules" and isinstance(value, str) else value)
-        elif key in PEFT_REFUSED and value and (peft or key.startswith("load_in")):
-            raise ConfigError(f"TRL field '{key}' ({PEFT_REFUSED[key]}) has no plain-field equivalent here; put it in "
-                              "a PEFT adapter_config.json and give it as --lora.config" if key.startswith("use_")
-                              or key.endswith("save") else f"TRL field '{key}': {PEFT_REFUSED[key]} is not supported")
+        elif key in ADAPTER_ONLY and value and peft:
+            raise ConfigError(f"TRL field '{key}' ({ADAPTER_ONLY[key]}) has no plain-field equivalent here; put it in "
+                              "a PEFT adapter_config.json and give it as --lora.config")
+        elif key in QUANTISED and value:
+            raise ConfigError(f"TRL field '{key}': {QUANTISED[key]} is not supported")
         elif key in ("dtype", "torch_dtype") and str(value) in DTYPES:
             set_dotted(raw, "model.dtype", DTYPES[str(value)])
         elif key == "trust_remote_code" and value:
