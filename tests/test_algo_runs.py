@@ -131,6 +131,38 @@ def test_dynamic_filtering_trains_only_on_groups_with_signal(rlhf, tmp_path):
     assert all(r["filter/rounds"] >= 1 and 0 < r["filter/kept_groups"] <= 1 for r in rows)
 
 
+def test_dynamic_filtering_compares_an_openrlhf_reward_files_scores_and_trains_on_its_rewards(rlhf, tmp_path):
+    """OpenRLHF's reward_func returns ``rewards`` (trained on) and ``scores`` (what --dynamic_filtering
+    compares, against --dynamic_filtering_reward_range). Scores 0 / 1 and rewards 5 / 6: the groups kept
+    are the ones whose scores are mixed -- comparing the rewards, no mean is inside (0, 1)."""
+    reward = tmp_path / "reward_func.py"
+    reward.write_text(textwrap.dedent("""
+        import torch
+        def reward_func(queries, prompts, labels):
+            scores = torch.tensor([float(len(q) % 2) for q in queries])
+            return {"rewards": scores + 5.0, "scores": scores, "extra_logs": {}}
+    """))
+    checker = tmp_path / "groups.py"
+    checker.write_text(textwrap.dedent(f"""
+        import json
+        from rlhf_plugins import hookimpl
+        @hookimpl
+        def rlhf_after_rollout(step, rollout):
+            g = rollout.group_size
+            blocks = [rollout.raw_scores[i:i + g] for i in range(0, len(rollout), g)]
+            open({str(tmp_path / "kept.txt")!r}, "a").write(json.dumps(blocks) + "\\n")
+    """))
+    code, _, err = rlhf("train", "--plugin", str(reward), "--plugin", str(checker), "--reward.dynamic_filtering",
+                        "true", "--reward.filter_range", "0,1", *short_run("--train.steps", "3"))
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert all(r["filter/kept_groups"] > 0 for r in rows), rows
+    assert all(5.0 <= r["reward/mean"] <= 6.0 for r in rows)  # the rewards trained
+    kept = [json.loads(line) for line in (tmp_path / "kept.txt").read_text().splitlines()]
+    assert len(kept) == 3
+    assert all(set(block) == {5.0, 6.0} for blocks in kept for block in blocks), kept  # mixed scores only
+
+
 def test_readme_third_party_estimator_is_picked_by_name(rlhf, tmp_path):
     """The README's estimator plugin (at most 15 lines), run as written."""
     readme = (ROOT / "README.md").read_text()

@@ -234,6 +234,113 @@ def test_an_agent_with_an_async_init_is_built_afresh_for_every_trajectory_and_lo
     assert AsyncInitAgent.loops == {id(runner.loop)}  # awaited on the run's own event loop
 
 
+class ScoringAgent:
+    """Rewards 0.5 a step and, at its last step only, ``scores`` 0.25 (OpenRLHF: what dynamic filtering
+    compares; without them, the rewards so far)."""
+
+    def __init__(self, *args, **kwargs):
+        self.steps = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.steps += 1
+        done = self.steps == 2
+        out = {"rewards": torch.tensor(0.5), "environment_feedback": "" if done else "<|user|>more", "done": done}
+        return {**out, "scores": torch.tensor(0.25)} if done else out
+
+
+class SilentAgent(ScoringAgent):
+    async def step(self, states, **kwargs):
+        out = await super().step(states)
+        out.pop("scores", None)
+        return out
+
+
+@pytest.mark.parametrize("agent, scores", [(ScoringAgent, [0.25] * 4), (SilentAgent, [1.0] * 4)])
+def test_an_agents_scores_reach_dynamic_filtering_beside_its_summed_rewards(tokenizer, engine, agent, scores):
+    """The last step's ``scores`` (or, without them, the rewards summed so far: 0.5 + 0.5) are what the
+    ``env_reward`` source gives dynamic filtering; the summed rewards train."""
+    from rlhf_plugins.builtin_plugins.environments import env_reward
+
+    runner = runner_for(tokenizer, factory=agent, max_turns=4)
+    data = rows(2)
+    traj = runner.run(engine.generate, [r["prompt"] for r in data], data, ["r"] * 2,
+                      SamplingParams(n=2, max_new_tokens=8, seed=3))
+    runner.close()
+    assert traj.env_rewards == [1.0] * 4 and traj.env_scores == scores
+    out = env_reward([], [""] * 4, env_reward=traj.env_rewards, env_score=[None, 0.0, *traj.env_scores[2:]])
+    assert out == {"rewards": [1.0] * 4, "scores": [1.0, 0.0, *scores[2:]]}  # no score: its reward stands in
+    assert env_reward([], [""] * 4, env_reward=traj.env_rewards) == [1.0] * 4
+
+
+class SteeringAgent:
+    """OpenRLHF's agents get the turn's vLLM-style ``sampling_params`` and may return changed ones for
+    the next turns: the even-numbered instances add a stop string ("1") and top-k after their first turn."""
+
+    built, seen = 0, []
+
+    def __init__(self, *args, **kwargs):
+        self.id, self.steps = type(self).built, 0
+        type(self).built += 1
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        sp = states["sampling_params"]
+        type(self).seen.append((self.id, self.steps, sp.max_tokens, sp.temperature, list(sp.stop), sp.top_k))
+        self.steps += 1
+        if self.id % 2 == 0:
+            sp.stop, sp.top_k = ["1"], 5
+        done = self.steps == 3
+        return {"rewards": torch.tensor(0.0), "environment_feedback": "" if done else "<|user|>more",
+                "done": done, "sampling_params": sp}
+
+
+def test_an_agents_returned_sampling_params_set_its_next_turns(tokenizer, engine):
+    """The step sees the turn's settings under vLLM's names (max_tokens: the turn's budget); what it
+    returns changed (stop strings, top-k) samples that trajectory's next turns, in a call of its own."""
+    runner = runner_for(tokenizer, factory=SteeringAgent, max_turns=3, max_turn_tokens=48)
+    rec = Recorder(engine)
+    data = rows(2)
+    params = SamplingParams(n=2, max_new_tokens=48, temperature=1.0, seed=9)
+    traj = runner.run(rec.generate, [r["prompt"] for r in data], data, ["r"] * 2, params)
+    runner.close()
+    assert traj.turns == [3] * 4
+    first = [seen for seen in SteeringAgent.seen if seen[1] == 0]
+    assert sorted(first) == [(i, 0, 48, 1.0, [], 0) for i in range(4)]  # the run's settings, vLLM's names
+    later = [seen for seen in SteeringAgent.seen if seen[1] > 0]
+    assert sorted((i, stop, k) for i, _, _, _, stop, k in later) == sorted(
+        [(i, ["1"] if i % 2 == 0 else [], 5 if i % 2 == 0 else 0) for i in range(4) for _ in (1, 2)])
+    turn_calls = [(len(contexts), p.stop, p.top_k) for contexts, _, p in rec.calls]
+    assert turn_calls[0] == (4, (), 0)  # the first turn: one request (n = 2 per prompt)
+    for later_turn in (turn_calls[1:3], turn_calls[3:5]):  # then one call per set of settings
+        assert sorted(later_turn) == [(2, (), 0), (2, ("1",), 5)]
+    stopped = [c for _, completions, p in rec.calls if p.stop for c in completions]
+    assert all("1" not in tokenizer.decode(c[:-1]) for c in stopped)  # cut at the token that completes "1"
+    assert sum("1" in tokenizer.decode(c) for c in stopped) >= 2  # ... which the model did sample
+
+
+class HotterAgent(SteeringAgent):
+    async def step(self, states, **kwargs):
+        out = await super().step(states)
+        out["sampling_params"].temperature = 0.7
+        return out
+
+
+def test_an_agent_changing_the_temperature_is_one_line(tokenizer, engine):
+    runner = runner_for(tokenizer, factory=HotterAgent, max_turns=3)
+    data = rows(1)
+    with pytest.raises(EnvironmentFailed) as info:
+        runner.run(engine.generate, [data[0]["prompt"]], data, ["dataset row 4"], SamplingParams(n=1, seed=1))
+    runner.close()
+    assert str(info.value) == (
+        "environment 'calc' step() returned sampling_params with temperature 0.7 for the next turn; the learner's "
+        "log-probs assume the run's --generation.temperature 1 on every turn (set that instead) (dataset row 4)")
+
+
 def session(tokenizer, tools):
     import concurrent.futures
 

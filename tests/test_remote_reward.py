@@ -92,7 +92,8 @@ def test_training_with_a_remote_reward_scores_like_the_same_reward_in_process(ex
 
 
 class Faulty(BaseHTTPRequestHandler):
-    """Answers by ``server.mode``: 500, 500-once, notjson, count, slow, extra (OpenRLHF's extra_logs)."""
+    """Answers by ``server.mode``: 500, 500-once, notjson, count, slow, extra (OpenRLHF's extra_logs),
+    scores (OpenRLHF's ``scores`` beside the rewards: 1 for an odd-length query, else 0)."""
 
     def log_message(self, *args):  # quiet
         pass
@@ -114,6 +115,9 @@ class Faulty(BaseHTTPRequestHandler):
         if mode == "extra":  # per-sample values and a scalar, as OpenRLHF's servers send them
             extra = {"format_ok": [float(len(q) % 2) for q in body["query"]], "server_batch": float(n)}
             return self._send(200, json.dumps({"rewards": [0.5] * n, "extra_logs": extra}).encode())
+        if mode == "scores":
+            scores = [float(len(q) % 2) for q in body["query"]]
+            return self._send(200, json.dumps({"rewards": [s - 0.25 for s in scores], "scores": scores}).encode())
         return self._send(200, json.dumps({"rewards": [0.5] * n}).encode())
 
     def _send(self, code, body):
@@ -174,6 +178,38 @@ def test_a_servers_extra_logs_become_metrics_of_the_step(faulty):
     result = role.score(batch)
     assert result.scores == [0.5] * 4 and server.calls == 2
     assert result.logged == {"format_ok": [0.5, 0.5], "server_batch": [2.0, 2.0]}  # each request's means
+
+
+def test_a_servers_scores_are_what_dynamic_filtering_compares_and_its_rewards_train(faulty):
+    """OpenRLHF's servers answer ``rewards`` (the advantage's input) and ``scores`` (what its dynamic
+    filtering compares); with a second source of weight 2, the filter compares the weighted sum with the
+    server's scores in place of its rewards."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
+
+    server, url = faulty
+    server.mode = "scores"
+    cfg, pm, plan = prepare({"reward": {"remote_urls": [url], "remote_batch_size": 3, "functions": ["exact_match"],
+                                        "weights": [2.0, 1.0]}}, autoload=False)
+    role = RewardRole(cfg, pm.spec, plan.rewards, plan.weights)
+    queries = ["1+1=2", "1+1=22", "2+2=4", "2+2=44"]  # odd, even, odd, even lengths
+    batch = RewardBatch(["1+1="] * 2 + ["2+2="] * 2, ["2", "22", "4", "44"], [[1]] * 4, {"label": [2, 2, 4, 4]}, 1,
+                        queries, ["1+1="] * 2 + ["2+2="] * 2)
+    result = role.score(batch)
+    assert result.parts == {"exact_match": [1.0, 0.0, 1.0, 0.0], "remote": [0.75, -0.25, 0.75, -0.25]}
+    assert result.scores == [2.75, -0.25, 2.75, -0.25]  # 2 x exact_match + the server's rewards
+    assert result.filter_scores == [3.0, 0.0, 3.0, 0.0]  # 2 x exact_match + the server's scores
+    assert server.calls == 2
+
+
+def test_a_client_returns_a_servers_scores_and_refuses_scores_not_one_per_query(faulty):
+    server, url = faulty
+    server.mode = "scores"
+    client = RemoteReward([url])
+    assert client(["ab", "abc"], ["", ""]) == {"rewards": [-0.25, 0.75], "scores": [0.0, 1.0]}
+    with pytest.raises(RewardError) as info:
+        RemoteReward._rewards(url, httpx.Response(200, json={"rewards": [1.0], "scores": []}), 1)
+    assert str(info.value) == f"reward server {url} answered 'scores' that are not a list of 1 numbers: '[]'"
 
 
 def test_requests_are_spread_over_several_urls(faulty):

@@ -33,12 +33,15 @@ def _tool_model() -> str:
 
 
 def env_reward(prompts: list[Any], completions: list[str], env_reward: list[float | None] | None = None,
-               **kwargs: Any) -> list[float | None]:
+               env_score: list[float | None] | None = None, **kwargs: Any) -> Any:
     """The environment's own reward of each trajectory (get_reward, or an agent's summed rewards)."""
     if env_reward is None or all(v is None for v in env_reward):
         raise ValueError("env_reward reads the environment's own reward, and this run's environments give none "
                          "(no get_reward, not an agent); choose --reward.functions")
-    return list(env_reward)
+    if env_score is None:
+        return list(env_reward)
+    # an OpenRLHF agent's scores: what dynamic filtering compares (its rewards train)
+    return {"rewards": list(env_reward), "scores": [r if s is None else s for r, s in zip(env_reward, env_score)]}
 
 
 @hookimpl

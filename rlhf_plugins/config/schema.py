@@ -137,7 +137,8 @@ class RewardConfig:
     normalize: bool = False
     #: clip (shaped) scores to [-clip, clip]
     clip: float | None = setting(None, gt=0)
-    #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts
+    #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts;
+    #: the scores compared are the shaped rewards, or OpenRLHF's ``scores`` where a source returns them
     dynamic_filtering: bool = False
     #: with dynamic filtering, also drop groups whose mean score is not strictly inside [low, high]
     filter_range: list[float] | None = None

@@ -18,6 +18,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,61 @@ class AgentExecutorBase(ABC):
     async def execute(self, prompt: Any, label: Any, sampling_params: Any, max_length: int, hf_tokenizer: Any,
                       llm_engine: Any) -> dict:
         raise NotImplementedError
+
+
+@dataclass
+class AgentSamplingParams:
+    """What an agent's ``step`` gets as ``states["sampling_params"]``: the turn's sampling settings under
+    vLLM's ``SamplingParams`` names, as OpenRLHF hands its agents (``max_tokens``: the trajectory's
+    budget for the turn). A ``sampling_params`` the step returns sets the trajectory's next turns:
+    see :func:`turn_overrides`."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    logprobs: int = 1
+
+    @classmethod
+    def of(cls, params: Any) -> AgentSamplingParams:
+        """From the engine's :class:`~rlhf_plugins.protocols.SamplingParams` of the turn."""
+        return cls(params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+                   params.max_new_tokens, list(params.stop), params.seed)
+
+
+#: fields a step's returned ``sampling_params`` may change for the trajectory's next turns (vLLM's name:
+#: ours); the temperature may not (the learner's log-probs assume the run's), max_tokens is the budget
+TURN_FIELDS = {"top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+               "stop": "stop"}
+
+
+def turn_overrides(returned: Any, run: Any) -> dict[str, Any]:
+    """What a ``sampling_params`` returned by an agent's step changes against the run's settings
+    (``run``: :class:`~rlhf_plugins.protocols.SamplingParams`), as our field names; a vLLM
+    ``SamplingParams``, this class or a dict. Raises ValueError for a changed temperature."""
+    get = returned.get if isinstance(returned, dict) else (lambda name, default=None: getattr(returned, name, default))
+    temperature = get("temperature", run.temperature)
+    if temperature is not None and abs(float(temperature) - run.temperature) > 1e-9:
+        raise ValueError(f"returned sampling_params with temperature {temperature} for the next turn; the learner's "
+                         f"log-probs assume the run's --generation.temperature {run.temperature:g} on every turn "
+                         "(set that instead)")
+    out: dict[str, Any] = {}
+    for theirs, ours in TURN_FIELDS.items():
+        value = get(theirs, None)
+        if value is None:
+            continue
+        if ours == "stop":
+            value = (value,) if isinstance(value, str) else tuple(value)
+        elif ours == "top_k":
+            value = max(int(value), 0)  # vLLM's -1 is our 0: off
+        if value != getattr(run, ours):
+            out[ours] = value
+    return out
 
 
 class _CompatFinder(importlib.abc.MetaPathFinder):

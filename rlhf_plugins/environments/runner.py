@@ -17,67 +17,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
 from ..protocols import SamplingParams
-from ..rewards.callables import log_extra
 from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent, is_agent_class
 from .tools import Renderer, run_in
-
-FINISH_REASONS = ("stop", "length", "max_turns", "env_done")
-
-
-@dataclass
-class Trajectories:
-    """Per trajectory, in the order of the samples (``n`` consecutive per prompt)."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    #: every token after the prompt: model turns and environment output
-    completion_ids: list[list[int]] = field(default_factory=list)
-    #: 1 on the model's tokens, 0 on the environment's
-    action_masks: list[list[int]] = field(default_factory=list)
-    #: engine log-prob of each model token (0.0 on environment tokens)
-    logprobs: list[list[float]] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    #: the text of each trajectory's last model turn (what answer-checking rewards read)
-    final_texts: list[str] = field(default_factory=list)
-    #: the trajectory as chat messages (assistant turns, tool / environment replies)
-    messages: list[list[dict[str, Any]]] = field(default_factory=list)
-    #: the environment's own reward (get_reward, an agent's summed rewards); None where it has none
-    env_rewards: list[float | None] = field(default_factory=list)
-    turns: list[int] = field(default_factory=list)
-    tool_calls: list[int] = field(default_factory=list)
-    tool_failures: list[int] = field(default_factory=list)
-    #: an OpenRLHF agent's ``extra_logs`` of its last step (None for other environments)
-    extra_logs: list[Any] = field(default_factory=list)
-    #: prompt tokens of the turns after the first, and how many of them the engine's prefix cache
-    #: served (None: the engine does not say)
-    later_prompt_tokens: int = 0
-    later_cached_tokens: int | None = None
-
-    def metrics(self) -> dict[str, float]:
-        n = max(len(self.turns), 1)
-        calls = sum(self.tool_calls)
-        env_tokens = sum(len(m) - sum(m) for m in self.action_masks)
-        out = {
-            "env/turns": sum(self.turns) / n,
-            "env/tool_call_rate": sum(c > 0 for c in self.tool_calls) / n,
-            "env/tool_calls": calls / n,
-            "env/tool_failures": float(sum(self.tool_failures)),
-            "env/tool_failure_rate": sum(self.tool_failures) / calls if calls else 0.0,
-            "env/env_tokens": env_tokens / n,
-        }
-        for reason in FINISH_REASONS:
-            out[f"env/finish_{reason}"] = sum(r == reason for r in self.finish_reasons) / n
-        if self.later_cached_tokens is not None and self.later_prompt_tokens:
-            out["env/prefix_cache_hit_rate"] = self.later_cached_tokens / self.later_prompt_tokens
-        logged: dict[str, list[float]] = {}
-        for extra in self.extra_logs:  # by their own names, as OpenRLHF logs them
-            log_extra(extra, lambda name, value: logged.setdefault(name, []).append(value))
-        out.update({name: sum(values) / len(values) for name, values in logged.items()})
-        return out
+from .trajectories import Trajectories
 
 
 class EnvRunner:
@@ -183,7 +129,8 @@ class EnvRunner:
             if not active:
                 break
             contexts = [out.prompt_ids[i] + out.completion_ids[i] for i in active]
-            samples = self._sample(generate, contexts, params, turn, max(room.values()), out)
+            samples = self._sample(generate, contexts, params, turn, [room[i] for i in active], out,
+                                   [sessions[i] for i in active])
             replies = self._model_turn(out, active, samples, contexts, room)
             active = self._env_turn(out, sessions, replies, turn)
         out.env_rewards = self._gather([s.reward() for s in sessions])
@@ -191,6 +138,7 @@ class EnvRunner:
         out.tool_calls = [s.tool_calls for s in sessions]
         out.tool_failures = [s.tool_failures for s in sessions]
         out.extra_logs = [getattr(s, "extra_logs", None) for s in sessions]
+        out.env_scores = [getattr(s, "score", None) for s in sessions]
         return out
 
     def _sessions(self, rows: list[dict[str, Any]], where: list[str], n: int) -> list[Any]:
@@ -208,18 +156,24 @@ class EnvRunner:
         return sessions
 
     def _sample(self, generate: Callable[..., Any], contexts: list[list[int]], params: SamplingParams, turn: int,
-                room: int, out: Trajectories) -> Any:
-        """One model turn of every active trajectory."""
+                rooms: list[int], out: Trajectories, sessions: list[Any]) -> Any:
+        """One model turn of every active trajectory (``rooms``: each one's tokens left). Trajectories
+        whose agent changed their sampling settings are sampled in calls of their own."""
         cfg, n = self.cfg, params.n
         seed = None if params.seed is None else params.seed + 7919 * turn
-        turn_budget = min(cfg.max_turn_tokens or cfg.max_total_tokens, room)
-        turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=turn_budget)
+        cap = cfg.max_turn_tokens or cfg.max_total_tokens
+        turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=min(cap, max(rooms)))
+        own = [dataclasses.replace(turn_params, max_new_tokens=min(cap, r), **getattr(s, "overrides", {}))
+               for s, r in zip(sessions, rooms)]
+        for s, p in zip(sessions, own):
+            if isinstance(s, AgentSession):  # what its step is shown as sampling_params
+                s.run_params, s.turn_params = params, p
         B = len(contexts)
         if turn == 0 and n > 1 and all(contexts[j] == contexts[j - j % n] for j in range(B)):
             # the first turn of a group starts from one prompt: sample its n turns in one request
             # (the engine prefills the prompt once)
             return generate(contexts[::n], dataclasses.replace(turn_params, n=n))
-        samples = generate(contexts, turn_params)
+        samples = _by_settings(generate, contexts, turn_params, [getattr(s, "overrides", {}) for s in sessions])
         if turn > 0 and getattr(samples, "cached_prompt_tokens", None) is not None:
             out.later_cached_tokens = (out.later_cached_tokens or 0) + samples.cached_prompt_tokens
             out.later_prompt_tokens += sum(len(c) for c in contexts)
@@ -276,6 +230,29 @@ class EnvRunner:
         self.executor.shutdown(wait=False, cancel_futures=True)
         if not self.loop.is_closed():
             self.loop.close()
+
+
+def _by_settings(generate: Callable[..., Any], contexts: list[list[int]], params: SamplingParams,
+                 overrides: list[dict[str, Any]]) -> Any:
+    """``generate`` for every context, one call per distinct set of sampling overrides (one call when
+    none has any), the samples back in the order of ``contexts``."""
+    keys = [tuple(sorted(o.items())) for o in overrides]
+    if len(set(keys)) <= 1:
+        return generate(contexts, dataclasses.replace(params, **overrides[0]) if overrides else params)
+    from ..protocols import Samples
+
+    merged = Samples(list(range(len(contexts))), [[]] * len(contexts), [[]] * len(contexts), [""] * len(contexts))
+    cached: int | None = 0
+    for key in dict.fromkeys(keys):
+        idx = [j for j, k in enumerate(keys) if k == key]
+        part = generate([contexts[j] for j in idx], dataclasses.replace(params, **dict(key)))
+        for k, j in enumerate(idx):
+            merged.completion_ids[j], merged.logprobs[j] = part.completion_ids[k], part.logprobs[k]
+            merged.finish_reasons[j] = part.finish_reasons[k]
+        got = getattr(part, "cached_prompt_tokens", None)
+        cached = None if cached is None or got is None else cached + got
+    merged.cached_prompt_tokens = cached
+    return merged
 
 
 async def _step(session: Any, text: str, prefix: str) -> Any:

@@ -175,6 +175,13 @@ class AgentSession(_Session):
         self.total = 0.0
         #: the last step's ``extra_logs`` (OpenRLHF logs them as metrics)
         self.extra_logs: Any = None
+        #: the last step's ``scores`` (else the rewards so far): what dynamic filtering compares, as in OpenRLHF
+        self.score: float | None = None
+        #: the run's sampling settings, those of the model turn just sampled (the runner sets both), and
+        #: what the step's returned ``sampling_params`` change for the next turns (our field names)
+        self.run_params: Any = None
+        self.turn_params: Any = None
+        self.overrides: dict[str, Any] = {}
 
     async def start(self, prompt: Any, reset_row: dict[str, Any]) -> list[int]:
         try:
@@ -192,8 +199,11 @@ class AgentSession(_Session):
         return self.encode(self.observation)
 
     async def step(self, turn_text: str) -> StepResult:
+        from .openrlhf import AgentSamplingParams
+
+        shown = None if self.turn_params is None else AgentSamplingParams.of(self.turn_params)
         states = {"observation_text": self.observation, "action_text": turn_text, "label": self.row.get("label"),
-                  "sampling_params": None}
+                  "sampling_params": shown}
         try:
             out = await _maybe_await(self.instance.step(states))
         except Exception as exc:
@@ -206,7 +216,10 @@ class AgentSession(_Session):
         if not isinstance(feedback, str):
             raise self.fail(f"step() returned environment_feedback of type {type(feedback).__name__}; return a string")
         self.total += _number(self, out.get("rewards", 0.0), "step()['rewards']")
+        given = out.get("scores")
+        self.score = self.total if given is None else _number(self, given, "step()['scores']")
         self.extra_logs = out.get("extra_logs")
+        self.take_sampling_params(out.get("sampling_params"))
         self.observation += turn_text + feedback
         self.messages.append({"role": "assistant", "content": parse_turn(self.ctx.tokenizer, turn_text)[0]})
         if feedback:
@@ -216,6 +229,19 @@ class AgentSession(_Session):
 
     async def reward(self) -> float | None:
         return self.total
+
+    def take_sampling_params(self, returned: Any) -> None:
+        """OpenRLHF samples a trajectory's next turns with the ``sampling_params`` its step returns:
+        here too, for what may change per turn (stop strings, top-p / top-k / min-p, the repetition
+        penalty); None keeps the current ones."""
+        if returned is None or self.run_params is None:
+            return
+        from .openrlhf import turn_overrides
+
+        try:
+            self.overrides = turn_overrides(returned, self.run_params)
+        except (ValueError, TypeError) as exc:
+            raise self.fail(f"step() {exc}") from None
 
 
 def _number(session: _Session, value: Any, what: str) -> float:

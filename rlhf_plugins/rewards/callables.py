@@ -3,7 +3,8 @@
 * TRL: ``func(prompts, completions, **kwargs) -> list[float | None]`` (sync or
   async); ``kwargs`` holds ``completion_ids`` and every dataset column.
 * OpenRLHF: ``reward_func(queries, prompts, labels)`` returning a tensor, a list,
-  or a dict with ``"rewards"``; ``queries`` are prompt + completion texts.
+  or a dict with ``"rewards"`` (and ``"scores"``, ``"extra_logs"``); ``queries`` are prompt +
+  completion texts.
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class TRLReward:
 class OpenRLHFReward:
     """Adapts ``reward_func(queries, prompts, labels)`` as OpenRLHF calls it: ``prompts`` as the policy
     saw them (chat template included), ``queries`` the prompt and completion tokens decoded together
-    (special tokens kept). The returned dict's ``extra_logs`` become metrics (their batch means), as
-    OpenRLHF logs them."""
+    (special tokens kept). A returned dict's ``extra_logs`` become metrics (their batch means), as
+    OpenRLHF logs them; its ``rewards`` train and its ``scores`` are what dynamic filtering compares
+    (the reward role reads both)."""
 
     #: the reward role passes the rendered texts (``queries``, ``prompt_texts``)
     wants_queries = True
@@ -82,7 +84,8 @@ class OpenRLHFReward:
             out = _run(out)
         if isinstance(out, dict):
             log_extra(out.get("extra_logs"), kwargs.get("log_metric"))
-            out = out.get("rewards", out.get("scores"))
+            rewards = out["rewards"] if out.get("rewards") is not None else out.get("scores")
+            out = {"rewards": rewards, "scores": out.get("scores")}
         return out
 
 

@@ -45,10 +45,12 @@ class RemoteReward:
 
     def __call__(self, prompts: list[Any], completions: list[str], queries: list[str] | None = None,
                  prompt_texts: list[str] | None = None, label: list[Any] | None = None,
-                 log_metric: Callable[[str, float], None] | None = None, **kwargs: Any) -> list[float]:
+                 log_metric: Callable[[str, float], None] | None = None, **kwargs: Any) -> Any:
         """``queries`` / ``prompt_texts``: the policy's rendered texts (template included), as
         OpenRLHF sends them; without them, the raw prompt and prompt + completion. The servers'
-        ``extra_logs`` go to ``log_metric`` (each request's means)."""
+        ``extra_logs`` go to ``log_metric`` (each request's means). The rewards; or, where the servers'
+        ``scores`` differ from them, ``{"rewards", "scores"}`` (a request's rewards stand in for scores it
+        lacked): the scores are what dynamic filtering compares, as in OpenRLHF."""
         texts = prompt_texts or [p if isinstance(p, str) else str(p) for p in prompts]
         queries = queries or [p + c for p, c in zip(texts, completions)]
         labels = list(label) if label is not None else [None] * len(completions)
@@ -58,12 +60,15 @@ class RemoteReward:
         jobs = [(next(urls), {"query": [queries[i] for i in c], "prompts": [texts[i] for i in c],
                               "labels": [labels[i] for i in c]}) for c in chunks]
         answers = list(self.pool.map(lambda job: self.post(*job), jobs))
-        for _, extra in answers:
+        for _, _, extra in answers:
             log_extra(extra, log_metric)
-        return [x for rewards, _ in answers for x in rewards]
+        rewards = [x for r, _, _ in answers for x in r]
+        scores = [x for r, given, _ in answers for x in (r if given is None else given)]
+        return rewards if scores == rewards else {"rewards": rewards, "scores": scores}
 
-    def post(self, url: str, payload: dict[str, list[Any]]) -> tuple[list[float], Any]:
-        """One request's rewards and its ``extra_logs``, retried on connection errors and 5xx."""
+    def post(self, url: str, payload: dict[str, list[Any]]) -> tuple[list[float], list[Any] | None, Any]:
+        """One request's rewards, its ``scores`` (None without) and its ``extra_logs``, retried on
+        connection errors and 5xx."""
         import httpx
 
         n, what = len(payload["query"]), ""
@@ -86,7 +91,7 @@ class RemoteReward:
         raise RewardError(f"reward server {url} failed {self.attempts} times; last: {what}")
 
     @staticmethod
-    def _rewards(url: str, response: Any, n: int) -> tuple[list[float], Any]:
+    def _rewards(url: str, response: Any, n: int) -> tuple[list[float], list[Any] | None, Any]:
         try:
             data = response.json()
         except ValueError:
@@ -97,7 +102,11 @@ class RemoteReward:
             raise RewardError(f"reward server {url} answered without a 'rewards' list: {_short(response.text)!r}")
         if len(rewards) != n:
             raise RewardError(f"reward server {url} returned {len(rewards)} rewards for {n} queries")
-        return rewards, data.get("extra_logs")
+        scores = data.get("scores")
+        if scores is not None and (not isinstance(scores, list) or len(scores) != n):
+            raise RewardError(f"reward server {url} answered 'scores' that are not a list of {n} numbers: "
+                              f"{_short(str(scores))!r}")
+        return rewards, scores, data.get("extra_logs")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -122,6 +122,7 @@ class Trainer:
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
                                                   rollout.finish_reasons, self.reads_texts))
         rollout.raw_scores, rollout.reward_components = result.scores, result.parts
+        rollout.filter_scores = result.filter_scores or []
         rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
         self.reward_retries += result.retries
         combined = rollout.raw_scores if c.reward.combine == "sum" else normalize_then_sum(
@@ -138,7 +139,7 @@ class Trainer:
             return rollout, {"reward/mean": statistics.fmean(raw or [0.0]), **measured}
         want, kept, n_kept, rounds = c.train.prompts_per_step, [], 0, 1
         while True:
-            groups = keep_groups(rollout.scores, rollout.group_size, c.reward.filter_range)
+            groups = keep_groups(rollout.filter_scores or rollout.scores, rollout.group_size, c.reward.filter_range)
             if groups:
                 kept.append(rollout.select_groups(groups))
                 n_kept += len(groups)

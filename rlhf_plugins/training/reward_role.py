@@ -5,9 +5,6 @@ a :class:`RewardBatch` splits itself across them and the :class:`RewardResult`\\
 from __future__ import annotations
 
 import logging
-import math
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +16,7 @@ from ..dispatch import dispatch
 from ..errors import RewardError, UsageError
 from ..types import RewardFunction
 from . import host_memory
+from .reward_values import call_with_timeout, rewards_and_scores
 from .roles import Role
 
 logger = logging.getLogger("rlhf_plugins")
@@ -89,6 +87,9 @@ class RewardResult:
     retries: int = 0
     #: what reward functions logged with TRL's ``log_metric(name, value)``: every value by name
     logged: dict[str, list[float]] = field(default_factory=dict)
+    #: what dynamic filtering compares, where a source returned OpenRLHF's ``{"rewards", "scores"}``:
+    #: the weighted sum with that source's ``scores`` in place of its rewards (None: no source did)
+    filter_scores: list[float] | None = None
 
     @classmethod
     def merge(cls, results: list[RewardResult]) -> RewardResult:
@@ -97,7 +98,10 @@ class RewardResult:
         for r in results:
             for name, values in r.logged.items():
                 logged.setdefault(name, []).extend(values)
-        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results), logged)
+        filtered = None
+        if any(r.filter_scores is not None for r in results):
+            filtered = [x for r in results for x in (r.scores if r.filter_scores is None else r.filter_scores)]
+        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results), logged, filtered)
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ class RewardRole(Role):
         combined = [0.0] * n
         parts: dict[str, list[float | None]] = {}
         logged: dict[str, list[float]] = {}
-        retries = 0
+        retries, compared = 0, []
         for source in self.sources:
             where = f"reward '{source.name}' ({source.where}) {batch.when}"
             for attempt in range(self.max_retries + 1):
@@ -231,61 +235,23 @@ class RewardRole(Role):
                     logger.warning("%s raised %s: %s; retrying (%d of %d)", where, type(exc).__name__, exc,
                                    attempt + 1, self.max_retries)
                     time.sleep(min(0.1 * 2**attempt, 5.0))
-            values = _as_list(out, where)
-            if len(values) != n:
-                raise RewardError(f"{where} returned {len(values)} scores for {n} completions")
+            values, given = rewards_and_scores(out, where, n)
             for i, v in enumerate(values):
-                if v is None:
-                    continue
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise RewardError(f"{where} returned {type(v).__name__} {v!r} for sample {i}; expected a number")
-                if not math.isfinite(v) or abs(v) > 1e12:
-                    raise RewardError(f"{where} returned {v} for sample {i}; scores must be finite numbers "
-                                      "within +-1e12")
-                combined[i] += source.weight * float(v)
-            parts[source.name] = [None if v is None else float(v) for v in values]
+                if v is not None:
+                    combined[i] += source.weight * v
+            parts[source.name] = values
+            compared.append((source.weight, values if given is None else given, given is not None))
         if n and all(v is None for values in parts.values() for v in values):
             names = ", ".join(f"'{s.name}'" for s in self.sources)
             raise RewardError(f"every reward source ({names}) returned None for all {n} samples {batch.when}: None "
                               "means a reward does not apply to a sample; one must apply to each")
-        return RewardResult(combined, parts, retries, logged)
+        filtered = None
+        if any(own for _, _, own in compared):  # OpenRLHF's scores: what dynamic filtering compares
+            filtered = [sum(w * (v[i] or 0.0) for w, v, _ in compared) for i in range(n)]
+        return RewardResult(combined, parts, retries, logged, filtered)
 
     def shutdown(self) -> None:
         for source in self.sources:
             close = getattr(source.fn, "close", None)
             if callable(close):
                 close()
-
-
-def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: float, message: str) -> Any:
-    """``fn(**kwargs)`` in a daemon thread, waited for at most ``timeout`` seconds (a call that never
-    returns is left behind and cannot keep the process alive)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="rlhf-reward", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise RewardError(message)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _as_list(out: Any, where: str) -> list[Any]:
-    # a process whose rewards never imported torch has no tensors (the reward role does not import it)
-    torch = sys.modules.get("torch")
-    is_tensor = torch.is_tensor if torch is not None else (lambda _: False)
-    if is_tensor(out):
-        return out.detach().float().reshape(-1).tolist()
-    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
-        return list(out.tolist())
-    if isinstance(out, (list, tuple)):  # 0-d tensors and numpy scalars (np.float32(1.0)) as Python numbers
-        return [v.item() if is_tensor(v) or getattr(v, "shape", None) == () else v for v in out]
-    raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")

@@ -26,6 +26,9 @@ class Rollout:
     reward_components: dict[str, list[float | None]] = field(default_factory=dict)
     #: the combined score before shaping (penalties, normalisation, clipping)
     raw_scores: list[float] = field(default_factory=list)
+    #: what dynamic filtering compares where a reward source returned OpenRLHF's ``scores`` (empty:
+    #: the shaped ``scores``)
+    filter_scores: list[float] = field(default_factory=list)
     #: the policy version (updates its weights had) that sampled each completion token
     versions: list[list[int]] = field(default_factory=list)
     #: multi-turn: 1 on the model's tokens, 0 on environment output (empty: every token is the model's)
@@ -56,6 +59,7 @@ class Rollout:
             scores=pick(self.scores),
             reward_components={k: pick(v) for k, v in self.reward_components.items()},
             raw_scores=pick(self.raw_scores),
+            filter_scores=pick(self.filter_scores),
             versions=pick(self.versions),
             action_masks=pick(self.action_masks),
         )
@@ -79,6 +83,7 @@ class Rollout:
             scores=cat("scores"),
             reward_components={k: [x for p in parts for x in p.reward_components[k]] for k in first.reward_components},
             raw_scores=cat("raw_scores"),
+            filter_scores=cat("filter_scores") if all(p.filter_scores for p in parts) else [],
             versions=cat("versions"),
             action_masks=cat("action_masks"),
         )
