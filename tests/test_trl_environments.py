@@ -249,6 +249,44 @@ def test_agent_file_without_openrlhf_uses_our_base_classes(tmp_path):
     assert not [name for name in sys.modules if name.split(".")[0] == "openrlhf"]
 
 
+EXECUTOR_FORM = AGENT.replace("import AgentInstanceBase", "import AgentInstanceBase, MultiTurnAgentExecutor").replace(
+    "class AgentInstance(", "class ToolTurn(") + """
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(ToolTurn)
+"""
+
+
+def test_an_agent_file_in_openrlhfs_executor_form_registers_the_class_its_executor_names(tmp_path):
+    """OpenRLHF's current agent files end in ``class AgentExecutor(MultiTurnAgentExecutor)`` naming their
+    agent class (any name): the stand-in module has the executor, and the class it names is the
+    environment's factory."""
+    from rlhf_plugins.core.manager import create_manager
+    from rlhf_plugins.types import Environment
+
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(EXECUTOR_FORM)
+    pm = create_manager([str(agent)], autoload=False)
+    env = pm.components.get(Environment, "agent_func")
+    assert env.factory.__name__ == "ToolTurn" and env.description.startswith("Scores the answer")
+
+
+def test_an_agent_executor_with_its_own_loop_and_no_agent_class_is_one_line(tmp_path, capsys):
+    from rlhf_plugins.cli import main
+
+    agent = tmp_path / "loop.py"
+    agent.write_text("from openrlhf.utils.agent import AgentExecutorBase\n\n\n"
+                     "class AgentExecutor(AgentExecutorBase):\n"
+                     "    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):\n"
+                     "        return {}\n")
+    assert main(["train", "--plugin", str(agent), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("rlhf: error: plugin 'loop' defines an OpenRLHF AgentExecutor that names no agent class (its own "
+                   "execute() loop); rlhf-plugins runs the turns itself: define the AgentInstance (async reset / step) "
+                   "that OpenRLHF's MultiTurnAgentExecutor takes")
+
+
 def test_examples_doc_snippet_names_match(tmp_path):
     """docs/from_trl.md documents the multi-turn arguments with these names."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "from_trl.md").read_text()

@@ -1,10 +1,12 @@
 """OpenRLHF agent files, loaded unchanged with ``--plugin agent_func.py``.
 
 An OpenRLHF agent file defines ``class AgentInstance(AgentInstanceBase)`` with async
-``reset(states)`` and ``step(states)`` (``from openrlhf.utils.agent import AgentInstanceBase``).
-Loaded as a plugin, such a file registers one environment named after the file (``agent_func``
-for ``agent_func.py``) whose factory is its ``AgentInstance``; a run that loads exactly one
-plugin environment uses it without ``--env.name``.
+``reset(states)`` and ``step(states)`` (``from openrlhf.utils.agent import AgentInstanceBase``), and
+in OpenRLHF's current form also ``class AgentExecutor(MultiTurnAgentExecutor)`` whose ``__init__``
+names the agent class (``super().__init__(AgentInstance)``, any class name). Loaded as a plugin, such
+a file registers one environment named after the file (``agent_func`` for ``agent_func.py``) whose
+factory is that agent class; a run that loads exactly one plugin environment uses it without
+``--env.name``.
 
 OpenRLHF itself need not be installed: when it is not, the file's ``openrlhf.utils.agent`` import
 finds the stand-in modules of :mod:`rlhf_plugins.compat.openrlhf` (the base classes below, same names
@@ -104,6 +106,21 @@ def turn_overrides(returned: Any, run: Any) -> dict[str, Any]:
     return out
 
 
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """OpenRLHF's multi-turn executor as agent files subclass it (``class AgentExecutor(MultiTurnAgentExecutor)``
+    calling ``super().__init__(AgentInstance)``): here it names the file's agent class, and rlhf-plugins
+    runs the turns itself."""
+
+    def __init__(self, agent_instance_cls: type) -> None:
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise TypeError("AgentInstance must inherit from AgentInstanceBase")
+        self.agent_instance_cls = agent_instance_cls
+
+    async def execute(self, prompt: Any, label: Any, sampling_params: Any, max_length: int, hf_tokenizer: Any,
+                      llm_engine: Any) -> dict:
+        raise NotImplementedError("rlhf-plugins runs an agent's turns itself (rlhf_plugins.environments.runner)")
+
+
 class _CompatFinder(importlib.abc.MetaPathFinder):
     """Finds ``openrlhf`` and its submodules in :mod:`rlhf_plugins.compat.openrlhf` (real files)."""
 
@@ -150,8 +167,14 @@ class AgentFile:
 
     @classmethod
     def of_module(cls, module: Any, name: str) -> AgentFile | None:
-        agent = getattr(module, "AgentInstance", None)
-        if not isinstance(agent, type):
+        agent = agent_class(module)
+        if agent is None:
+            if isinstance(getattr(module, "AgentExecutor", None), type):
+                from ..errors import PluginError
+
+                raise PluginError(f"plugin '{name}' defines an OpenRLHF AgentExecutor that names no agent class "
+                                  "(its own execute() loop); rlhf-plugins runs the turns itself: define the "
+                                  "AgentInstance (async reset / step) that OpenRLHF's MultiTurnAgentExecutor takes")
             return None
         from ..rewards.callables import component_name
 
@@ -162,3 +185,19 @@ class AgentFile:
 
         doc = (self.cls.__doc__ or "an OpenRLHF agent").strip().splitlines()[0]
         yield Environment(self.name, factory=self.cls, description=doc)
+
+
+def agent_class(module: Any) -> type | None:
+    """A file's agent class: the one its ``AgentExecutor`` names (OpenRLHF's current
+    ``class AgentExecutor(MultiTurnAgentExecutor)``, built with no arguments as OpenRLHF builds it),
+    else its ``AgentInstance`` (older executors take ``(max_length, llm_engine, hf_tokenizer)``)."""
+    executor = getattr(module, "AgentExecutor", None)
+    if isinstance(executor, type):
+        try:
+            named = getattr(executor(), "agent_instance_cls", None)
+        except TypeError:
+            named = None
+        if isinstance(named, type):
+            return named
+    agent = getattr(module, "AgentInstance", None)
+    return agent if isinstance(agent, type) else None
