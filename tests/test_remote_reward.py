@@ -76,6 +76,26 @@ def test_the_server_scores_with_the_function_and_batches_concurrent_requests(exa
     assert set(answer) == {"rewards", "scores", "extra_logs"}
 
 
+def test_the_server_answers_an_openrlhf_reward_files_rewards_and_scores(tmp_path):
+    """`rlhf serve-reward --plugin reward_func.py --function reward_func`: OpenRLHF's function gets the
+    request's queries, prompts and labels as they came, and its rewards and scores are the answer."""
+    (tmp_path / "reward_func.py").write_text(textwrap.dedent("""
+        import torch
+        def reward_func(queries, prompts, labels):
+            rewards = torch.tensor([float(len(q)) for q in queries])
+            scores = torch.tensor([float(l) if q.startswith(p) else 0.0 for q, p, l in zip(queries, prompts, labels)])
+            return {"rewards": rewards, "scores": scores, "extra_logs": {"n": rewards}}
+    """))
+    proc, url = serve("--plugin", "reward_func.py", "--function", "reward_func", cwd=tmp_path)
+    try:
+        answer = httpx.post(url, json={"query": ["<u>ab", "xyz!"], "prompts": ["<u>", "q"], "labels": [3, 2]},
+                            timeout=30).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert answer == {"rewards": [5.0, 4.0], "scores": [3.0, 0.0], "extra_logs": {}}
+
+
 def test_training_with_a_remote_reward_scores_like_the_same_reward_in_process(exact_match_server, rlhf):
     code, _, err = rlhf("train", "--reward.functions", "exact_match", *short_run("--train.run_name", "local"))
     assert code == 0, err

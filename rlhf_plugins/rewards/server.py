@@ -36,15 +36,18 @@ class _Pending:
 
 
 class Batcher:
-    """Gathers the queries of concurrent requests into batches of at most ``batch_size``."""
+    """Gathers the queries of concurrent requests into batches of at most ``batch_size``. ``score``
+    returns one reward per query, or OpenRLHF's ``{"rewards": [...], "scores": [...]}``; each request
+    gets its rewards and scores (its rewards where there are none)."""
 
-    def __init__(self, score: Callable[[list[str], list[str], list[Any]], list[float]], batch_size: int,
+    def __init__(self, score: Callable[[list[str], list[str], list[Any]], Any], batch_size: int,
                  max_wait_ms: float) -> None:
         self.score, self.batch_size, self.max_wait = score, batch_size, max_wait_ms / 1000
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.batches = 0
 
-    async def submit(self, queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
+    async def submit(self, queries: list[str], prompts: list[str],
+                     labels: list[Any]) -> tuple[list[float], list[float]]:
         item = _Pending(queries, prompts, labels, asyncio.get_running_loop().create_future())
         await self.queue.put(item)
         return await item.future
@@ -66,7 +69,8 @@ class Batcher:
             prompts = [p for it in items for p in it.prompts]
             labels = [lb for it in items for lb in it.labels]
             try:
-                scores = await loop.run_in_executor(None, self.score, queries, prompts, labels)
+                out = await loop.run_in_executor(None, self.score, queries, prompts, labels)
+                rewards, scores = _rewards_and_scores(out, len(queries))
                 self.batches += 1
             except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
                 for it in items:
@@ -74,8 +78,24 @@ class Batcher:
                 continue
             offset = 0
             for it in items:
-                it.future.set_result([float(s) for s in scores[offset : offset + len(it.queries)]])
+                part = slice(offset, offset + len(it.queries))
+                it.future.set_result((rewards[part], scores[part]))
                 offset += len(it.queries)
+
+
+def _rewards_and_scores(out: Any, n: int) -> tuple[list[float], list[float]]:
+    """A scorer's rewards and scores as float lists of ``n`` (the rewards stand in for absent scores)."""
+    def floats(values: Any) -> list[float]:
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) != n:
+            raise ValueError(f"the scorer returned {len(values)} values for {n} queries")
+        return [float(v) if v is not None else 0.0 for v in values]
+
+    if isinstance(out, dict):
+        rewards = floats(out["rewards"])
+        return rewards, rewards if out.get("scores") is None else floats(out["scores"])
+    rewards = floats(out)
+    return rewards, rewards
 
 
 def model_scorer(path: str, dtype: str, batch_size: int, normalize: bool = False) -> Callable[..., list[float]]:
@@ -104,15 +124,17 @@ def model_scorer(path: str, dtype: str, batch_size: int, normalize: bool = False
     return score
 
 
-def function_scorer(fn: Callable[..., Any]) -> Callable[..., list[float]]:
-    """A reward function (TRL's signature) on the protocol's fields: the completion is the query
-    after its prompt."""
+def function_scorer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A reward function on the protocol's fields: TRL's signature gets the completion as the query
+    after its prompt; an OpenRLHF ``reward_func`` gets the queries and prompts as they came (its
+    ``{"rewards", "scores"}`` answered as they are)."""
 
-    def score(queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
+    def score(queries: list[str], prompts: list[str], labels: list[Any]) -> Any:
         completions = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
-        kwargs = {"label": labels} if any(lb is not None for lb in labels) else {}
-        out = fn(prompts=prompts, completions=completions, **kwargs)
-        return [float(v) if v is not None else 0.0 for v in (out.tolist() if hasattr(out, "tolist") else out)]
+        kwargs: dict[str, Any] = {"label": labels} if any(lb is not None for lb in labels) else {}
+        if getattr(fn, "wants_queries", False):
+            kwargs.update(queries=queries, prompt_texts=prompts)
+        return fn(prompts=prompts, completions=completions, **kwargs)
 
     return score
 
@@ -141,11 +163,11 @@ def make_app(score: Callable[..., list[float]], batch_size: int = 16, max_wait_m
         if len(prompts) != n or len(labels) != n:
             raise HTTPException(422, f"'prompts' and 'labels' must have one entry per query ({n})")
         try:
-            rewards = await batcher.submit(request.query, prompts, labels)
+            rewards, scores = await batcher.submit(request.query, prompts, labels)
         except Exception as exc:  # noqa: BLE001 - the client sees what went wrong
             raise HTTPException(500, f"{type(exc).__name__}: {exc}") from exc
         # extra_logs is logged by OpenRLHF's client as metrics of the user's run: nothing of ours in it
-        return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+        return {"rewards": rewards, "scores": scores, "extra_logs": {}}
 
     @app.get("/stats")
     async def stats() -> dict[str, int]:
