@@ -440,6 +440,51 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
     assert saved["data"]["shuffle"] is False and saved["data"]["template_strings"] is False
 
 
+def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_path, tiny_model, monkeypatch, capsys):
+    """TRL's grpo.py and open-r1's end with accelerator.print, log_metrics / save_metrics / save_state,
+    create_model_card, an edit of trainer.model.config saved beside the model, evaluate() (needs an
+    eval_dataset), push_to_hub (one line: nothing is uploaded) and end()."""
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "out"
+    args = GRPOConfig(output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match", args=args,
+                          train_dataset=task_rows("train")[:16], rlhf={"eval": {"enabled": False},
+                                                                        "train": {"progress": False}})
+    metrics = trainer.train().metrics
+    metrics["train_samples"] = 16
+    capsys.readouterr()
+    trainer.accelerator.print("done")
+    trainer.log_metrics("train", metrics)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["done", "***** train metrics *****"]
+    assert any(line.split() == ["train_samples", "=", "16"] for line in printed)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    trainer.save_model(str(out_dir))
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(dataset_name="sums", tags=["open-r1"])
+        trainer.model.config.use_cache = False  # the same object each time: the edit sticks
+        trainer.model.config.save_pretrained(str(out_dir))
+    assert json.loads((out_dir / "train_results.json").read_text())["train_samples"] == 16
+    assert json.loads((out_dir / "all_results.json").read_text())["train_loss"] == metrics["train_loss"]
+    state = json.loads((out_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and len(state["log_history"]) == 2
+    card = (out_dir / "README.md").read_text()
+    assert f"base_model: {tiny_model}" in card and "datasets: [sums]" in card and "open-r1" in card
+    assert json.loads((out_dir / "config.json").read_text())["use_cache"] is False
+    with pytest.raises(ConfigError, match="evaluate\\(\\) reads the run's held-out evaluation: pass eval_dataset"):
+        trainer.evaluate()
+    with pytest.raises(ConfigError, match=f"push_to_hub: rlhf-plugins uploads nothing; .* `hf upload <repo> {out_dir}`"):
+        trainer.push_to_hub(dataset_name="sums")
+    trainer.end()
+
+
 @pytest.mark.parametrize("kind, lora", [
     # "all-linear" on Qwen3-MoE: PEFT adapts the fused expert tensors (laid out experts x out x in),
     # nested on one module, and the router's 2-D weight
@@ -623,6 +668,9 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
     assert saved["eval"]["path"] == str(tmp_path / "out" / "eval_dataset.jsonl")
     assert len((tmp_path / "out" / "eval_dataset.jsonl").read_text().splitlines()) == 6
     assert [r["step"] for r in eval_rows_of(first.run_dir)] == [0, 2]
+    last = eval_rows_of(first.run_dir)[-1]  # evaluate(): the trained policy's, keyed as transformers keys them
+    assert first.evaluate() == {f"eval_{k[5:]}": v for k, v in last.items() if k.startswith("eval/")}
+    assert first.evaluate()["eval_pass@1"] == last["eval/pass@1"]
     again = trainer(4, eval_dataset=held_out)
     assert again.train(resume_from_checkpoint=True).global_step == 4 and again.run_dir == first.run_dir
     with pytest.raises(ConfigError, match="callbacks are transformers TrainerCallbacks, which this loop does not call"):

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .trl_config import _set, from_grpo_fields, from_trl_yaml, grpo_defaults
+from .trl_state import AfterTraining
 
 __all__ = ["GRPOTrainer", "TRLRewards", "from_grpo_fields", "from_trl_yaml", "grpo_defaults"]
 
@@ -140,7 +141,7 @@ def _resume_target(resume: str | bool, raw: dict[str, Any]) -> str:
     return str(runs[-1])
 
 
-class GRPOTrainer:
+class GRPOTrainer(AfterTraining):
     """``trl.GRPOTrainer``'s arguments, rlhf-plugins' loop (local or Ray).
 
     ``model`` is a local model folder, ``reward_funcs`` callables (TRL's signature, sync or
@@ -228,10 +229,14 @@ class GRPOTrainer:
 
     @property
     def model(self) -> Any:
-        """The trained policy (``final/``), loaded with transformers (before training: the initial one)."""
+        """The trained policy (``final/``), loaded with transformers once per run (before training: the
+        initial one), so that ``trainer.model.config`` edits stick as on TRL's trainer."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(str(self.run_dir / "final") if self.run_dir else self.model_path)
+        path = str(self.run_dir / "final") if self.run_dir else self.model_path
+        if getattr(self, "_loaded", (None, None))[0] != path:
+            self._loaded = (path, AutoModelForCausalLM.from_pretrained(path))
+        return self._loaded[1]
 
     @property
     def processing_class(self) -> Any:
@@ -246,5 +251,4 @@ class GRPOTrainer:
 
         if self.run_dir is None:
             raise ConfigError("save_model() before train(): there is no trained model yet")
-        target = Path(output_dir or self.raw.get("train", {}).get("output_dir") or "trainer_output")
-        shutil.copytree(self.run_dir / "final", target, dirs_exist_ok=True)
+        shutil.copytree(self.run_dir / "final", Path(output_dir or self.output_dir), dirs_exist_ok=True)

@@ -41,3 +41,91 @@ def train_output(run_dir: Path) -> Any:
     metrics = {"train_loss": sum(losses) / len(losses) if losses else 0.0, "run_dir": str(run_dir),
                **{k: v for k, v in summary.items() if isinstance(v, (int, float))}}
     return TrainOutput(len(rows), metrics["train_loss"], metrics)
+
+
+class DriverAccelerator:
+    """``trainer.accelerator`` as TRL's scripts use it after training (``print``, ``is_main_process``,
+    ``wait_for_everyone``): the script runs once, in the driver, which starts every rank itself -- it is
+    the main process."""
+
+    is_main_process = is_local_main_process = True
+    process_index = local_process_index = 0
+    num_processes = 1
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """Nothing to wait for: the ranks finished when ``train()`` returned."""
+
+
+class AfterTraining:
+    """What transformers' Trainer offers scripts after ``train()`` (TRL's own ``grpo.py``, open-r1's):
+    ``accelerator``, ``log_metrics`` / ``save_metrics`` / ``save_state``, ``evaluate``,
+    ``create_model_card``, ``end``; ``push_to_hub`` is one line (nothing is uploaded from here).
+    The class that mixes it in sets ``run_dir`` (None before training), ``raw`` and ``model_path``."""
+
+    run_dir: Path | None
+    raw: dict[str, Any]
+    model_path: str
+    accelerator = DriverAccelerator()
+    hub_model_id: str | None = None
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.raw.get("train", {}).get("output_dir") or "trainer_output")
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` under a ``***** split metrics *****`` header, as transformers does."""
+        print(f"***** {split} metrics *****")
+        for key in sorted(metrics):
+            print(f"  {key:<{max(map(len, metrics), default=0)}} = {metrics[key]}")
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """``<output_dir>/<split>_results.json`` and, with ``combined``, merged into ``all_results.json``."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"{split}_results.json").write_text(json.dumps(metrics, indent=4, sort_keys=True))
+        if combined:
+            path = self.output_dir / "all_results.json"
+            merged = {**(json.loads(path.read_text()) if path.is_file() else {}), **metrics}
+            path.write_text(json.dumps(merged, indent=4, sort_keys=True))
+
+    def save_state(self) -> None:
+        """``<output_dir>/trainer_state.json``: the fields of ``trainer.state`` (log_history included)."""
+        from dataclasses import asdict
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        state = trainer_state(self.run_dir, self.raw)
+        (self.output_dir / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2, default=str))
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The run's last held-out evaluation (the trained policy on ``eval_dataset``), keyed ``eval_<name>``
+        as transformers keys them."""
+        from ..errors import ConfigError
+
+        evals = [r for r in _rows(self.run_dir) if any(k.startswith("eval/") for k in r)]
+        if not evals:
+            raise ConfigError("evaluate() reads the run's held-out evaluation: pass eval_dataset to GRPOTrainer and "
+                              "call it after train()")
+        return {f"eval_{k[5:]}": v for k, v in evals[-1].items() if k.startswith("eval/")}
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: list[str] | str | None = None, **kwargs: Any) -> None:
+        """``<output_dir>/README.md``: the base model, the dataset, the method and the tags."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        lines = ["---", f"base_model: {self.model_path}", *([f"datasets: [{dataset_name}]"] if dataset_name else []),
+                 f"tags: [{', '.join(['rlhf-plugins', 'grpo', *tags])}]", "---", "",
+                 f"# {model_name or self.output_dir.name}", "",
+                 f"Trained from `{self.model_path}` with GRPO by rlhf-plugins"
+                 + (f" on `{dataset_name}`." if dataset_name else ".")]
+        (self.output_dir / "README.md").write_text("\n".join(lines) + "\n")
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"push_to_hub: rlhf-plugins uploads nothing; after save_model() upload the folder with "
+                          f"`hf upload <repo> {self.output_dir}`")
+
+    def end(self) -> None:
+        """Nothing left to close: the run ended its trackers and process groups when ``train()`` returned."""
