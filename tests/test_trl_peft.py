@@ -52,8 +52,11 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
     raw, notes = from_grpo_fields({"warmup_steps": 0.1, "optim": "sgd", "adam_beta1": 0.8})
     assert raw["learner"]["lr_scheduler"] == "linear" and raw["learner"]["warmup_ratio"] == 0.1
     assert raw["learner"]["optimizer"] == "sgd" and raw["learner"]["betas"][0] == 0.8
-    raw, notes = from_grpo_fields({"gradient_checkpointing_kwargs": {"use_reentrant": True}, "pad_to_multiple_of": 8})
+    raw, notes = from_grpo_fields({"gradient_checkpointing_kwargs": {"use_reentrant": True}, "pad_to_multiple_of": 8,
+                                   "label_smoothing_factor": 0.1})
     assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant",
+                     "TRL field 'label_smoothing_factor' is ignored: it smooths the Trainer's language-modelling "
+                     "loss, which TRL's GRPO loss replaces",
                      "TRL field 'pad_to_multiple_of' is ignored: padding to a multiple does not change the loss"]
     raw, _ = from_grpo_fields({"delta": 1.5, "epsilon_high": 0.28})
     assert raw["algo"]["policy_loss"]["dual_clip"] == 1.5 and raw["algo"]["policy_loss"]["clip_high"] == 0.28

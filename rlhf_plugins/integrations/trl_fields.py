@@ -33,6 +33,7 @@ IGNORED_WHY = {
                                             "steps (CUDA graphs on GPUs); vLLM with use_vllm",
     "transformers_continuous_batching_config": "see use_transformers_continuous_batching",
     "use_transformers_paged": "see use_transformers_continuous_batching",
+    "label_smoothing_factor": "it smooths the Trainer's language-modelling loss, which TRL's GRPO loss replaces",
 }
 #: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
 BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
