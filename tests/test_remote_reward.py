@@ -122,7 +122,7 @@ class Faulty(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         n = len(body["query"])
         server = self.server
-        server.calls += 1
+        server.calls, server.last = server.calls + 1, body
         mode = server.mode
         if mode == "500" or (mode == "500-once" and server.calls == 1):
             return self._send(500, b"model crashed: CUDA out of memory")
@@ -227,6 +227,7 @@ def test_a_client_returns_a_servers_scores_and_refuses_scores_not_one_per_query(
     server.mode = "scores"
     client = RemoteReward([url])
     assert client(["ab", "abc"], ["", ""]) == {"rewards": [-0.25, 0.75], "scores": [0.0, 1.0]}
+    assert server.last["labels"] == ["", ""]  # no label column: OpenRLHF's empty labels, not None
     with pytest.raises(RewardError) as info:
         RemoteReward._rewards(url, httpx.Response(200, json={"rewards": [1.0], "scores": []}), 1)
     assert str(info.value) == f"reward server {url} answered 'scores' that are not a list of 1 numbers: '[]'"

@@ -216,6 +216,21 @@ def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):
     assert yaml.safe_load((the_run() / "config.yaml").read_text())["reward"]["functions"] == ["reward_func"]
 
 
+def test_an_openrlhf_reward_func_without_a_label_column_gets_empty_labels_as_in_openrlhf():
+    """OpenRLHF hands ``""`` as the label of a row when there is no --label_key; a file that zips the
+    labels must not get None."""
+    from rlhf_plugins.rewards.callables import wrap_reward
+
+    seen = []
+
+    def reward_func(queries, prompts, labels):
+        seen.append(list(labels))
+        return {"rewards": [float(len(q)) for q, _, _ in zip(queries, prompts, labels)]}
+
+    out = wrap_reward(reward_func)(prompts=["a", "b"], completions=["x", "yz"])
+    assert seen == [["", ""]] and out == {"rewards": [2.0, 3.0], "scores": None}
+
+
 def test_an_openrlhf_reward_func_reads_rendered_prompts_and_queries_and_logs_its_extra_logs(rlhf, tmp_path,
                                                                                              tiny_model):
     """As OpenRLHF calls it: ``prompts`` as the policy saw them (chat template applied to the messages),

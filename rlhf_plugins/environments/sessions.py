@@ -188,7 +188,7 @@ class AgentSession(_Session):
             self.instance = await new_agent(self.factory)
         except Exception as exc:
             raise self.fail("failed in __init__()", exc) from exc
-        states = {"observation": self.render_prompt(prompt, None, None), "label": self.row.get("label")}
+        states = {"observation": self.render_prompt(prompt, None, None), "label": self.row.get("label", "")}
         try:
             out = await _maybe_await(self.instance.reset(states))
         except Exception as exc:
@@ -202,7 +202,7 @@ class AgentSession(_Session):
         from .openrlhf import AgentSamplingParams
 
         shown = None if self.turn_params is None else AgentSamplingParams.of(self.turn_params)
-        states = {"observation_text": self.observation, "action_text": turn_text, "label": self.row.get("label"),
+        states = {"observation_text": self.observation, "action_text": turn_text, "label": self.row.get("label", ""),
                   "sampling_params": shown}
         try:
             out = await _maybe_await(self.instance.step(states))

@@ -79,7 +79,8 @@ class OpenRLHFReward:
         if prompt_texts is None or queries is None:  # called without the rendered texts: the raw ones
             prompt_texts = [p if isinstance(p, str) else str(p) for p in prompts]
             queries = [p + c for p, c in zip(prompt_texts, completions)]
-        out = self.fn(queries=queries, prompts=prompt_texts, labels=kwargs.get("label"))
+        labels = kwargs.get("label")  # OpenRLHF's labels are "" without a label key
+        out = self.fn(queries=queries, prompts=prompt_texts, labels=[""] * len(queries) if labels is None else labels)
         if inspect.isawaitable(out):
             out = _run(out)
         if isinstance(out, dict):

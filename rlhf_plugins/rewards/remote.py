@@ -53,7 +53,7 @@ class RemoteReward:
         lacked): the scores are what dynamic filtering compares, as in OpenRLHF."""
         texts = prompt_texts or [p if isinstance(p, str) else str(p) for p in prompts]
         queries = queries or [p + c for p, c in zip(texts, completions)]
-        labels = list(label) if label is not None else [None] * len(completions)
+        labels = list(label) if label is not None else [""] * len(completions)  # OpenRLHF's, without a label key
         n, size = len(completions), self.batch_size
         chunks = [range(i, min(i + size, n)) for i in range(0, n, size)]
         urls = itertools.cycle(self.urls)
