@@ -287,6 +287,26 @@ def test_an_agent_executor_with_its_own_loop_and_no_agent_class_is_one_line(tmp_
                    "that OpenRLHF's MultiTurnAgentExecutor takes")
 
 
+def test_a_file_using_openrlhfs_helpers_without_openrlhf_is_one_line_saying_so(tmp_path, capsys):
+    """OpenRLHF's math_reward_func.py imports its grading helpers (``openrlhf.utils``), which only
+    OpenRLHF has: the import error says to install it."""
+    import importlib.util
+
+    from rlhf_plugins.cli import main
+
+    if importlib.util.find_spec("openrlhf") is not None:
+        pytest.skip("OpenRLHF is installed here: its helpers import")
+
+    path = tmp_path / "math_reward_func.py"
+    path.write_text("from openrlhf.utils import extract_boxed_answer, grade_answer\n\n\n"
+                    "def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0] * len(queries)\n")
+    assert main(["train", "--plugin", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "No module named 'openrlhf'" in err
+    assert err.endswith("the file uses OpenRLHF's own helpers: pip install openrlhf (without it only "
+                        "openrlhf.utils.agent's base classes and multi-turn executor are provided here)")
+
+
 def test_examples_doc_snippet_names_match(tmp_path):
     """docs/from_trl.md documents the multi-turn arguments with these names."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "from_trl.md").read_text()

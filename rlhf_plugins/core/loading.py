@@ -165,7 +165,11 @@ class PluginLoading:
             raise exit_error(arg, "while importing", exc) from None
         except Exception as exc:
             sys.modules.pop(modname, None)
-            raise PluginError(f"plugin '{arg}' failed to import: {type(exc).__name__}: {exc}") from exc
+            hint = ""
+            if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "openrlhf":
+                hint = ("; the file uses OpenRLHF's own helpers: pip install openrlhf (without it only "
+                        "openrlhf.utils.agent's base classes and multi-turn executor are provided here)")
+            raise PluginError(f"plugin '{arg}' failed to import: {type(exc).__name__}: {exc}{hint}") from exc
         self._register_user_plugin(module, name)
         self.infos[name] = PluginInfo(name, "--plugin", "", location)
         self.requested.add(name)
