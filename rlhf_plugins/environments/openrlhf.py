@@ -98,7 +98,7 @@ def turn_overrides(returned: Any, run: Any) -> dict[str, Any]:
         if value is None:
             continue
         if ours == "stop":
-            value = (value,) if isinstance(value, str) else tuple(value)
+            value = tuple(x for x in ((value,) if isinstance(value, str) else value) if x)  # "" stops nothing
         elif ours == "top_k":
             value = max(int(value), 0)  # vLLM's -1 is our 0: off
         if value != getattr(run, ours):
