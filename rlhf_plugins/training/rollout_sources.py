@@ -58,7 +58,7 @@ def env_rollout(trainer: Any, idx: list[int], params: Any, rows: list[dict[str, 
     per_sample = [i for i in idx for _ in range(n)]
     columns = {k: [v[i] for i in per_sample] for k, v in p.columns.items()}
     columns["trajectory"], columns["env_reward"] = traj.messages, traj.env_rewards
-    if any(v is not None for v in traj.env_scores):  # an OpenRLHF agent's scores, for dynamic filtering
+    if trainer.env_runner.agents:  # OpenRLHF agents' scores, for dynamic filtering (every rollout of the run)
         columns["env_score"] = traj.env_scores
     rollout = Rollout(
         prompts=[p.prompts[i] for i in per_sample],
