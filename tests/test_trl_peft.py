@@ -459,7 +459,8 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
 
 
 def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_path, tiny_model, monkeypatch, capsys):
-    """TRL's grpo.py and open-r1's end with accelerator.print, log_metrics / save_metrics / save_state,
+    """A tokenizer passed with its own chat template renders the run's prompts; TRL's grpo.py and open-r1's
+    end with accelerator.print, log_metrics / save_metrics / save_state,
     create_model_card, an edit of trainer.model.config saved beside the model, evaluate() (needs an
     eval_dataset), push_to_hub (one line: nothing is uploaded) and end()."""
     from trl import GRPOConfig
@@ -471,10 +472,17 @@ def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_
     out_dir = tmp_path / "out"
     args = GRPOConfig(output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{# the script's own #}" + tokenizer.chat_template  # open-r1's --chat_template
     trainer = GRPOTrainer(model=tiny_model, reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match", args=args,
-                          train_dataset=task_rows("train")[:16], rlhf={"eval": {"enabled": False},
-                                                                        "train": {"progress": False}})
+                          train_dataset=task_rows("train")[:16], processing_class=tokenizer,
+                          rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    assert trainer.args is args and trainer.processing_class is tokenizer
     metrics = trainer.train().metrics
+    saved = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
+    assert saved["data"]["chat_template"] == tokenizer.chat_template  # the tokenizer's template is the run's
     metrics["train_samples"] = 16
     capsys.readouterr()
     trainer.accelerator.print("done")

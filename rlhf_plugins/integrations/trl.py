@@ -107,6 +107,17 @@ def _model_folder(model: Any) -> str:
     return str(Path(path).resolve())
 
 
+def _own_template(processing_class: Any, model_path: str) -> str | None:
+    """The chat template of a tokenizer passed as ``processing_class`` where it is not the model folder's
+    (scripts set one on the tokenizer they pass): None when it is the same, or there is none."""
+    template = getattr(processing_class, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    from transformers import AutoTokenizer
+
+    return None if AutoTokenizer.from_pretrained(model_path).chat_template == template else template
+
+
 def _refuse_hooks(callbacks: Any, optimizers: Any) -> None:
     """transformers' TrainerCallbacks and a ready-made optimizer belong to TRL's Trainer loop, which does
     not run here: one line each, pointing at what does the same."""
@@ -193,7 +204,10 @@ class GRPOTrainer(AfterTraining):
         if eval_dataset is not None:  # held-out prompts, evaluated before the first step and after the last
             self.raw = merge(self.raw, {"eval": {"enabled": True, "path": _eval_file(eval_dataset, fields)}})
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
-        self.model_path, self.run_dir = str(model), None
+        self.model_path, self.run_dir, self.args, self._tokenizer = str(model), None, args, processing_class
+        template = _own_template(processing_class, self.model_path)
+        if template is not None:  # a tokenizer given with its own chat template (open-r1's --chat_template)
+            self.raw = merge(self.raw, {"data": {"chat_template": template}})
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
         """Train through the public Python API (:func:`rlhf_plugins.api.train`); returns what TRL's
@@ -240,9 +254,10 @@ class GRPOTrainer(AfterTraining):
 
     @property
     def processing_class(self) -> Any:
+        """The tokenizer given to the trainer, else the model folder's."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer if self._tokenizer is not None else AutoTokenizer.from_pretrained(self.model_path)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Copy the trained policy (``final/``: weights, config, tokenizer; a LoRA run's adapter) to
