@@ -293,6 +293,7 @@ class SteeringAgent:
         type(self).seen.append((self.id, self.steps, sp.max_tokens, sp.temperature, list(sp.stop), sp.top_k))
         self.steps += 1
         if self.id % 2 == 0:
+            sp = sp.clone()  # vLLM's SamplingParams.clone()
             sp.stop, sp.top_k = ["1"], 5
         done = self.steps == 3
         return {"rewards": torch.tensor(0.0), "environment_feedback": "" if done else "<|user|>more",

@@ -14,6 +14,7 @@ and methods), and only while the file is imported.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.util
 import sys
@@ -68,6 +69,10 @@ class AgentSamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: int = 1
+
+    def clone(self) -> AgentSamplingParams:
+        """A copy, as vLLM's ``SamplingParams.clone()``."""
+        return dataclasses.replace(self, stop=list(self.stop))
 
     @classmethod
     def of(cls, params: Any) -> AgentSamplingParams:
