@@ -481,6 +481,8 @@ def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_
                           rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
     assert trainer.args is args and trainer.processing_class is tokenizer
     metrics = trainer.train().metrics
+    assert metrics["train_runtime"] == pytest.approx(2 * metrics["seconds_per_step"])
+    assert metrics["train_steps_per_second"] == pytest.approx(1 / metrics["seconds_per_step"])
     saved = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
     assert saved["data"]["chat_template"] == tokenizer.chat_template  # the tokenizer's template is the run's
     metrics["train_samples"] = 16

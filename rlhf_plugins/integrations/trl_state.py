@@ -40,6 +40,9 @@ def train_output(run_dir: Path) -> Any:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     metrics = {"train_loss": sum(losses) / len(losses) if losses else 0.0, "run_dir": str(run_dir),
                **{k: v for k, v in summary.items() if isinstance(v, (int, float))}}
+    per_step = summary.get("seconds_per_step")
+    if isinstance(per_step, (int, float)) and per_step > 0:  # transformers' names for the run's speed
+        metrics.update(train_runtime=per_step * len(rows), train_steps_per_second=1.0 / per_step)
     return TrainOutput(len(rows), metrics["train_loss"], metrics)
 
 
