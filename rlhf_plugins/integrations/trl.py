@@ -206,7 +206,7 @@ class GRPOTrainer(AfterTraining):
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
         self.model_path, self.run_dir, self.args, self._tokenizer = str(model), None, args, processing_class
         template = _own_template(processing_class, self.model_path)
-        if template is not None:  # a tokenizer given with its own chat template (open-r1's --chat_template)
+        if template is not None and not self.raw.get("data", {}).get("chat_template"):  # open-r1's --chat_template
             self.raw = merge(self.raw, {"data": {"chat_template": template}})
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
