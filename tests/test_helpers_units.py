@@ -138,3 +138,30 @@ def test_an_engine_with_model_workers_runs_the_function_in_each():
             return [fn(type("W", (), {"rank": r, "state": {}})(), *args) for r in range(3)]
 
     assert on_model_workers(Sharded(), lambda w, x: w.rank * x, 10) == [0, 10, 20]
+
+
+def test_a_groups_port_is_free_and_below_the_kernels_ephemeral_range(monkeypatch):
+    """Rank 0 binds its port seconds after it is chosen: below the ephemeral range (Linux: 20000-32767)
+    no outgoing connection can be handed it meanwhile (a port from that range once failed a CI run's
+    ZeRO-3 start with EADDRINUSE). Without room below the range, the kernel's pick."""
+    import socket
+
+    from rlhf_plugins.sync import groups
+
+    start = groups._ephemeral_start()
+    ports = [groups.free_port() for _ in range(20)]
+    if start - groups.LOWEST_PORT >= 64:
+        assert all(groups.LOWEST_PORT <= p < start for p in ports), ports
+    for port in ports[:3]:  # each one can be bound
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(groups, "_ephemeral_start", lambda: groups.LOWEST_PORT + 10)  # no room below the range
+    assert groups.free_port() >= start  # the kernel picks from its own ephemeral range
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("", 0))
+    try:  # a port in use is passed over
+        monkeypatch.setattr(groups.random.Random, "randint", lambda self, a, b: taken.getsockname()[1])
+        monkeypatch.setattr(groups, "_ephemeral_start", lambda: 40000)
+        assert groups.free_port(tries=3) != taken.getsockname()[1]
+    finally:
+        taken.close()

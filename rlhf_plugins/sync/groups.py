@@ -7,6 +7,7 @@ learner's rank 0 and generation-engine processes that belong to no common
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 from typing import TYPE_CHECKING
 
@@ -25,9 +26,41 @@ def free_address() -> tuple[str, int]:
         host = ray.util.get_node_ip_address()
     except Exception:
         host = "127.0.0.1"
+    return host, free_port()
+
+
+#: the lowest port chosen (Ray's worker ports end at 19999)
+LOWEST_PORT = 20000
+
+
+def free_port(tries: int = 64) -> int:
+    """A free TCP port below the kernel's ephemeral range where there is room (Linux: 20000-32767).
+    Rank 0 binds the port seconds after it is chosen (its peers import torch and load a model first);
+    a port from the ephemeral range may meanwhile be handed to any outgoing connection on the node --
+    Ray's own make many -- and the group's start would fail with EADDRINUSE. Below that range only an
+    explicit bind can take it. Without room, or when none is free, a port the kernel picks."""
+    rng = random.Random()  # seeded from the OS: not the run's seeded generators
+    high = _ephemeral_start() - 1
+    for _ in range(tries if high - LOWEST_PORT >= tries else 0):
+        port = rng.randint(LOWEST_PORT, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        return host, s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's file; 32768, its default, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def default_backend() -> str:
