@@ -135,7 +135,12 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     rank_environment()
-    import_deepspeed().init_distributed(dist_backend=process_group_backend(), verbose=False)
+    deepspeed = import_deepspeed()
+    # DeepSpeed's shared-memory all-reduce kernel serves only its tensor-parallel inference
+    # (inference_all_reduce), which no learner calls; left on, every process with the CPU accelerator loads it
+    # and the first one builds it from C++ (over a minute on two cores, measured)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=process_group_backend(), verbose=False)
 
 
 def _refuse_expert_lora(model: Any) -> None:
