@@ -136,9 +136,7 @@ def init_distributed() -> None:
         return
     rank_environment()
     deepspeed = import_deepspeed()
-    # DeepSpeed's shared-memory all-reduce kernel serves only its tensor-parallel inference
-    # (inference_all_reduce), which no learner calls; left on, every process with the CPU accelerator loads it
-    # and the first one builds it from C++ (over a minute on two cores, measured)
+    # its shared-memory all-reduce serves only tensor-parallel inference; the CPU accelerator would build it (C++)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=process_group_backend(), verbose=False)
 
