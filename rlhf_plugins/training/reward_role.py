@@ -179,7 +179,8 @@ class RewardRole(Role):
     role = "reward"
 
     def __init__(self, config: Any, plugin_spec: PluginSpec, names: list[str], weights: list[float]) -> None:
-        host_memory.apply(config)  # reward models run forwards here
+        if config.reward.models:  # reward models run forwards here; functions and servers need no tuning, and
+            host_memory.apply(config)  # its look at the model's size would import torch and transformers
         self.sources = build_sources(config, get_manager(plugin_spec), names, weights)
         self.backend = self.sources
         self.max_retries = config.reward.max_retries
