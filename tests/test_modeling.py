@@ -434,37 +434,6 @@ def test_a_deepspeed_learner_process_never_imports_mlflow(tmp_path):
     assert out == {"code": 0, "loaded": False, "autotuner": False, "later": "mlflow"}
 
 
-_REWARD_ROLE = """
-import json, pickle, sys
-from rlhf_plugins.training import host_memory
-from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
-host_memory.claim_process()  # as in a Ray role actor, which gets the driver's config pickled
-role = RewardRole(*pickle.load(open("role.pkl", "rb")))
-scores = role.score(RewardBatch(["What is 2+3?"] * 2, ["5", "7"], [[1]] * 2, columns={"label": ["5", "5"]})).scores
-print(json.dumps({"scores": scores, "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}))
-"""
-
-
-def test_a_reward_role_of_rule_functions_imports_neither_torch_nor_transformers(tmp_path, tiny_model):
-    """The reward role of the default task (a rule function) starts in seconds: nothing in it imports
-    torch or transformers (they cost a Ray actor about 8 s of CPU on two cores, measured), and it scores."""
-    import json
-    import pickle
-    import subprocess
-    import sys
-
-    from rlhf_plugins.api import prepare
-    from tests.helpers import clean_env
-
-    cfg, pm, plan = prepare({"model": {"path": tiny_model}}, autoload=False)
-    (tmp_path / "role.pkl").write_bytes(pickle.dumps((cfg, pm.spec, plan.rewards, plan.weights)))
-    proc = subprocess.run([sys.executable, "-c", _REWARD_ROLE], capture_output=True, text=True, cwd=tmp_path,
-                          env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"scores": [1.0, 0.0], "torch": False,
-                                                                 "transformers": False}
-
-
 def test_the_shipped_models_are_the_recorded_ones():
     """Every machine trains the same tiny models: they ship with the package, byte for byte."""
     import hashlib

@@ -62,13 +62,15 @@ def test_one_placement_group_per_role(local_ray, strategy):
         p.shutdown()
 
 
-def test_a_rule_reward_role_scores_without_importing_torch(local_ray):
-    """The reward role of a run with rule rewards scores in a process that never imports torch (a
-    second or more of CPU, and hundreds of MB, less per reward worker while the model roles start)."""
+def test_a_rule_reward_role_scores_without_importing_torch(local_ray, tiny_model):
+    """The reward role of a run with rule rewards scores in a process that never imports torch (nor
+    transformers: 8 s of CPU on two cores, measured, and hundreds of MB, less per reward worker while the
+    model roles start), also when the run names its policy's folder."""
     from rlhf_plugins.api import prepare
     from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
 
-    cfg, pm, plan = prepare({"placement": {"strategy": "ray"}, "ray": {"ready_timeout": 5}}, autoload=False)
+    cfg, pm, plan = prepare({"placement": {"strategy": "ray"}, "ray": {"ready_timeout": 5},
+                             "model": {"path": tiny_model}}, autoload=False)
     p = RayPlacement(PlacementContext(cfg, ("reward", "actor")))
     try:
         reward = p.create_role("reward", RewardRole, cfg, pm.spec, plan.rewards, plan.weights)
