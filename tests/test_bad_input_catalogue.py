@@ -147,6 +147,9 @@ FLAGS = [
      "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt with "
      "the tokenizer's chat template; add --data.apply_chat_template false (OpenRLHF's default) or drop "
      "--data.input_template"),
+    ("system-prompt-without-chat-template", ["--data.system_prompt", "Add.", "--data.apply_chat_template", "false"],
+     "data.system_prompt is a chat message, which only the chat template renders; drop --data.system_prompt or "
+     "leave --data.apply_chat_template true"),
     ("probs-without-datasets", ["--data.probs", "0.5,0.5"],
      "data.probs weighs the datasets of data.path; name them there, comma-separated"),
     ("probs-for-another-count", ["--data.path", "builtin:addition-train,builtin:addition-test", "--data.probs", "1"],

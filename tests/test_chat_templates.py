@@ -72,6 +72,32 @@ def test_prompts_render_with_the_kwargs_as_trl_does(tok):
     assert without == ours[0][:-1] and marker(tok) not in without
 
 
+def test_a_system_prompt_opens_every_templated_prompt_unless_it_has_its_own(tiny_model):
+    """--data.system_prompt: a string prompt becomes [system, user], a chat prompt gets the system message first,
+    one that opens with its own keeps it; the token ids are the template's rendering of those messages. Where no
+    prompt is templated (TRL's standard prompts) it is one line, as is the flag without the chat template."""
+    from transformers import AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.data.prompts import load_prompts
+    from rlhf_plugins.errors import ConfigError, DataError
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    config, _, _ = prepare({"data": {"system_prompt": "Add."}}, autoload=False)
+    got = load_prompts(config.data, tok, rows=[*ROWS, {"prompt": own, "label": "4"}])
+    system = {"role": "system", "content": "Add."}
+    assert got.prompts == [[system, *ROWS[0]["prompt"]], [system, {"role": "user", "content": "1+1="}], own]
+    assert got.prompt_ids[1] == tok.apply_chat_template(got.prompts[1], add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"]
+    standard, _, _ = prepare({"data": {"system_prompt": "Add.", "template_strings": False}}, autoload=False)
+    with pytest.raises(DataError, match="data.system_prompt opens the prompts the chat template renders, but every "
+                                        "prompt of 'the given rows' is plain text"):
+        load_prompts(standard.data, tok, rows=ROWS[1:])
+    with pytest.raises(ConfigError, match="data.system_prompt is a chat message, which only the chat template"):
+        prepare({"data": {"system_prompt": "Add.", "apply_chat_template": False}}, autoload=False)
+
+
 def test_trls_json_text_form_is_read_and_anything_else_is_one_line():
     """transformers reads a dict field given on a command line as JSON text; so do we."""
     from rlhf_plugins.errors import ConfigError

@@ -641,7 +641,8 @@ def test_trl_scripts_reward_names_and_reward_model_convert(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="is --reward.overlong_buffer N --reward.overlong_penalty 1 here"):
         from_trl_yaml(cfg)
     cfg.write_text(yaml.safe_dump({"reward_funcs": ["nonsense"]}))
-    with pytest.raises(ConfigError, match="'nonsense' must be 'module.function' or one of TRL's: accuracy_reward"):
+    with pytest.raises(ConfigError, match="'nonsense' must be 'module.function' or one of TRL's: accuracy_reward, "
+                                          r".*or open-r1's: accuracy, format, .*rlhf_plugins.integrations.trl"):
         from_trl_yaml(cfg)
 
 
@@ -707,3 +708,58 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
         trainer(2, optimizers=(object(), None))
     with pytest.raises(ConfigError, match="reward_funcs entry 'Qwen/Qwen2.5-0.5B-RM' is not a local folder; download"):
         GRPOTrainer(model=tiny_model, reward_funcs="Qwen/Qwen2.5-0.5B-RM", train_dataset=rows)
+
+
+#: a stand-in for open-r1's reward module (open-r1 is installed from its repository, not from PyPI): the names
+#: its registry maps "accuracy" and "format" to, recording what they were given
+OPEN_R1_REWARDS = '''
+import json, re
+
+def accuracy_reward(completions, solution, **kwargs):
+    with open("seen.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": kwargs["prompts"][0], "solution": solution[0]}) + "\\n")
+    return [float(c[0]["content"].strip() == s) for c, s in zip(completions, solution)]
+
+def format_reward(completions, **kwargs):
+    return [float(bool(re.fullmatch(r"\\d+", c[0]["content"].strip()))) for c in completions]
+'''
+
+
+def test_an_open_r1_recipe_trains_with_its_prompt_column_system_prompt_and_rewards(rlhf, tmp_path, tiny_model,
+                                                                                    monkeypatch):
+    """open-r1's GRPO recipes are TRL files plus its own fields: its prompt column and system prompt make each
+    row a conversation as its script does (the reward functions get the system message first), its reward
+    names resolve to open_r1.rewards, its bookkeeping and reward-factory fields are notes, and a reward its
+    script builds from its own fields is one line."""
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    (tmp_path / "open_r1").mkdir()
+    (tmp_path / "open_r1" / "__init__.py").write_text("")
+    (tmp_path / "open_r1" / "rewards.py").write_text(OPEN_R1_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"problem": r["prompt"], "solution": r["label"]} for r in task_rows("train")[:16]]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {"model_name_or_path": tiny_model, "model_revision": "main", "torch_dtype": "float32",
+              "dataset_name": str(tmp_path / "math.jsonl"), "dataset_prompt_column": "problem",
+              "system_prompt": "Answer with the number.", "reward_funcs": ["accuracy", "format"],
+              "reward_weights": [1.0, 0.5], "cosine_max_len": 1000, "benchmarks": [], "callbacks": ["push_to_hub"],
+              "hub_model_revision": "main", "wandb_project": "r1", "overwrite_output_dir": True, "max_steps": 2,
+              "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 4,
+              "learning_rate": 1e-3, "bf16": False, "use_vllm": False, "report_to": ["wandb"], "seed": 42}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    raw, notes, plugins = from_trl_yaml(tmp_path / "recipe.yaml")
+    assert plugins == ["open_r1.rewards"] and raw["reward"]["functions"] == ["accuracy_reward", "format_reward"]
+    assert raw["data"]["prompt_key"] == "problem" and raw["data"]["system_prompt"] == "Answer with the number."
+    assert raw["data"]["template_strings"] is True  # open-r1's script makes every row a conversation
+    assert any("'callbacks'" in n and "ignored" in n for n in notes)
+    assert any("cosine_max_len" in n and "rewards its script builds" in n for n in notes)
+    code, _, err = rlhf("train", "--trl-config", str(tmp_path / "recipe.yaml"), "--train.progress", "false")
+    assert code == 0, err
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == 2 and seen[0]["prompt"][0] == {"role": "system", "content": "Answer with the number."}
+    assert seen[0]["prompt"][1]["role"] == "user" and seen[0]["solution"] in {r["solution"] for r in rows}
+    assert [r["step"] for r in metrics_of(the_run())] == [0, 1]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "reward_funcs": ["accuracy", "cosine"]}))
+    with pytest.raises(ConfigError, match="open-r1's reward 'cosine' is built by its script from cosine_"):
+        from_trl_yaml(tmp_path / "recipe.yaml")

@@ -87,6 +87,9 @@ def check_data(c: Config) -> None:
              "data.input_template puts plain-text prompts in place, but data.apply_chat_template renders every prompt "
              "with the tokenizer's chat template; add --data.apply_chat_template false (OpenRLHF's default) or drop "
              "--data.input_template")
+    _require(d.system_prompt is None or d.apply_chat_template,
+             "data.system_prompt is a chat message, which only the chat template renders; drop --data.system_prompt "
+             "or leave --data.apply_chat_template true")
 
 
 def eval_metric_names(c: Config) -> list[str]:

@@ -59,6 +59,9 @@ class DataConfig:
     #: (OpenRLHF's --input_template, e.g. "User: {}\nAssistant: "); needs apply_chat_template false
     #: (or template_strings false)
     input_template: str | None = None
+    #: a system message put before every prompt the chat template renders (a chat prompt that opens with its
+    #: own system message keeps that one); open-r1's system_prompt. Needs apply_chat_template
+    system_prompt: str | None = None
     #: train on the first N rows of each dataset of data.path only (0: every row; OpenRLHF's --max_samples)
     max_samples: int = setting(0, ge=0)
     #: longer prompts are dropped (with a warning)

@@ -112,7 +112,7 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
         raise DataError("the model's tokenizer has no chat template; give one (--data.chat_template) or set "
                         "--data.apply_chat_template false")
     prompts, ids, dropped = [], [], 0
-    empty = too_long = filled = 0
+    empty = too_long = filled = systems = 0
     columns: dict[str, list[Any]] = {}
     for number, row in enumerate(rows, 1):
         prompt = row[cfg.prompt_key]
@@ -121,6 +121,8 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
             continue
         check_prompt(prompt, number, path, cfg.prompt_key)
         chat = cfg.apply_chat_template and (cfg.template_strings or not isinstance(prompt, str))
+        if chat and getattr(cfg, "system_prompt", None):
+            prompt, systems = with_system_prompt(prompt, cfg.system_prompt), systems + 1
         if cfg.input_template and not chat and isinstance(prompt, str):
             prompt, filled = cfg.input_template.format(prompt), filled + 1
         tokens = encode_prompt(prompt, tokenizer, chat, getattr(cfg, "chat_template_kwargs", None))
@@ -141,6 +143,10 @@ def load_prompts(cfg: Any, tokenizer: Any, rows: list[dict[str, Any]] | None = N
     if cfg.input_template and not filled:
         raise DataError(f"data.input_template puts plain-text prompts in place, but every prompt of '{path}' is chat "
                         "messages, which the chat template renders; drop --data.input_template")
+    if getattr(cfg, "system_prompt", None) and not systems:
+        raise DataError(f"data.system_prompt opens the prompts the chat template renders, but every prompt of '{path}' "
+                        "is plain text tokenized as it is (data.template_strings false); set --data.template_strings "
+                        "true or drop --data.system_prompt")
     if dropped:
         why = [f"{empty} empty"] * bool(empty) + [f"{too_long} longer than --data.max_prompt_tokens "
                                                  f"{cfg.max_prompt_tokens}"] * bool(too_long)
@@ -187,6 +193,14 @@ def check_prompt(prompt: Any, number: int, path: Any, key: str) -> None:
                 and isinstance(message.get("content"), str)):
             raise DataError(f"{where} holds a chat message that is not {{\"role\": str, \"content\": str}}: "
                             f"{str(message)[:60]!r}")
+
+
+def with_system_prompt(prompt: Any, system: str) -> list[dict[str, Any]]:
+    """A prompt as chat messages opening with ``system`` (unless it opens with a system message of its own)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if messages and messages[0].get("role") == "system":
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def encode_prompt(prompt: Any, tokenizer: Any, chat: bool, template_kwargs: dict[str, Any] | None = None) -> list[int]:

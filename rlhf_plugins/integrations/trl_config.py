@@ -268,6 +268,7 @@ def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
     from ..config.loading import load_yaml, merge
+    from .trl_open_r1 import open_r1_fields
     from .trl_script import script_rewards
     from .trl_stage_yaml import IGNORED, model_fields
 
@@ -284,8 +285,10 @@ def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str
                 "dataset_train_split", "dataset_config"):
         if key in data:
             script[key] = data.pop(key)
+    open_r1: dict[str, Any] = {}
+    open_r1_fields(data, open_r1, model_notes)
     raw, notes = from_grpo_fields(data)
-    raw, notes = merge(raw, model), notes + model_notes
+    raw, notes = merge(merge(raw, model), open_r1), notes + model_notes
     if script.get("model_name_or_path"):
         _set(raw, "model.path", str(script["model_name_or_path"]))
     if script.get("dataset_name"):

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config.loading import set_dotted as _set
 from ..errors import ConfigError
+from .trl_open_r1 import OPEN_R1_REWARDS, open_r1_reward
 
 #: reward names `trl grpo` resolves itself (trl/scripts/grpo.py's registry) -> the module defining each
 TRL_REGISTRY = {"accuracy_reward": "trl.rewards.accuracy_rewards",
@@ -24,13 +25,17 @@ def script_rewards(script: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         module, _, func = spec.rpartition(".")
         if spec in TRL_REGISTRY:
             module, func = TRL_REGISTRY[spec], spec
+        elif not module and open_r1_reward(spec):
+            module, func = open_r1_reward(spec)  # type: ignore[misc]
         elif spec == "get_soft_overlong_punishment":
             raise ConfigError("TRL reward 'get_soft_overlong_punishment' (DAPO's, against 1280 tokens with a 256-token "
                               "cache in TRL's script) is --reward.overlong_buffer N --reward.overlong_penalty 1 here, "
                               "against generation.max_new_tokens; remove it from reward_funcs and set those")
         elif not module:
             raise ConfigError(f"TRL reward_funcs entry '{spec}' must be 'module.function' or one of TRL's: "
-                              f"{', '.join(TRL_REGISTRY)}")
+                              f"{', '.join(TRL_REGISTRY)}, or open-r1's: {', '.join(OPEN_R1_REWARDS)} (another "
+                              "script's names are that script's to resolve: give the function's import path, or run "
+                              "the script itself with `from rlhf_plugins.integrations.trl import GRPOTrainer`)")
         plugins.append(module)
         names.append(func)
     if names:
