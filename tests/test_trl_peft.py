@@ -753,6 +753,7 @@ def test_an_open_r1_recipe_trains_with_its_prompt_column_system_prompt_and_rewar
     assert raw["data"]["prompt_key"] == "problem" and raw["data"]["system_prompt"] == "Answer with the number."
     assert raw["data"]["template_strings"] is True  # open-r1's script makes every row a conversation
     assert any("'callbacks'" in n and "ignored" in n for n in notes)
+    assert any("'wandb_project'" in n and "--log.wandb true --log.wandb_project NAME" in n for n in notes)
     assert any("cosine_max_len" in n and "rewards its script builds" in n for n in notes)
     code, _, err = rlhf("train", "--trl-config", str(tmp_path / "recipe.yaml"), "--train.progress", "false")
     assert code == 0, err

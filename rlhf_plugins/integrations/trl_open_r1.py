@@ -26,9 +26,9 @@ IGNORED = {
     "hub_model_revision": "nothing is pushed to the Hub",
     "overwrite_hub_revision": "nothing is pushed to the Hub",
     "push_to_hub_revision": "nothing is pushed to the Hub",
-    "wandb_entity": "metrics go to the run directory (--log.trackers adds W&B)",
-    "wandb_project": "metrics go to the run directory (--log.trackers adds W&B)",
-    "wandb_run_group": "metrics go to the run directory (--log.trackers adds W&B)",
+    "wandb_entity": "metrics go to the run directory; --log.wandb true --log.wandb_entity NAME adds W&B",
+    "wandb_project": "metrics go to the run directory; --log.wandb true --log.wandb_project NAME adds W&B",
+    "wandb_run_group": "metrics go to the run directory; --log.wandb true adds W&B",
     "dataset_mixture": "give one dataset_name, or --data.path with --data.probs",
     # transformers 4's TrainingArguments field (gone in 5), in open-r1's recipes and older TRL files
     "overwrite_output_dir": "every run writes a run directory of its own",
