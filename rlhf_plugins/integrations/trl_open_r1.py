@@ -48,13 +48,11 @@ def open_r1_fields(data: dict[str, Any], raw: dict[str, Any], notes: list[str]) 
     if "dataset_prompt_column" in data:
         set_dotted(raw, "data.prompt_key", str(data.pop("dataset_prompt_column")))
         conversation = True
-    if data.get("system_prompt") is not None:
-        set_dotted(raw, "data.system_prompt", str(data.pop("system_prompt")))
+    if (system := data.pop("system_prompt", None)) is not None:
+        set_dotted(raw, "data.system_prompt", str(system))
         conversation = True
-    data.pop("system_prompt", None)
-    if data.get("chat_template") is not None:
-        set_dotted(raw, "data.chat_template", str(data.pop("chat_template")))
-    data.pop("chat_template", None)
+    if (template := data.pop("chat_template", None)) is not None:
+        set_dotted(raw, "data.chat_template", str(template))
     if conversation:
         set_dotted(raw, "data.template_strings", True)
     for key in [k for k in data if k in IGNORED]:

@@ -25,8 +25,8 @@ def script_rewards(script: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         module, _, func = spec.rpartition(".")
         if spec in TRL_REGISTRY:
             module, func = TRL_REGISTRY[spec], spec
-        elif not module and open_r1_reward(spec):
-            module, func = open_r1_reward(spec)  # type: ignore[misc]
+        elif not module and (open_r1 := open_r1_reward(spec)):
+            module, func = open_r1
         elif spec == "get_soft_overlong_punishment":
             raise ConfigError("TRL reward 'get_soft_overlong_punishment' (DAPO's, against 1280 tokens with a 256-token "
                               "cache in TRL's script) is --reward.overlong_buffer N --reward.overlong_penalty 1 here, "

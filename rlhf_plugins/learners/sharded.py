@@ -14,9 +14,9 @@ def rank_environment() -> None:
     (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK); alone under local placement, a world of
     one on a free loopback port (the variables stay set: DeepSpeed keeps reading LOCAL_RANK)."""
     if "RANK" not in os.environ:
-        from ..sync.groups import free_address
+        from ..sync.groups import free_port
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_address()[1]), RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
 
 
