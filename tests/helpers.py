@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -20,11 +24,61 @@ def clean_env(extra: dict | None = None) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in DIST_ENV}, **(extra or {})}
 
 
-def run_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf_plugins.cli", *args],
-        cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
-    )
+def run_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600,
+                   fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m rlhf_plugins.cli ARGS`` as a process of its own, its output captured. Forked from a
+    process that has imported torch and transformers already (:mod:`tests.warm_server`), unless
+    ``fresh``: a new interpreter, for what only one shows (what imports print, packages installed
+    during the tests; ``RLHF_TEST_FRESH_RUNS=1`` makes every run fresh)."""
+    if fresh or os.environ.get("RLHF_TEST_FRESH_RUNS") == "1":
+        return subprocess.run([sys.executable, "-m", "rlhf_plugins.cli", *args], cwd=cwd, env=clean_env(env),
+                              capture_output=True, text=True, timeout=timeout)
+    return _WARM.run(list(args), Path(cwd or os.getcwd()), clean_env(env), timeout)
+
+
+class _WarmCli:
+    """The client of this test process's :mod:`tests.warm_server` (started on first use, ended with
+    this process: its socket closes)."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.log = Path(tempfile.mkdtemp(prefix="warm-cli-")) / "server.log"
+        with self.log.open("w") as log:
+            self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_server", str(theirs.fileno())],
+                                           cwd=ROOT, env=clean_env(), pass_fds=(theirs.fileno(),),
+                                           stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        theirs.close()
+        self.sock, self.stream = ours, ours.makefile("rwb", buffering=0)
+
+    def _answer(self, timeout: float | None = None) -> int | None:
+        if not select.select([self.sock], [], [], timeout)[0]:
+            return None
+        line = self.stream.readline()
+        if not line:
+            raise RuntimeError(f"the warm CLI server ended: {self.log.read_text()[-3000:]}")
+        return int(line)
+
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        if self.server is None or self.server.poll() is not None:
+            self._start()
+        with tempfile.TemporaryDirectory(prefix="warm-run-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"args": args, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            self.stream.write((json.dumps(request) + "\n").encode())
+            pid = self._answer()
+            code = self._answer(timeout)
+            if code is None:
+                os.kill(pid, signal.SIGKILL)
+                self._answer()
+                raise subprocess.TimeoutExpired(args, timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(args, code, out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+
+_WARM = _WarmCli()
 
 
 def short_run(*extra: str) -> list[str]:

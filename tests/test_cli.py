@@ -150,10 +150,10 @@ def test_plugins_command_table_and_json(rlhf):
 
 
 def test_console_script_help_and_exit_status(tmp_path):
-    proc = run_subprocess("train", "--train.steps", "0", cwd=tmp_path)
+    proc = run_subprocess("train", "--train.steps", "0", cwd=tmp_path, fresh=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "rlhf: error: config key 'train.steps' must be >= 1; got 0"
-    proc = run_subprocess("--help", cwd=tmp_path)
+    proc = run_subprocess("--help", cwd=tmp_path, fresh=True)
     assert proc.returncode == 0 and "train" in proc.stdout
 
 

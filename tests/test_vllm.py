@@ -272,11 +272,11 @@ def test_third_party_noise_stays_out_of_the_terminal_unless_verbose(tmp_path):
     """vLLM's start-up (Triton notice, deprecation warnings, torch's C++ warnings, load bars) is
     silent on a normal run; -v shows it."""
     quiet = run_subprocess("train", "--generation.backend", "vllm", *short_run("--train.steps", "1"), cwd=tmp_path,
-                           env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                           env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}, fresh=True)
     assert quiet.returncode == 0, quiet.stderr
     assert [line for line in quiet.stderr.splitlines() if line.strip() and not line.startswith("rlhf: ")] == []
     loud = run_subprocess("train", "--generation.backend", "vllm", *short_run("--train.steps", "1"), "-v",
-                          cwd=tmp_path, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                          cwd=tmp_path, env={"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}, fresh=True)
     assert loud.returncode == 0, loud.stderr
     # which notices the stack prints depends on the machine (Triton's notice, vLLM's log lines, deprecation
     # warnings); -v lets through whichever there are
