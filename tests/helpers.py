@@ -30,7 +30,7 @@ def run_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None,
     process that has imported torch and transformers already (:mod:`tests.warm_server`), unless
     ``fresh``: a new interpreter, for what only one shows (what imports print, packages installed
     during the tests; ``RLHF_TEST_FRESH_RUNS=1`` makes every run fresh)."""
-    if fresh or os.environ.get("RLHF_TEST_FRESH_RUNS") == "1":
+    if fresh or os.environ.get("RLHF_TEST_FRESH_RUNS") == "1" or not sys.platform.startswith("linux"):
         return subprocess.run([sys.executable, "-m", "rlhf_plugins.cli", *args], cwd=cwd, env=clean_env(env),
                               capture_output=True, text=True, timeout=timeout)
     return _WARM.run(list(args), Path(cwd or os.getcwd()), clean_env(env), timeout)

@@ -1,9 +1,10 @@
 """A process that has imported torch and transformers once and forks each ``rlhf`` run the tests start
 (:func:`tests.helpers.run_subprocess`), so that a run does not spend its first seconds of CPU importing
-them again -- on a two-core CI machine some seventy runs paid that.
+them again (some 8 s of CPU per run on a two-core CI machine; a module of short local runs such as
+test_checkpoints takes half the time).
 
-Started as ``python -m tests.warm_server FD`` (from the repository root) by :class:`tests.helpers.WarmCli`, it reads one JSON
-request per line from the socket FD: ``{"args", "cwd", "env", "out", "err"}``. For each it forks; the
+Started as ``python -m tests.warm_server FD`` (from the repository root) by ``tests.helpers._WarmCli``,
+it reads one JSON request per line from the socket FD: ``{"args", "cwd", "env", "out", "err"}``. For each it forks; the
 parent answers the child's pid, waits for it and answers its exit code as ``subprocess`` reports one
 (negative: the signal that ended it). The child becomes what ``python -m rlhf_plugins.cli ARGS`` would
 be, started in ``cwd`` with ``env``, stdout and stderr to the files named: its ``sys.path`` takes the
@@ -12,9 +13,10 @@ exit (threads joined, atexit handlers run, streams flushed), as a fresh process 
 
 What a forked run cannot show, tests keep to a fresh interpreter (``run_subprocess(..., fresh=True)``):
 what third-party imports print, packages pip-installed during the test run (their ``.pth`` files are
-read at start-up), import-time settings of the preloaded libraries. Nothing imported here starts a
-thread beyond torch's own idle one (checked before the first fork), so the fork copies no lock held
-by another thread.
+read at start-up), import-time settings of the preloaded libraries. Linux only (elsewhere every run
+is fresh: forking after torch's import is what DataLoader workers do on Linux, not on macOS). Nothing
+imported here starts a thread beyond torch's own idle one (checked before the first fork), so the fork
+copies no lock held by another thread.
 """
 from __future__ import annotations
 
