@@ -3,6 +3,7 @@
 exit status (a signal's included) and interpreter exit."""
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
 
@@ -25,6 +26,7 @@ PROBE = textwrap.dedent("""
     if then == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if then == "hang":
+        print("pid", os.getpid(), flush=True)
         time.sleep(600)
     if then == "thread":  # a non-daemon thread the interpreter's exit waits for
         threading.Thread(target=lambda: (time.sleep(1), print("thread finished", flush=True))).start()
@@ -70,6 +72,9 @@ def test_a_warm_run_killed_by_a_signal_reports_it(probe):
 
 
 def test_a_warm_run_past_its_timeout_is_killed_and_raises(probe):
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as hung:
         probe("hang", fresh=False, timeout=5)
+    (pid,) = [int(line.split()[1]) for line in hung.value.output.splitlines() if line.startswith("pid ")]
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left running
+        os.kill(pid, 0)
     assert probe("exit", fresh=False).returncode == 0  # the warm process serves the next run

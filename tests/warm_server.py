@@ -55,7 +55,6 @@ def preload() -> None:
 def serve(sock: socket.socket) -> dict:
     """Fork a child per request; return the request in the child, never in this process."""
     stream = sock.makefile("rwb", buffering=0)
-    base_path = list(sys.path)
     while True:
         line = stream.readline()
         if not line:
@@ -67,7 +66,6 @@ def serve(sock: socket.socket) -> dict:
         if pid == 0:
             stream.close()
             sock.close()
-            request["base_path"] = base_path
             return request
         stream.write(f"{pid}\n".encode())
         _, status = os.waitpid(pid, 0)
@@ -84,7 +82,7 @@ def become_the_run(request: dict) -> None:
         os.close(target)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # as `python -m` starts: the working directory, then PYTHONPATH, then the interpreter's own paths
-    sys.path[:] = [os.getcwd(), *extra, *(p for p in request["base_path"][1:] if p not in extra)]
+    sys.path[:] = [os.getcwd(), *extra, *(p for p in sys.path[1:] if p not in extra)]
     import importlib.util
 
     importlib.invalidate_caches()
