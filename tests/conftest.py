@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_workers_from_a_zygote(request):
+    """When this session runs integration tests (Ray clusters among them) on Linux, the Ray workers they
+    start are forked from a process that imported torch and transformers once (:mod:`tests.ray_zygote`),
+    unless ``RLHF_TEST_FRESH_RUNS=1``."""
+    wanted = (sys.platform.startswith("linux") and os.environ.get("RLHF_TEST_FRESH_RUNS") != "1"
+              and any(item.get_closest_marker("integration") for item in request.session.items))
+    if not wanted:
+        yield None
+        return
+    from tests.ray_zygote import Zygote
+
+    zygote = Zygote()
+    yield zygote
+    zygote.stop()
+
+
+@pytest.fixture
+def local_ray_fresh_workers(monkeypatch):
+    """:func:`local_ray` whose workers are fresh interpreters (not forked by :mod:`tests.ray_zygote`), for a
+    test of what a worker process imports; a module's running cluster is stopped for it and started again."""
+    ray = pytest.importorskip("ray")
+    from tests.helpers import start_local_ray
+    from tests.ray_zygote import SOCKET_ENV
+
+    was_running = ray.is_initialized()
+    ray.shutdown()
+    with monkeypatch.context() as m:
+        m.delenv(SOCKET_ENV, raising=False)
+        start_local_ray()
+        yield ray
+        ray.shutdown()
+    if was_running:
+        start_local_ray()
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,13 @@ def run_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None,
     """``python -m rlhf_plugins.cli ARGS`` as a process of its own, its output captured. Forked from a
     process that has imported torch and transformers already (:mod:`tests.warm_server`), unless
     ``fresh``: a new interpreter, for what only one shows (what imports print, packages installed
-    during the tests; ``RLHF_TEST_FRESH_RUNS=1`` makes every run fresh)."""
+    during the tests; ``RLHF_TEST_FRESH_RUNS=1`` makes every run fresh). A fresh run's Ray workers are
+    fresh interpreters too (not forked by :mod:`tests.ray_zygote`)."""
     if fresh or os.environ.get("RLHF_TEST_FRESH_RUNS") == "1" or not sys.platform.startswith("linux"):
-        return subprocess.run([sys.executable, "-m", "rlhf_plugins.cli", *args], cwd=cwd, env=clean_env(env),
+        from tests.ray_zygote import SOCKET_ENV
+
+        fresh_env = {k: v for k, v in clean_env(env).items() if k != SOCKET_ENV}  # its Ray workers fresh too
+        return subprocess.run([sys.executable, "-m", "rlhf_plugins.cli", *args], cwd=cwd, env=fresh_env,
                               capture_output=True, text=True, timeout=timeout)
     return _WARM.run(list(args), Path(cwd or os.getcwd()), clean_env(env), timeout)
 

@@ -62,28 +62,6 @@ def test_one_placement_group_per_role(local_ray, strategy):
         p.shutdown()
 
 
-def test_a_rule_reward_role_scores_without_importing_torch(local_ray, tiny_model):
-    """The reward role of a run with rule rewards scores in a process that never imports torch (nor
-    transformers: 8 s of CPU on two cores, measured, and hundreds of MB, less per reward worker while the
-    model roles start), also when the run names its policy's folder."""
-    from rlhf_plugins.api import prepare
-    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
-
-    cfg, pm, plan = prepare({"placement": {"strategy": "ray"}, "ray": {"ready_timeout": 5},
-                             "model": {"path": tiny_model}}, autoload=False)
-    p = RayPlacement(PlacementContext(cfg, ("reward", "actor")))
-    try:
-        reward = p.create_role("reward", RewardRole, cfg, pm.spec, plan.rewards, plan.weights)
-        probe = p.create_role("actor", Probe, "a")
-        p.ready()
-        batch = RewardBatch(["2+3=", "1+1="], ["5", "3"], [[1], [2]], {"label": ["5", "2"]})
-        assert reward.score(batch).scores == [1.0, 0.0]
-        assert reward.env_info()[0]["torch_imported"] is False
-        assert probe.all_reduce(2.0) == 2.0 and probe.env_info()[0]["torch_imported"] is True
-    finally:
-        p.shutdown()
-
-
 @pytest.mark.parametrize(
     "mode, groups, share",
     [
@@ -289,3 +267,25 @@ def test_a_local_cluster_the_run_starts_listens_on_loopback():
                           env=clean_env({"RAY_AUTH_MODE": "disabled"}))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "['127.0.0.1'] 127.0.0.1"
+
+
+def test_a_rule_reward_role_scores_without_importing_torch(local_ray_fresh_workers, tiny_model):
+    """The reward role of a run with rule rewards scores in a process that never imports torch (nor
+    transformers: 8 s of CPU on two cores, measured, and hundreds of MB, less per reward worker while the
+    model roles start), also when the run names its policy's folder."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
+
+    cfg, pm, plan = prepare({"placement": {"strategy": "ray"}, "ray": {"ready_timeout": 5},
+                             "model": {"path": tiny_model}}, autoload=False)
+    p = RayPlacement(PlacementContext(cfg, ("reward", "actor")))
+    try:
+        reward = p.create_role("reward", RewardRole, cfg, pm.spec, plan.rewards, plan.weights)
+        probe = p.create_role("actor", Probe, "a")
+        p.ready()
+        batch = RewardBatch(["2+3=", "1+1="], ["5", "3"], [[1], [2]], {"label": ["5", "2"]})
+        assert reward.score(batch).scores == [1.0, 0.0]
+        assert reward.env_info()[0]["torch_imported"] is False
+        assert probe.all_reduce(2.0) == 2.0 and probe.env_info()[0]["torch_imported"] is True
+    finally:
+        p.shutdown()

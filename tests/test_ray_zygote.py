@@ -1,0 +1,154 @@
+"""The tests' Ray workers forked from :mod:`tests.ray_zygote` are what a fresh worker is: started by the
+raylet under the same command line, in the same working directory and environment, with the same import
+path, and they end as a fresh one would: with its exit status or signal, killed with their stand-in,
+their stand-in killed with them."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.ray_zygote import SOCKET_ENV, STAND_IN_ENV
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
+
+#: stands in for Ray's worker entry (the hand-over matches the script's name): reports what it sees, then
+#: does what its first argument says
+WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    print("torch", "torch" in sys.modules)
+    print("cwd", os.getcwd())
+    print("env", os.environ.get("PROBE_VALUE"))
+    print("path", repr(sys.path))
+    print("first", sys.path[0] == os.path.dirname(os.path.realpath(__file__)))
+    print("argv", " ".join(sys.argv[1:]))
+    print("parent", os.getppid())
+    sys.stdout.flush()
+    if sys.argv[1] == "exit":
+        sys.exit(7)
+    if sys.argv[1] == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGUSR1, lambda *_: (print("got SIGUSR1", flush=True), sys.exit(0)))
+    print("waiting", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def zygote(ray_workers_from_a_zygote):
+    if ray_workers_from_a_zygote is None:
+        pytest.skip("no zygote in this session (RLHF_TEST_FRESH_RUNS=1)")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(ray_workers_from_a_zygote.path):  # listening once its imports are done
+        assert ray_workers_from_a_zygote.server.poll() is None, ray_workers_from_a_zygote.log.read_text()
+        assert time.monotonic() < deadline, "the zygote did not listen within 300 s"
+        time.sleep(0.2)
+    return ray_workers_from_a_zygote
+
+
+@pytest.fixture
+def worker(tmp_path):
+    (tmp_path / "default_worker.py").write_text(WORKER)
+    (tmp_path / "lib").mkdir()
+
+    def start(then: str, zygote_on: bool = True) -> subprocess.Popen:
+        env = {**os.environ, "PROBE_VALUE": "given", "PYTHONPATH": os.pathsep.join(
+            [os.environ.get("PYTHONPATH", ""), str(tmp_path / "lib")])}
+        if not zygote_on:
+            env.pop(SOCKET_ENV)
+        return subprocess.Popen([sys.executable, str(tmp_path / "default_worker.py"), then], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return start
+
+
+def report(proc: subprocess.Popen) -> dict[str, str]:
+    out, err = proc.communicate(timeout=120)
+    return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
+
+
+def test_a_forked_worker_sees_what_a_fresh_one_sees_and_exits_with_its_status(zygote, worker, tmp_path):
+    forked, fresh = worker("exit"), worker("exit", zygote_on=False)
+    got, want = report(forked), report(fresh)
+    assert (forked.returncode, fresh.returncode) == (7, 7)
+    assert got["torch"] == "True" and want["torch"] == "False"  # forked from the process that imported it
+    assert int(got["parent"]) == zygote.server.pid and int(want["parent"]) == os.getpid()
+    for key in ("cwd", "env", "path", "first", "argv"):
+        assert got[key] == want[key], key
+    assert got["cwd"] == str(tmp_path) and got["env"] == "given" and got["first"] == "True"
+    assert str(tmp_path / "lib") in got["path"]
+
+
+def test_a_forked_worker_ended_by_a_signal_ends_its_stand_in_by_it(zygote, worker):
+    proc = worker("signal")
+    report(proc)
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_the_stand_in_forwards_signals_to_the_forked_worker(zygote, worker):
+    proc = worker("wait")
+    assert proc.stdout.readline().startswith("torch True")
+    while proc.stdout.readline().strip() != "waiting":
+        pass
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert "got SIGUSR1" in out and proc.returncode == 0
+
+
+def test_a_killed_stand_in_takes_its_forked_worker_with_it(zygote, worker):
+    proc = worker("wait")
+    lines = [proc.stdout.readline() for _ in range(8)]
+    assert int(next(line for line in lines if line.startswith("parent")).split()[1]) == zygote.server.pid
+    forked = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(int(p)) == zygote.server.pid]
+    assert forked, "the zygote has no child while a worker waits"
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in forked) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in forked)
+
+
+class WorkerProbe:
+    def report(self) -> dict:
+        return {"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "torch": "torch" in sys.modules,
+                "script": os.path.basename(sys.argv[0]), "stand_in": int(os.environ[STAND_IN_ENV])}
+
+
+def test_a_ray_actor_runs_in_a_forked_worker_that_ends_with_its_stand_in(zygote, local_ray):
+    ray = local_ray
+    actor = ray.remote(WorkerProbe).remote()
+    info = ray.get(actor.report.remote(), timeout=120)
+    assert info["parent"] == zygote.server.pid and info["torch"] and info["script"] == "default_worker.py"
+    assert info["group"] == info["pid"]  # a process group of its own, as the raylet gives a fresh worker
+    assert "default_worker.py" in open(f"/proc/{info['stand_in']}/cmdline").read()  # the process the raylet started
+    os.kill(info["stand_in"], signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.report.remote(), timeout=120)
+    deadline = time.monotonic() + 30
+    while _alive(info["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(info["pid"])
+    again = ray.get(ray.remote(WorkerProbe).remote().report.remote(), timeout=120)
+    assert again["pid"] != info["pid"] and again["parent"] == zygote.server.pid
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
