@@ -94,6 +94,11 @@ def serve(path: str) -> tuple[dict, list[int], socket.socket]:
             continue
         conn, _ = listener.accept()
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not message or len(fds) != 3:  # a worker that went away before it asked
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
