@@ -33,7 +33,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tests.warm_server import preload
+from tests.warm_server import preload, take_over
 
 #: the socket the server listens on, in the environment of every process the tests start
 SOCKET_ENV = "RLHF_TEST_RAY_ZYGOTE"
@@ -45,20 +45,33 @@ ROOT = Path(__file__).parent.parent
 
 
 class Zygote:
-    """This test process's server: started with :meth:`start`, named in ``os.environ`` for every process
-    started afterwards, ended by :meth:`stop` (or by this process's end: it watches its parent)."""
+    """This test process's server: started when made, named in ``os.environ`` for every process started
+    afterwards, ended by :meth:`stop` (or by this process's end: it watches its parent)."""
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="ray-zygote-")
         self.path = os.path.join(self.folder, "socket")
         self.log = Path(self.folder, "server.log")
+        ready_r, ready_w = os.pipe()
         with self.log.open("w") as log:
-            self.server = subprocess.Popen([sys.executable, "-m", "tests.ray_zygote", self.path], cwd=ROOT,
-                                           stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.server = subprocess.Popen([sys.executable, "-m", "tests.ray_zygote", self.path, str(ready_w)],
+                                           cwd=ROOT, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=log)
+        os.close(ready_w)
+        self._ready = os.fdopen(ready_r, "rb")
+        self.listening = False
         os.environ[SOCKET_ENV] = self.path
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
 
+    def wait_listening(self) -> None:
+        """Block until the server listens (its imports done); raise with its log if it ended first."""
+        if not self.listening:
+            self.listening = self._ready.readline() == b"listening\n"
+        if not self.listening:
+            raise RuntimeError(f"the Ray worker zygote ended before it listened: {self.log.read_text()[-3000:]}")
+
     def stop(self) -> None:
+        self._ready.close()
         os.environ.pop(SOCKET_ENV, None)
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE)]
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
@@ -71,9 +84,9 @@ class Zygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def serve(path: str) -> tuple[dict, list[int], socket.socket]:
-    """Fork a child for each worker that connects; return its request, descriptors and connection in the
-    child, never in this process (which ends when its parent does)."""
+def serve(path: str, ready: int) -> tuple[dict, list[int], socket.socket]:
+    """Say on ``ready`` once listening, then fork a child for each worker that connects; return its request,
+    descriptors and connection in the child, never in this process (which ends when its parent does)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -81,6 +94,8 @@ def serve(path: str) -> tuple[dict, list[int], socket.socket]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)  # only now: a worker that starts before this starts as a fresh process
     listener.listen(64)
+    os.write(ready, b"listening\n")
+    os.close(ready)
     parent = os.getppid()
     stand_ins: dict[int, socket.socket] = {}  # child pid -> the connection of the process it stands in for
     while True:
@@ -139,19 +154,10 @@ def _reap(stand_ins: dict[int, socket.socket]) -> None:
 
 
 def become_the_worker(request: dict, fds: list[int], conn: socket.socket) -> None:
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.environ[STAND_IN_ENV] = str(request["pid"])
     # as `python SCRIPT` starts: the script's folder, then what site built (PYTHONPATH, .pth files)
-    sys.path[:] = [os.path.dirname(os.path.realpath(request["argv"][0])), *request["path"]]
+    take_over(request["cwd"], {**request["env"], STAND_IN_ENV: str(request["pid"])}, fds,
+              [os.path.dirname(os.path.realpath(request["argv"][0])), *request["path"]])
     sys.argv = request["argv"]
-    import importlib
-
-    importlib.invalidate_caches()
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # OpenMP read it when torch loaded here
         import torch
 
@@ -168,7 +174,7 @@ def become_the_worker(request: dict, fds: list[int], conn: socket.socket) -> Non
 
 if __name__ == "__main__":
     preload()
-    request, fds, conn = serve(sys.argv[1])
+    request, fds, conn = serve(sys.argv[1], int(sys.argv[2]))
     become_the_worker(request, fds, conn)
     import runpy
 

@@ -44,11 +44,7 @@ WORKER = textwrap.dedent("""
 def zygote(ray_workers_from_a_zygote):
     if ray_workers_from_a_zygote is None:
         pytest.skip("no zygote in this session (RLHF_TEST_FRESH_RUNS=1)")
-    deadline = time.monotonic() + 300
-    while not os.path.exists(ray_workers_from_a_zygote.path):  # listening once its imports are done
-        assert ray_workers_from_a_zygote.server.poll() is None, ray_workers_from_a_zygote.log.read_text()
-        assert time.monotonic() < deadline, "the zygote did not listen within 300 s"
-        time.sleep(0.2)
+    ray_workers_from_a_zygote.wait_listening()  # once its imports are done
     return ray_workers_from_a_zygote
 
 

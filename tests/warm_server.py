@@ -72,20 +72,31 @@ def serve(sock: socket.socket) -> dict:
         stream.write(f"{os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def become_the_run(request: dict) -> None:
-    os.chdir(request["cwd"])
+def take_over(cwd: str, env: dict, fds: list[int], path: list[str]) -> None:
+    """Become, in a forked child, a process started in ``cwd`` with ``env``, its stdin, stdout and stderr on
+    ``fds`` (closed once in place) and importing from ``path`` (what both this server and
+    :mod:`tests.ray_zygote` do before running what their client asked)."""
+    import importlib
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(request["env"])
-    for fd, path in ((0, os.devnull), (1, request["out"]), (2, request["err"])):
-        target = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ.update(env)
+    sys.path[:] = path
+    importlib.invalidate_caches()
+
+
+def become_the_run(request: dict) -> None:
+    fds = [os.open(os.devnull, os.O_RDONLY),
+           *(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC) for name in ("out", "err"))]
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     # as `python -m` starts: the working directory, then PYTHONPATH, then the interpreter's own paths
-    sys.path[:] = [os.getcwd(), *extra, *(p for p in sys.path[1:] if p not in extra)]
+    cwd = os.path.realpath(request["cwd"])  # what os.getcwd() reports there
+    take_over(cwd, request["env"], fds, [cwd, *extra, *(p for p in sys.path[1:] if p not in extra)])
     import importlib.util
 
-    importlib.invalidate_caches()
     sys.argv = [importlib.util.find_spec("rlhf_plugins.cli").origin, *request["args"]]
 
 
