@@ -5,11 +5,11 @@ their stand-in killed with them."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -104,9 +104,7 @@ def test_a_killed_stand_in_takes_its_forked_worker_with_it(zygote, worker):
     assert child != proc.pid and int(seen["parent"]) == zygote.server.pid and _alive(child)
     proc.kill()
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until_ended(child)
     assert not _alive(child)
 
 
@@ -124,14 +122,24 @@ def test_a_ray_actor_runs_in_a_forked_worker_that_ends_with_its_stand_in(zygote,
     assert info["group"] == info["pid"]  # a process group of its own, as the raylet gives a fresh worker
     assert "default_worker.py" in open(f"/proc/{info['stand_in']}/cmdline").read()  # the process the raylet started
     os.kill(info["stand_in"], signal.SIGKILL)
+    _wait_until_ended(info["pid"])  # the worker follows its stand-in (its watch thread kills it)
+    assert not _alive(info["pid"])
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.report.remote(), timeout=120)
-    deadline = time.monotonic() + 30
-    while _alive(info["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(info["pid"])
     again = ray.get(ray.remote(WorkerProbe).remote().report.remote(), timeout=120)
     assert again["pid"] != info["pid"] and again["parent"] == zygote.server.pid
+
+
+def _wait_until_ended(pid: int) -> None:
+    """Block until process ``pid`` (not necessarily our child) has ended."""
+    try:
+        ended = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([ended], [], [])
+    finally:
+        os.close(ended)
 
 
 def _alive(pid: int) -> bool:
