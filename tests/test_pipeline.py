@@ -34,13 +34,14 @@ def stages(tmp_path_factory, tiny_model):
 
 
 def test_ppo_on_the_reward_model_raises_its_score_of_held_out_sums(stages):
-    """PPO whose only reward is the reward model: the held-out evaluation the run makes itself (sampled
-    answers to the test split's sums, judged by the training reward, the reward model) rises: the share it
-    judges correct by 0.10 or more, its mean score too. Exact-match accuracy is measured and bounded, not
-    required to rise: it follows the reward model's mistakes, which depend on the CPU's rounding
-    (docs/pipeline.md: +0.20 on AVX-512 machines, -0.05 on an AVX2 one, where the reward model's own
-    score rose just as much). The judged share is capped by the sums the reward model never judges
-    correct (its pass@8: 0.85 on an AVX-512 EPYC, where seeds 0-4 rose by 0.14-0.25 from 0.57-0.66)."""
+    """PPO whose only reward is the reward model: the reward model's mean score of sampled answers to the
+    test split's sums (the run's own held-out evaluation, judged by its training reward) rises by 0.5 or
+    more -- a Bradley-Terry logit: the reward model then prefers a PPO answer to an SFT one with probability
+    about sigmoid(0.5) = 0.62 or more -- and the share it judges correct (score >= 1) rises. Measured: +1.1 to
+    +1.9 over seeds and kernels (docs/pipeline.md). The share is not held to a margin: it is capped by the
+    sums the reward model never scores as correct (its pass@8: 0.65-0.85, by the CPU's rounding).
+    Exact-match accuracy is measured and bounded, not required to rise: it follows the reward model's
+    mistakes, which depend on the CPU's rounding (+0.20 on AVX-512 machines, -0.05 on an AVX2 one)."""
     proc = run_subprocess(*PPO, "--train.run_name", "ppo", cwd=stages)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = (stages / "runs" / "ppo" / "config.yaml").read_text()
@@ -49,8 +50,8 @@ def test_ppo_on_the_reward_model_raises_its_score_of_held_out_sums(stages):
     assert all(set(r) >= {"reward/mean", "critic/loss"} for r in rows)
     evals = eval_rows_of(stages / "runs" / "ppo")  # before the first step, after the last
     judged, scores = [r["eval/pass@1"] for r in evals], [r["eval/mean@8"] for r in evals]
-    assert len(judged) == 2 and judged[1] >= judged[0] + 0.10, judged
-    assert scores[1] > scores[0], scores
+    assert len(scores) == 2 and scores[1] >= scores[0] + 0.5, scores
+    assert judged[1] > judged[0], judged
     held = task_rows("test")
     sft = evaluate_model(str(stages / "runs" / "sft" / "final"), held, n=16)
     ppo = evaluate_model(str(stages / "runs" / "ppo" / "final"), held, n=16)
