@@ -131,13 +131,14 @@ def test_a_ray_actor_runs_in_a_forked_worker_that_ends_with_its_stand_in(zygote,
 
 
 def _wait_until_ended(pid: int) -> None:
-    """Block until process ``pid`` (not necessarily our child) has ended."""
+    """Block until process ``pid`` (not necessarily our child) has ended, or for at most 120 s: the caller's
+    liveness assertion then fails the test instead of a mechanism that never ends it hanging the run."""
     try:
         ended = os.pidfd_open(pid)
     except ProcessLookupError:
         return
     try:
-        select.select([ended], [], [])
+        select.select([ended], [], [], 120)
     finally:
         os.close(ended)
 
