@@ -53,8 +53,9 @@ def step_clock() -> Any:
     return Clock()
 
 
-def warm_trainer(raw: dict[str, Any], model_path: str, warmup: int) -> Any:
-    """Our Trainer for the config ``raw``, set up, after ``warmup`` untimed steps."""
+def warm_trainer(raw: dict[str, Any], model_path: str, warmup: int, on_step: Any = None) -> Any:
+    """Our Trainer for the config ``raw``, set up, after ``warmup`` untimed steps (``on_step(step,
+    metrics)`` after each, if given)."""
     from transformers import AutoTokenizer
 
     from rlhf_plugins.api import prepare
@@ -66,7 +67,9 @@ def warm_trainer(raw: dict[str, Any], model_path: str, warmup: int) -> Any:
     trainer = Trainer(config, pm, plan, load_prompts(config.data, tokenizer), tokenizer, model_path)
     trainer.setup()
     for step in range(warmup):
-        trainer.step(step)
+        m = trainer.step(step)
+        if on_step is not None:
+            on_step(step, m)
     return trainer
 
 

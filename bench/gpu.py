@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,11 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
                        **({"logits_memory_mb": args.logits_mb} if args.logits_mb else {}),
                        **VARIANTS.get(args.only, ("", {}))[1]},
            "algo": {"kl": {"coef": SETUP["beta"]}, "policy_loss": {"aggregation": "token-mean"}}}
-    trainer = warm_trainer(raw, args.model, args.warmup)
+    trainer = warm_trainer(raw, args.model, args.warmup, partial(step_line, args.only or "ours"))
     start, tokens = time.perf_counter(), 0.0
     for step in range(args.warmup, args.warmup + args.steps):
         m = trainer.step(step)
+        step_line(args.only or "ours", step, m)
         tokens += m["completion/length"] * SETUP["prompts"] * SETUP["group"]
     elapsed = time.perf_counter() - start
     timed = trainer.history[args.warmup:]
@@ -123,6 +125,13 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             "completion_length": sum(m["completion/length"] for m in timed) / len(timed),
             "train_seconds": sum(m["time/train"] for m in timed),
             "phase_seconds": {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "prepare", "train", "sync")}}
+
+
+def step_line(side: str, step: int, m: dict[str, Any]) -> None:
+    """One line per step as it ends, so that a side the device check's deadline cuts off still shows
+    how far it came and where its time went (the first steps compile and record CUDA graphs)."""
+    print(f"  {side} step {step}: " + ", ".join(f"{k} {m[f'time/{k}']:.2f} s" for k in ("generate", "train")
+                                                if f"time/{k}" in m), flush=True)
 
 
 def profile_step(trainer: Any, step: int) -> None:

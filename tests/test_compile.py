@@ -206,6 +206,33 @@ def test_cuda_graph_modes_on_a_cpu_compile_without_graphs_and_say_so(caplog):
     assert counters["stats"]["unique_graphs"] >= 2 and counters["inductor"]["cudagraph_skips"] == 0
 
 
+def test_with_cuda_graphs_gradients_accumulate_in_place_in_tensors_allocated_before_the_backward():
+    """A CUDA-graph mode with float32 weights: every trainable parameter has its gradient before the
+    first backward, and each micro batch's backward of two updates adds to that very tensor (autograd
+    never makes a compiled backward's output the gradient, which on a GPU the next micro batch's
+    graphs would overwrite: run 7 in docs/gpu.md); the updates equal the eager learner's, whose
+    gradients are still freed after each update."""
+    from tests.helpers import ppo_batch, ppo_update
+
+    learner, eager = torch_learner("float32", compile=True, compile_mode="reduce-overhead"), torch_learner("float32")
+    params = [p for group in learner.optimizer.param_groups for p in group["params"]]
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+    allocated = {id(p): p.grad.data_ptr() for p in params}
+    accumulated: list[bool] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.data_ptr() == allocated[id(p)]))
+    for seed in (3, 4):
+        batch = ppo_batch(seed)
+        batch["old_logprobs"] = eager.logprobs(batch)
+        got, want = ppo_update(learner, batch)["grad_norm"], ppo_update(eager, batch)["grad_norm"]
+        assert abs(got - want) <= 1e-5 * want
+    assert len(accumulated) == 2 * 2 * len(params) and all(accumulated)  # two micro batches per update
+    assert all(p.grad is not None and not p.grad.any() for p in params)  # zeroed, kept
+    assert all(p.grad is None for p in eager.model.parameters())
+    for a, b in zip(learner.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_without_a_cpu_compiler_the_run_stops_in_one_line(tmp_path):
     """PATH without any C++ compiler: exit 2, one line naming the fix, no run folder left behind."""
     import os

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..models.compiled import GRAPHED_MODES, keep_grads_allocated
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -45,6 +46,10 @@ class TorchLearner(Learner):
 
             self.masters = MasterWeights(model)
             params = list(self.masters.masters)
+        # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool
+        self.grads_kept = self.cfg.compile and self.cfg.compile_mode in GRAPHED_MODES and self.masters is None
+        if self.grads_kept:
+            keep_grads_allocated(params)
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr, names)
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
@@ -70,7 +75,7 @@ class TorchLearner(Learner):
             self.masters.write_back()
         self.scheduler.step()
         # the masters' float32 gradients stay allocated (each parameter's main_grad points at its own)
-        self.optimizer.zero_grad(set_to_none=self.masters is None)
+        self.optimizer.zero_grad(set_to_none=self.masters is None and not self.grads_kept)
         return float(grad_norm)
 
     def _lr(self) -> float:

@@ -32,7 +32,8 @@ update that waits on the host to issue kernels (docs/gpu.md). Only the training 
 backward replay graphs; the passes without gradients run the same compiled code without them (each
 call there would begin a new graph generation and free what earlier layers left in the KV cache).
 A graph is recorded per shape, so it pays where shapes repeat (fixed-length completions); on a CPU
-the mode runs without graphs, with one line saying so.
+the mode runs without graphs, with one line saying so. The weights' gradients then stay allocated
+from update to update (:func:`keep_grads_allocated`).
 """
 from __future__ import annotations
 
@@ -156,6 +157,20 @@ def _compile(module: torch.nn.Module, mode: str) -> None:
         def call(*args: Any, **kwargs: Any) -> Any:
             return (graphed if torch.is_grad_enabled() else plain)(*args, **kwargs)
         module._compiled_call_impl = call
+
+
+def keep_grads_allocated(params: list[torch.Tensor]) -> None:
+    """Give every parameter of ``params`` a zero gradient before any backward, so that backwards add
+    to it in place. With CUDA graphs a compiled backward's weight gradients are tensors of the graph
+    tree's memory pool, and a parameter whose ``.grad`` is None takes that very tensor as its gradient;
+    the next micro batch's forward begins a new graph generation, which frees it, and its backward then
+    adds to freed memory (torch raises "accessing tensor output of CUDAGraphs that has been
+    overwritten by a subsequent run"; run 7 in docs/gpu.md). 16-bit runs need none of this: their
+    float32 masters' gradients are allocated once and each 16-bit gradient is moved onto them as soon
+    as it is complete (:mod:`rlhf_plugins.learners.master_weights`)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def compiled_blocks(model: Any) -> list[str]:
