@@ -56,8 +56,13 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
                                    "label_smoothing_factor": 0.1})
     assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant",
                      "TRL field 'label_smoothing_factor' is ignored: it smooths the Trainer's language-modelling "
-                     "loss, which TRL's GRPO loss replaces",
-                     "TRL field 'pad_to_multiple_of' is ignored: padding to a multiple does not change the loss"]
+                     "loss, which TRL's GRPO loss replaces"]
+    assert raw["learner"]["pad_to_multiple_of"] == 8  # TRL pads prompts and completions to it, as we do
+    for value, ours in (("auto", 0), (None, 1), ("none", 1), ("16", 16)):  # TRL's default; no padding; CLI text
+        assert from_grpo_fields({"pad_to_multiple_of": value})[0]["learner"]["pad_to_multiple_of"] == ours
+    with pytest.raises(ConfigError, match=re.escape("TRL field 'pad_to_multiple_of' expects 'auto', None or a "
+                                                    "number >= 1; got 0")):
+        from_grpo_fields({"pad_to_multiple_of": 0})
     raw, _ = from_grpo_fields({"delta": 1.5, "epsilon_high": 0.28})
     assert raw["algo"]["policy_loss"]["dual_clip"] == 1.5 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
     for field, value, message in (("delta", 1.2, "TRL delta 1.2 must exceed 1 + epsilon_high (1.2)"),

@@ -41,6 +41,9 @@ class LearnerConfig:
     compile_scope: Literal["blocks", "layers"] = "blocks"
     #: torch.compile's mode for --learner.compile: reduce-overhead and max-autotune replay CUDA graphs (GPU)
     compile_mode: CompileMode = "default"
+    #: round each batch's prompt and completion widths up to a multiple of N (not past data.max_prompt_tokens
+    #: and generation.max_new_tokens), so that shapes repeat; 0: 64 with a CUDA-graph compile_mode, else 1 (none)
+    pad_to_multiple_of: int = setting(0, ge=0)
     #: keep a moving average of the actor's weights and save the final model from it (OpenRLHF's --enable_ema)
     ema: bool = False
     #: the average's decay: average = beta x average + (1 - beta) x weights after every update

@@ -17,7 +17,6 @@ UNSUPPORTED = {
 IGNORED_WHY = {
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
     "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
-    "pad_to_multiple_of": "padding to a multiple does not change the loss",
     "use_cache": "the learner never caches; generation always does",
     "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
@@ -49,7 +48,8 @@ BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_h
 def expected(conv: Any) -> str:
     """What a converter takes, for an error line (its type's name; a lambda's: a number)."""
     name = getattr(conv, "__name__", "")
-    return {"<lambda>": "a number", "strings": "a string or a list of strings"}.get(name, name or "a value")
+    return {"<lambda>": "a number", "strings": "a string or a list of strings",
+            "pad_multiple": "'auto', None or a number >= 1"}.get(name, name or "a value")
 
 
 def strings(value: Any) -> list[str]:
@@ -58,6 +58,18 @@ def strings(value: Any) -> list[str]:
     if not all(isinstance(x, str) for x in items):
         raise TypeError("expected strings")
     return items
+
+
+def pad_multiple(value: Any) -> int:
+    """TRL's ``pad_to_multiple_of`` as ``learner.pad_to_multiple_of``: "auto" (TRL pads only on Neuron)
+    is 0, ours (padding where CUDA graphs are replayed); None is 1, no padding; else the number."""
+    if value == "auto":
+        return 0
+    if value is None or str(value).lower() in ("none", "null"):
+        return 1
+    if int(value) < 1:
+        raise ValueError("expected a multiple >= 1")
+    return int(value)
 
 
 def mapping(value: Any) -> dict[str, Any]:
@@ -108,6 +120,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vespo_k_neg": ("algo.policy_loss.vespo_k_neg", float),
     "vespo_lambda_neg": ("algo.policy_loss.vespo_lambda_neg", float),
     "chat_template_kwargs": ("data.chat_template_kwargs", mapping),
+    "pad_to_multiple_of": ("learner.pad_to_multiple_of", pad_multiple),
 }
 #: fields handled by hand below
 DERIVED = {

@@ -213,7 +213,7 @@ class RolloutWorker:
 
     def _reference(self, piece: Any, batch: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
-        batch = make_batch(piece, self.trainer.pad_id) if batch is None else batch
+        batch = make_batch(piece, self.trainer.pad_id, **self.trainer.widths) if batch is None else batch
         return self.trainer.reference.logprobs(batch), time.perf_counter() - start
 
     def _retries(self, metrics: dict[str, float]) -> None:
@@ -224,7 +224,7 @@ class RolloutWorker:
         """The rollout's batch with its reference log-probs: computed here, or gathered from the
         parts' (each part's width padded to the batch's)."""
         t = self.trainer
-        batch = make_batch(rollout, t.pad_id)
+        batch = make_batch(rollout, t.pad_id, **t.widths)
         if t.reference is not None:
             if parts is None:
                 done = [self._reference(rollout, batch)]

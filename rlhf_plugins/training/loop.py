@@ -1,8 +1,7 @@
 """The training loop: one step = generate, score, forward, advantage, update, sync.
 
-It calls only resolved components (plain functions and role objects) -- no
-branching on component names -- and the same code drives local and Ray
-placements: roles are whatever the placement plugin returned.
+It calls only resolved components (plain functions and role objects) -- no branching on component
+names -- and the same code drives local and Ray placements: roles are whatever the placement plugin returned.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from ..sync import folder_tolerance, verify_parity
 from .memory_watch import role_memory
 from .reference_sync import refresh_reference
 from .reward_role import RewardBatch, reads_texts
-from .rollout import Rollout, make_batch, mask_truncated, rollout_metrics, step_timings
+from .rollout import Rollout, batch_widths, make_batch, mask_truncated, rollout_metrics, step_timings
 from .rollout_sources import step_rollout
 
 
@@ -42,6 +41,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.widths = batch_widths(config)  # make_batch's width rounding (--learner.pad_to_multiple_of)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
         self.placement: Any = None
@@ -175,7 +175,7 @@ class Trainer:
         c = self.config
         t_gen = time.perf_counter()
         self.pm.notify("rlhf_after_rollout", step=step, rollout=rollout)
-        batch = make_batch(rollout, self.pad_id) if batch is None else batch
+        batch = make_batch(rollout, self.pad_id, **self.widths) if batch is None else batch
         timings = self.forward_passes(batch)
         kl_coef = self.kl_control.value
         kl_penalty = self.advantages(batch, rollout, kl_coef)

@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+#: ``--learner.pad_to_multiple_of`` when it is 0 and the learner replays CUDA graphs: batch widths in
+#: steps of 64 tokens (a few graphs per run; at most 63 masked tokens more per row)
+GRAPH_WIDTH_MULTIPLE = 64
+
 
 @dataclass
 class Rollout:
@@ -89,12 +93,15 @@ class Rollout:
         )
 
 
-def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
+def make_batch(rollout: Rollout, pad_id: int, multiple: int = 1,
+               budgets: tuple[int | None, int | None] = (None, None)) -> dict[str, torch.Tensor]:
     """Left-pad prompts, right-pad completions: ``sequences = [prompt | completion]`` (filled by
-    scatter from the flattened lists: no per-row tensor)."""
+    scatter from the flattened lists: no per-row tensor). The prompt and completion widths are the
+    longest prompt's and completion's, rounded up to a ``multiple`` but not past their ``budgets``
+    (:func:`padded_width`)."""
     B = len(rollout)
-    P = max(len(p) for p in rollout.prompt_ids)
-    T = max(max(len(c) for c in rollout.completion_ids), 1)
+    P = padded_width(max(len(p) for p in rollout.prompt_ids), multiple, budgets[0])
+    T = padded_width(max(max(len(c) for c in rollout.completion_ids), 1), multiple, budgets[1])
     sequences = torch.full((B, P + T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P + T), dtype=torch.long)
     action = torch.zeros((B, T), dtype=torch.float32)
@@ -126,6 +133,29 @@ def make_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         "group_size": rollout.group_size,
         "prompt_width": P if _groups_share_prompts(rollout) else None,
     }
+
+
+def padded_width(width: int, multiple: int, budget: int | None = None) -> int:
+    """``width`` rounded up to a multiple of ``multiple``, but not past ``budget`` (the configured
+    longest prompt or completion) when ``width`` is within it: a run's batches then take a few widths
+    instead of a new one each step (``--learner.pad_to_multiple_of``: CUDA graphs are recorded per
+    shape, compiled code specialises on some; the padding is masked out of every pass and loss)."""
+    if multiple <= 1:
+        return width
+    up = -(-width // multiple) * multiple
+    return up if budget is None or width > budget else min(up, budget)
+
+
+def batch_widths(config: Any) -> dict[str, Any]:
+    """:func:`make_batch`'s ``multiple`` and ``budgets`` for a run's config: ``--learner.pad_to_multiple_of``,
+    or with 0, 64 when the learner replays CUDA graphs (``--learner.compile_mode reduce-overhead`` or
+    ``max-autotune``) and no padding otherwise."""
+    from ..models.compiled import GRAPHED_MODES
+
+    learner = config.learner
+    multiple = learner.pad_to_multiple_of or (
+        GRAPH_WIDTH_MULTIPLE if learner.compile and learner.compile_mode in GRAPHED_MODES else 1)
+    return {"multiple": multiple, "budgets": (config.data.max_prompt_tokens, config.generation.max_new_tokens)}
 
 
 def _ragged(rows: list[list[Any]], left: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
