@@ -33,6 +33,23 @@ def test_the_multiple_is_the_configs_or_64_where_the_learner_replays_cuda_graphs
     assert widths(pad_to_multiple_of=8)["multiple"] == 8
 
 
+def test_the_memory_plan_sizes_the_padded_widths():
+    """Prompts of at most 7 tokens and 6-token completions: planned 7 + 6 wide, and 64 + 6 under a
+    CUDA-graph mode (the completions' budget caps their padding), with more activation memory."""
+    from rlhf_plugins.training.memory_plan import memory_plan
+
+    plans = {}
+    for mode in ("default", "reduce-overhead"):
+        config, _, plan = prepare({"learner": {"compile": True, "compile_mode": mode}}, autoload=False)
+        plans[mode] = memory_plan(config, plan, prompt_tokens=7)
+    assert "sequences of up to 7 + 6 tokens" in plans["default"].workload
+    assert "sequences of up to 64 + 6 tokens" in plans["reduce-overhead"].workload
+
+    def activations(mplan):
+        return sum(need.parts.get("activations", 0) for process in mplan.processes for need in process.needs)
+    assert activations(plans["reduce-overhead"]) > activations(plans["default"]) > 0
+
+
 def test_a_padded_batch_is_the_tight_one_with_masked_columns_around_it():
     """Prompts of 3 and 5 tokens, completions of 2 and 4, to a multiple of 8: the tight batch (widths 5
     and 4) sits at columns 3..12 of the padded one (widths 8 and 8), every other column is padding

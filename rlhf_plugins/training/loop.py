@@ -41,7 +41,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.widths = batch_widths(config)  # make_batch's width rounding (--learner.pad_to_multiple_of)
+        self.widths = batch_widths(config, plan)  # make_batch's width rounding (--learner.pad_to_multiple_of)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
         self.placement: Any = None

@@ -146,13 +146,16 @@ class MemoryPlan:
 
 
 def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) -> MemoryPlan:
-    """The plan of ``config`` for prompts of at most ``prompt_tokens`` (default: data.max_prompt_tokens)."""
+    """The plan of ``config`` for prompts of at most ``prompt_tokens`` (default: data.max_prompt_tokens),
+    in batches as wide as ``--learner.pad_to_multiple_of`` makes them."""
     from ..models.tiny_model import default_model_path
+    from .rollout import batch_widths, padded_width
 
     c = config
     shape = ModelShape.of_folder(c.model.path or default_model_path(quiet=True), c.model.trust_remote_code)
-    prompt = prompt_tokens or c.data.max_prompt_tokens
-    completion = c.env.max_total_tokens if plan.environment is not None else c.generation.max_new_tokens
+    widths = batch_widths(c, plan)
+    budget, completion = widths["budgets"]
+    prompt = padded_width(prompt_tokens, widths["multiple"], budget) if prompt_tokens else budget
     groups = [(roles, plan.engine_workers if roles == ("generation",) else n)
               for roles, n in plan.placement.process_groups(c, plan.roles)]
     ranks = {role: n for roles, n in groups for role in roles}

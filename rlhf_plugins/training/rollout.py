@@ -146,16 +146,19 @@ def padded_width(width: int, multiple: int, budget: int | None = None) -> int:
     return up if budget is None or width > budget else min(up, budget)
 
 
-def batch_widths(config: Any) -> dict[str, Any]:
-    """:func:`make_batch`'s ``multiple`` and ``budgets`` for a run's config: ``--learner.pad_to_multiple_of``,
-    or with 0, 64 when the learner replays CUDA graphs (``--learner.compile_mode reduce-overhead`` or
-    ``max-autotune``) and no padding otherwise."""
+def batch_widths(config: Any, plan: Any = None) -> dict[str, Any]:
+    """:func:`make_batch`'s ``multiple`` and ``budgets`` for a run: ``--learner.pad_to_multiple_of``, or
+    with 0, 64 when the learner replays CUDA graphs (``--learner.compile_mode reduce-overhead`` or
+    ``max-autotune``) and no padding otherwise; the budgets are the longest prompt and completion the
+    run allows (an environment's ``--env.max_total_tokens`` when ``plan`` has one), as the memory plan sizes them."""
     from ..models.compiled import GRAPHED_MODES
 
     learner = config.learner
     multiple = learner.pad_to_multiple_of or (
         GRAPH_WIDTH_MULTIPLE if learner.compile and learner.compile_mode in GRAPHED_MODES else 1)
-    return {"multiple": multiple, "budgets": (config.data.max_prompt_tokens, config.generation.max_new_tokens)}
+    env = plan is not None and getattr(plan, "environment", None) is not None
+    completion = config.env.max_total_tokens if env else config.generation.max_new_tokens
+    return {"multiple": multiple, "budgets": (config.data.max_prompt_tokens, completion)}
 
 
 def _ragged(rows: list[list[Any]], left: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
