@@ -4,7 +4,8 @@
 # nvidia-smi, runs the GPU tests (tests/gpu, marker gpu), bench/head.py and bench/gpu.py, and writes
 # device_check.log, gpu_tests.xml, head.json, gpu_bench.json and device_check.json under $OUT. 251-287 s
 # on an H200 (2026-11-25, tests and two bench sides); 344 s on an H100 (2026-11-26, run 4: tests,
-# bench/head.py and four bench sides); run 6 (2026-11-27, H100): the tests alone 183 s. The whole check
+# bench/head.py and four bench sides); run 6 (2026-11-27, H100): the tests alone 183 s; run 7 (2026-12-04, H200):
+# the tests 254 s, then 153 s left for the first bench side (bench/gpu.py prints a line per step). The whole check
 # keeps to DEVICE_CHECK_SECONDS (default 500; 480 with a device call limit of 520 s leaves a lent
 # session's 15 minutes room for a second, shorter call): the bench's sides run in the order given,
 # ours-graphs-layers-16384 (CUDA graphs, new since run 6), ours-compile-16384 (run 6's best), ours,
