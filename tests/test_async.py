@@ -59,7 +59,7 @@ def test_a_rollout_made_in_parts_is_scored_whole_with_the_reference_of_each_part
         worker = RolloutWorker(t, start=False)
         rollout, metrics, pending = worker._collect(step=0)
         batch = pending.result()
-        whole = t.reference.logprobs(make_batch(rollout, t.pad_id))
+        whole = t.reference.logprobs(make_batch(rollout, t.pad_id, **t.widths))  # the trainer's own layout
     finally:
         t.shutdown()
     assert [n for n, _ in calls] == [2, 2, 2] and len({seed for _, seed in calls}) == 3
