@@ -58,6 +58,11 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
                      "TRL field 'label_smoothing_factor' is ignored: it smooths the Trainer's language-modelling "
                      "loss, which TRL's GRPO loss replaces"]
     assert raw["learner"]["pad_to_multiple_of"] == 8  # TRL pads prompts and completions to it, as we do
+    # GRPOTrainer's compute_loss ignores the num_items_in_batch this field counts (TRL 1.16): a note, not an error
+    assert from_grpo_fields({"average_tokens_across_devices": False})[1] == [
+        "TRL field 'average_tokens_across_devices' is ignored: it sets how the Trainer counts num_items_in_batch, "
+        "which TRL's GRPO loss does not read (its loss_type sets the normalization; ours is "
+        "--algo.policy_loss.aggregation)"]
     for value, ours in (("auto", 0), (None, 1), ("none", 1), ("16", 16)):  # TRL's default; no padding; CLI text
         assert from_grpo_fields({"pad_to_multiple_of": value})[0]["learner"]["pad_to_multiple_of"] == ours
     with pytest.raises(ConfigError, match=re.escape("TRL field 'pad_to_multiple_of' expects 'auto', None or a "

@@ -33,6 +33,9 @@ IGNORED_WHY = {
     "transformers_continuous_batching_config": "see use_transformers_continuous_batching",
     "use_transformers_paged": "see use_transformers_continuous_batching",
     "label_smoothing_factor": "it smooths the Trainer's language-modelling loss, which TRL's GRPO loss replaces",
+    "average_tokens_across_devices": "it sets how the Trainer counts num_items_in_batch, which TRL's GRPO loss does "
+                                     "not read (its loss_type sets the normalization; ours is "
+                                     "--algo.policy_loss.aggregation)",
 }
 #: trainer bookkeeping this project does its own way (run directory, metrics, checkpoints, devices)
 BOOKKEEPING_PREFIXES = ("logging_", "log_", "save_", "eval_", "hub_", "push_to_hub", "report_to", "dataloader_",
