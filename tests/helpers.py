@@ -367,6 +367,31 @@ def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", compile_mod
     return gaps
 
 
+def cuda_graph_gaps(dtype: str) -> dict[str, float]:
+    """Whole compiled decoder layers with CUDA graphs (``--learner.compile_mode reduce-overhead``)
+    against the same compiled layers without (``default``), in ``dtype``: two SGD updates of two micro
+    batches each on batches of other shapes. Returns the largest distance between the two of the old
+    log-probs, of the gradient norm (relative) and of the optimizer's weights (a 16-bit run's float32
+    masters)."""
+    import torch
+
+    torch._dynamo.reset()
+    plain, graphed = (torch_learner(dtype, lr=0.5, optimizer="sgd", compile=True, compile_scope="layers",
+                                    compile_mode=mode) for mode in ("default", "reduce-overhead"))
+    gaps = {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0}
+    for seed in (3, 4):
+        batch = ppo_batch(seed)
+        mask = batch["action_mask"].bool()
+        want_old, got_old = plain.logprobs(batch), graphed.logprobs(batch)
+        gaps["logprobs"] = max(gaps["logprobs"], float((got_old - want_old).abs()[mask].max()))
+        batch["old_logprobs"] = want_old
+        want, got = ppo_update(plain, batch)["grad_norm"], ppo_update(graphed, batch)["grad_norm"]
+        gaps["grad_norm"] = max(gaps["grad_norm"], abs(got - want) / want)
+        pairs = zip(*([p for g in side.optimizer.param_groups for p in g["params"]] for side in (plain, graphed)))
+        gaps["weights"] = max(gaps["weights"], max(float((a - b).detach().abs().max()) for a, b in pairs))
+    return gaps
+
+
 def hybrid_model_path() -> str:
     """A cached random Granite-4.0-H-like model (transformers' ``granitemoehybrid``): a Mamba-2 layer,
     then an attention layer, experts in each; 128 wide, weights drawn ten times wider than transformers'
