@@ -340,56 +340,52 @@ def compiled_learner_gaps(dtype: str, compile_scope: str = "blocks", compile_mod
     import torch
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # compiled afresh, whatever ran before: the check below sees this compilation
+    ref, compiled, eager = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **learner_cfg,
+                                          **({"compile_scope": compile_scope, "compile_mode": compile_mode} if c else {}))
+                            for d, c in (("float32", False), (dtype, True), (dtype, False)))
+    counters.clear()
+    gaps = update_gaps(ref, {"compiled": compiled, "eager": eager})
+    assert counters["stats"]["unique_graphs"] >= 2
+    return gaps
+
+
+def update_gaps(ref: Any, sides: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Learners made by :func:`torch_learner` with SGD (the weights' change is then the gradient itself;
+    Adam's first step is about lr * sign(gradient), which flips wherever a gradient is rounding noise)
+    make two updates, old log-probs without gradient first, on batches of other shapes. Returns, for
+    each of ``sides``, the largest distance from ``ref`` of the old log-probs, of the gradient norm
+    (relative) and of the optimizer's weights (the float32 masters of a 16-bit run)."""
     def weights(learner: Any) -> list[Any]:
         return [p for group in learner.optimizer.param_groups for p in group["params"]]
 
-    torch._dynamo.reset()  # compiled afresh, whatever ran before: the check below sees this compilation
-    # SGD: the weights' change is the gradient itself (Adam's first step is about lr * sign(gradient),
-    # which flips wherever a gradient is rounding noise)
-    ref, *sides = (torch_learner(d, lr=0.5, optimizer="sgd", compile=c, **learner_cfg,
-                                 **({"compile_scope": compile_scope, "compile_mode": compile_mode} if c else {}))
-                   for d, c in (("float32", False), (dtype, True), (dtype, False)))
-    gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in ("compiled", "eager")}
-    counters.clear()
+    gaps = {name: {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0} for name in sides}
     for seed in (3, 4):
         batch = ppo_batch(seed)
         mask = batch["action_mask"].bool()
         want_old = ref.logprobs(batch)
-        olds = [side.logprobs(batch) for side in sides]
+        olds = {name: side.logprobs(batch) for name, side in sides.items()}
         batch["old_logprobs"] = want_old
         want = ppo_update(ref, batch)["grad_norm"]
-        for name, side, old in zip(gaps, sides, olds):
+        for name, side in sides.items():
             g = gaps[name]
-            g["logprobs"] = max(g["logprobs"], float((old - want_old).abs()[mask].max()))
+            g["logprobs"] = max(g["logprobs"], float((olds[name] - want_old).abs()[mask].max()))
             g["grad_norm"] = max(g["grad_norm"], abs(ppo_update(side, batch)["grad_norm"] - want) / want)
             g["weights"] = max(g["weights"], max(float((a - b).detach().abs().max()) for a, b in zip(weights(side), weights(ref))))
-    assert counters["stats"]["unique_graphs"] >= 2
     return gaps
 
 
 def cuda_graph_gaps(dtype: str) -> dict[str, float]:
     """Whole compiled decoder layers with CUDA graphs (``--learner.compile_mode reduce-overhead``)
-    against the same compiled layers without (``default``), in ``dtype``: two SGD updates of two micro
-    batches each on batches of other shapes. Returns the largest distance between the two of the old
-    log-probs, of the gradient norm (relative) and of the optimizer's weights (a 16-bit run's float32
-    masters)."""
+    against the same compiled layers without (``default``), in ``dtype``, over :func:`update_gaps`'s
+    two updates of two micro batches each: the largest distance between the two of the old log-probs,
+    of the gradient norm (relative) and of the optimizer's weights."""
     import torch
 
     torch._dynamo.reset()
     plain, graphed = (torch_learner(dtype, lr=0.5, optimizer="sgd", compile=True, compile_scope="layers",
                                     compile_mode=mode) for mode in ("default", "reduce-overhead"))
-    gaps = {"logprobs": 0.0, "grad_norm": 0.0, "weights": 0.0}
-    for seed in (3, 4):
-        batch = ppo_batch(seed)
-        mask = batch["action_mask"].bool()
-        want_old, got_old = plain.logprobs(batch), graphed.logprobs(batch)
-        gaps["logprobs"] = max(gaps["logprobs"], float((got_old - want_old).abs()[mask].max()))
-        batch["old_logprobs"] = want_old
-        want, got = ppo_update(plain, batch)["grad_norm"], ppo_update(graphed, batch)["grad_norm"]
-        gaps["grad_norm"] = max(gaps["grad_norm"], abs(got - want) / want)
-        pairs = zip(*([p for g in side.optimizer.param_groups for p in g["params"]] for side in (plain, graphed)))
-        gaps["weights"] = max(gaps["weights"], max(float((a - b).detach().abs().max()) for a, b in pairs))
-    return gaps
+    return update_gaps(plain, {"graphed": graphed})["graphed"]
 
 
 def hybrid_model_path() -> str:

@@ -66,7 +66,7 @@ def test_a_padded_batch_is_the_tight_one_with_masked_columns_around_it():
     assert padded["prompt_width"] == 8 and tight["prompt_width"] == 5
 
 
-def test_training_on_padded_batches_equals_training_on_tight_ones(monkeypatch):
+def test_training_on_padded_batches_equals_training_on_tight_ones(monkeypatch, tiny_model):
     """Two steps of the default task in float32 with a 20-token completion budget, batches padded to a
     multiple of 16 (prompts of about 7 tokens and completions of at most 20 become 16 and 16 or 20
     wide) and not: the learner saw the padded widths, and every metric of both steps -- rewards, KL,
@@ -75,7 +75,7 @@ def test_training_on_padded_batches_equals_training_on_tight_ones(monkeypatch):
            "eval": {"enabled": False}, "algo": {"kl": {"coef": 0.01}}}
     runs, widths = {}, {}
     for multiple in (1, 16):
-        t = in_process_trainer(_default_model(), {**raw, "learner": {"pad_to_multiple_of": multiple}})
+        t = in_process_trainer(tiny_model, {**raw, "learner": {"pad_to_multiple_of": multiple}})
         monkeypatch.setattr(t.actor, "train", _recording(t.actor.train, widths.setdefault(multiple, [])))
         try:
             runs[multiple] = [t.step(s) for s in range(2)]
@@ -96,9 +96,3 @@ def _recording(train, seen: list):
         seen.append((batch["prompt_width"], batch["action_mask"].shape[1]))
         return train(batch, *args, **kwargs)
     return call
-
-
-def _default_model() -> str:
-    from rlhf_plugins.models.tiny_model import default_model_path
-
-    return default_model_path()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..models.compiled import GRAPHED_MODES, keep_grads_allocated
+from ..models.compiled import keep_grads_allocated, replays_graphs
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -47,7 +47,7 @@ class TorchLearner(Learner):
             self.masters = MasterWeights(model)
             params = list(self.masters.masters)
         # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool
-        self.grads_kept = self.cfg.compile and self.cfg.compile_mode in GRAPHED_MODES and self.masters is None
+        self.grads_kept = replays_graphs(self.cfg) and self.masters is None
         if self.grads_kept:
             keep_grads_allocated(params)
         names = [name for name, p in model.named_parameters() if p.requires_grad]

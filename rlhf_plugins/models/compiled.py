@@ -75,6 +75,11 @@ def cpu_compiler() -> str | None:
     return next((cc for cc in ("c++", "g++", "clang++") if shutil.which(cc)), None)
 
 
+def replays_graphs(learner: Any) -> bool:
+    """The learner section ``learner`` asks for compiled modules that replay CUDA graphs."""
+    return bool(learner.compile) and learner.compile_mode in GRAPHED_MODES
+
+
 def check_compiler(device: torch.device) -> None:
     """torch.compile's backend can write kernels for ``device``: Triton for a GPU, a C++ compiler
     for a CPU. One line otherwise, before the model is touched."""

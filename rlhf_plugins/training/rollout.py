@@ -151,11 +151,10 @@ def batch_widths(config: Any, plan: Any = None) -> dict[str, Any]:
     with 0, 64 when the learner replays CUDA graphs (``--learner.compile_mode reduce-overhead`` or
     ``max-autotune``) and no padding otherwise; the budgets are the longest prompt and completion the
     run allows (an environment's ``--env.max_total_tokens`` when ``plan`` has one), as the memory plan sizes them."""
-    from ..models.compiled import GRAPHED_MODES
+    from ..models.compiled import replays_graphs
 
     learner = config.learner
-    multiple = learner.pad_to_multiple_of or (
-        GRAPH_WIDTH_MULTIPLE if learner.compile and learner.compile_mode in GRAPHED_MODES else 1)
+    multiple = learner.pad_to_multiple_of or (GRAPH_WIDTH_MULTIPLE if replays_graphs(learner) else 1)
     env = plan is not None and getattr(plan, "environment", None) is not None
     completion = config.env.max_total_tokens if env else config.generation.max_new_tokens
     return {"multiple": multiple, "budgets": (config.data.max_prompt_tokens, completion)}
