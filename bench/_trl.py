@@ -19,6 +19,19 @@ def common_flags(p: argparse.ArgumentParser, *, steps: int, warmup: int, prompts
     p.add_argument("--only", choices=["ours", "trl"], help="run one side only")
 
 
+def training_flops(decoder: int, head: int, prompts: int, group: int, prompt_tokens: float,
+                   completion_tokens: float) -> dict[str, float]:
+    """FLOPs of one training update over ``prompts x group`` samples: 6 x the decoder's parameters per
+    token the decoder runs and 6 x the output head's (vocab x hidden, 0 to leave it out) per completion
+    token; attention's own FLOPs left out. ``shared``: each prompt once per group, as our prefix-shared
+    forward and backward run it -- the work the hardware does; ``plain``: every sample's prompt, as a
+    per-sample implementation runs it (credited to ours, it overstates the hardware's use)."""
+    n = prompts * group
+    head_flops = 6 * head * n * completion_tokens
+    return {"shared": 6 * decoder * (prompts * prompt_tokens + n * completion_tokens) + head_flops,
+            "plain": 6 * decoder * n * (prompt_tokens + completion_tokens) + head_flops}
+
+
 def step_clock() -> Any:
     """A TrainerCallback recording when each step ends and, per step, TRL's logged completion length,
     tool-call frequency and reward."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
-from _trl import common_flags, long_sums, reload_weights_sync, step_clock, warm_trainer
+from _trl import common_flags, long_sums, reload_weights_sync, step_clock, training_flops, warm_trainer
 
 
 def parse() -> argparse.Namespace:
@@ -230,11 +230,11 @@ def flop_report(ours: dict[str, Any], params: int, peak: float, steps: int) -> d
     forward and its backward are shared by its samples): 2N (forwards) or 6N (training) per token of
     ``prompts x prompt + samples x new tokens``. Also the training fraction a plain implementation
     would show (6N per token of every sample, prompt included), which overstates the hardware's use."""
-    r, n = REALISTIC, REALISTIC["prompts"] * REALISTIC["group"]
-    shared = r["prompts"] * ours["prompt_tokens"] + n * r["new_tokens"]
-    flops = {"generate": 2 * params * shared, "reference": 2 * params * shared, "train": 6 * params * shared}
+    r = REALISTIC
+    train = training_flops(params, 0, r["prompts"], r["group"], ours["prompt_tokens"], r["new_tokens"])
+    flops = {"generate": train["shared"] / 3, "reference": train["shared"] / 3, "train": train["shared"]}
     rate = {k: flops[k] * steps / max(ours["phase_seconds"][k], 1e-9) for k in flops}
-    plain = 6 * params * n * (ours["prompt_tokens"] + r["new_tokens"]) * steps / max(ours["phase_seconds"]["train"], 1e-9)
+    plain = train["plain"] * steps / max(ours["phase_seconds"]["train"], 1e-9)
     return {"matmul_flop_per_s": peak, "non_embedding_params": params,
             "fraction_of_matmul": {k: v / peak for k, v in rate.items()},
             "train_fraction_plain_equivalent": plain / peak}

@@ -36,3 +36,22 @@ def test_every_benchmark_variant_is_a_config_the_cli_accepts(side):
     assert what and learner
     config, _, _ = prepare({"model": {"dtype": "bfloat16"}, "learner": dict(learner)}, autoload=False)
     assert all(getattr(config.learner, key) == value for key, value in learner.items())
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_flops_count_each_prompt_once_per_group_as_the_update_runs_it():
+    flops = _bench_module("_trl").training_flops
+    # by hand: decoder 10, head 3, 2 prompts x 4 samples, prompts of 5 tokens, completions of 7
+    # head: 6 x 3 x 8 samples x 7 = 1008; decoder shared: 6 x 10 x (2 x 5 + 8 x 7) = 3960;
+    # decoder plain: 6 x 10 x 8 x (5 + 7) = 5760
+    assert flops(10, 3, 2, 4, 5, 7) == {"shared": 3960 + 1008, "plain": 5760 + 1008}
+    one = flops(10, 3, 8, 1, 5, 7)  # groups of one sample share nothing
+    assert one["shared"] == one["plain"] == 6 * 10 * 8 * 12 + 6 * 3 * 8 * 7
