@@ -197,3 +197,97 @@ def test_the_optimizer_step_is_torchs_fused_adamw_with_no_temporary_the_size_of_
     lr.optimizer.step()  # the first step allocates the states
     largest = largest_allocation(lr.optimizer.step)
     assert largest < max(p.nbytes for p in params) / 4, largest
+
+
+def _master_adds(lr, batch) -> tuple[int, list[torch.Tensor], dict[str, float]]:
+    """One update of ``lr``: how many adds landed in the masters' gradient buffer, the masters'
+    gradients the optimizer stepped on, and the metrics."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    buffer = lr.masters.grad.untyped_storage().data_ptr()
+    adds, seen = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.add_.Tensor and args[0].untyped_storage().data_ptr() == buffer:
+                adds.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    step = lr.optimizer.step
+
+    def recording(*args, **kwargs):
+        seen.extend(m.grad.clone() for m in lr.masters.masters)
+        return step(*args, **kwargs)
+
+    lr.optimizer.step = recording
+    with Count():
+        metrics = ppo_update(lr, ppo_batch())
+    return len(adds), seen, metrics
+
+
+def test_buckets_move_the_16_bit_gradients_bit_for_bit_as_per_parameter_moves_in_one_add_each(monkeypatch):
+    """Two micro batches: the masters' gradients, the update and its metrics equal those of moving each
+    gradient as it completes, with one add per bucket instead of one per parameter."""
+    from rlhf_plugins.learners import master_weights
+
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 2**17)
+    bucketed = torch_learner()
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 0)
+    single = torch_learner()
+    params, buckets = len(bucketed.masters.named), len(bucketed.masters.buckets)
+    assert 1 < buckets < params / 2 and len(single.masters.buckets) == params
+    assert sorted(i for span in bucketed.masters.buckets for i in span) == list(range(params))
+    got_adds, got, got_metrics = _master_adds(bucketed, ppo_batch())
+    want_adds, want, want_metrics = _master_adds(single, ppo_batch())
+    assert (got_adds, want_adds) == (2 * buckets, 2 * params)  # two micro batches
+    assert len(got) == len(want) == params and any(w.abs().sum() > 0 for w in want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got_metrics == want_metrics
+    assert all(torch.equal(a, b) for a, b in zip(bucketed.masters.masters, single.masters.masters))
+    assert not bucketed.masters._waiting and all(p.grad is None for p in bucketed.model.parameters())
+
+
+def test_a_bucket_with_a_parameter_autograd_gave_nothing_moves_as_the_backward_ends():
+    """A parameter the forward does not use gets no gradient: its bucket's others still reach their
+    masters when the backward ends (one bucket here), its own master's gradient stays zero."""
+    torch.manual_seed(0)
+    unused = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 8), "unused": unused, "b": torch.nn.Linear(8, 2)})
+    model = model.to(torch.bfloat16)
+    masters = MasterWeights(model)
+    assert len(masters.buckets) == 1
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    model["b"](torch.tanh(model["a"](x))).float().square().mean().backward()
+    assert not masters._waiting
+    names = [name for name, _ in masters.named]
+    grads = dict(zip(names, (m.grad for m in masters.masters)))
+    assert torch.count_nonzero(grads["unused.weight"]) == 0 and torch.count_nonzero(grads["unused.bias"]) == 0
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    twin[0].load_state_dict(model["a"].state_dict())
+    twin[2].load_state_dict(model["b"].state_dict())
+    want = torch.autograd.grad(twin(x).float().square().mean(), list(twin.parameters()))
+    for name, w in zip(("a.weight", "a.bias", "b.weight", "b.bias"), want):
+        assert torch.count_nonzero(w) > 0 and torch.equal(grads[name], w.float())
+
+
+def test_a_second_gradient_in_one_backward_reaches_the_master_too():
+    """Reentrant checkpointing runs a backward per segment: a weight used in two segments gets two
+    gradients in one backward, and its master holds their float32 sum as with per-parameter moves (an
+    unused layer keeps the one bucket open until the backward ends, so both arrive while it waits)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(bucket_bytes: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        shared, head = torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 1).to(torch.bfloat16)
+        unused = torch.nn.Linear(2, 2).to(torch.bfloat16)
+        masters = MasterWeights(torch.nn.ModuleList([shared, head, unused]), bucket_bytes)
+        assert len(masters.buckets) == (1 if bucket_bytes else 6)
+        x = torch.randn(6, 8, dtype=torch.bfloat16, requires_grad=True)
+        h = checkpoint(lambda t: torch.tanh(shared(t)), x, use_reentrant=True)
+        h = checkpoint(lambda t: torch.tanh(shared(t)), h, use_reentrant=True)
+        head(h).float().square().mean().backward()
+        assert not masters._waiting
+        return [m.grad.clone() for m in masters.masters]
+
+    got, want = run(2**20), run(0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and all(torch.count_nonzero(w) > 0 for w in want[:4])

@@ -42,9 +42,10 @@ class TorchLearner(Learner):
         params = [p for p in model.parameters() if p.requires_grad]
         self.masters = None
         if dtype != torch.float32 and self.autocast_dtype is None:  # 16-bit weights, float32 masters
-            from .master_weights import MasterWeights
+            from .master_weights import BUCKET_BYTES, MasterWeights
 
-            self.masters = MasterWeights(model)
+            # with CUDA graphs each 16-bit gradient leaves the graphs' pool as it completes
+            self.masters = MasterWeights(model, 0 if replays_graphs(self.cfg) else BUCKET_BYTES)
             params = list(self.masters.masters)
         # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool
         self.grads_kept = replays_graphs(self.cfg) and self.masters is None
