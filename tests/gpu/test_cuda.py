@@ -19,6 +19,8 @@ from tests.helpers import (
     assert_same_samples,
     compiled_learner_gaps,
     cuda_graph_gaps,
+    ppo_batch,
+    ppo_update,
     random_batch,
     torch_learner,
 )
@@ -254,6 +256,24 @@ def test_whole_decoder_layers_compiled_train_as_the_eager_learner_on_cuda(report
     gaps = compiled_learner_gaps("float32", compile_scope="layers")
     report("compiled_layers_float32_gaps_to_eager", gaps["compiled"])
     assert max(gaps["compiled"].values()) < 1e-4, gaps
+
+
+def test_16_bit_gradients_moved_by_buckets_equal_per_parameter_moves_on_cuda(monkeypatch):
+    """bf16 weights with float32 masters on the GPU: gradients moved onto the masters a bucket at a time
+    (one concatenation and one add each) give the masters, after one update of two micro batches, the
+    values that moving each gradient as it completes gives, bit for bit (tests/test_master_weights.py
+    counts the adds on a CPU; CUDA's backward runs on a thread of its own)."""
+    from rlhf_plugins.learners import master_weights
+
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 2**17)
+    bucketed = torch_learner()
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 0)
+    single = torch_learner()
+    assert 1 < len(bucketed.masters.buckets) < len(single.masters.buckets)
+    assert bucketed.masters.grad.device.type == DEVICE
+    got, want = ppo_update(bucketed, ppo_batch()), ppo_update(single, ppo_batch())
+    assert got == want and got["grad_norm"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(bucketed.masters.masters, single.masters.masters))
 
 
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):
