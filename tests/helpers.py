@@ -105,6 +105,21 @@ def block_import(monkeypatch, module: str) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
 
 
+def no_run_dirs(path: Path = Path("runs")) -> bool:
+    return not path.exists() or not any(path.iterdir())
+
+
+def check_one_line_error(code: int, err: str, expected: str) -> None:
+    """The CLI refused bad input the project's way: exit status 2, one line ``rlhf: error: ...`` holding
+    ``expected``, and no run directory left behind."""
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlhf: error: ")
+    assert expected in lines[0], lines[0]
+    assert no_run_dirs()
+
+
 def the_run(base: Path = Path("runs")) -> Path:
     """The only run directory under ``base``."""
     dirs = list(base.iterdir())

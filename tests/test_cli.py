@@ -7,20 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, block_import, run_subprocess, short_run
-
-
-def no_run_dirs(path: Path = Path("runs")) -> bool:
-    return not path.exists() or not any(path.iterdir())
-
-
-def check_one_line_error(code, err, expected):
-    assert code == 2
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("rlhf: error: ")
-    assert expected in lines[0], lines[0]
-    assert no_run_dirs()
+from tests.helpers import EXAMPLES, block_import, check_one_line_error, run_subprocess, short_run
 
 
 def write(path: Path, text: str) -> str:

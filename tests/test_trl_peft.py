@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, block_import, clean_env, metrics_of, short_run, the_run
+from tests.helpers import ROOT, block_import, check_one_line_error, clean_env, metrics_of, short_run, the_run
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -774,3 +774,31 @@ def test_an_open_r1_recipe_trains_with_its_prompt_column_system_prompt_and_rewar
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "reward_funcs": ["accuracy", "cosine"]}))
     with pytest.raises(ConfigError, match="open-r1's reward 'cosine' is built by its script from cosine_"):
         from_trl_yaml(tmp_path / "recipe.yaml")
+
+
+def test_trls_accuracy_reward_checks_latex_answers_with_math_verify_as_trl_calls_it(tmp_path):
+    """`reward_funcs: [accuracy_reward]` (TRL's own GRPO reward for math answers): the registered function,
+    called as the reward role calls it on conversational data, gives TRL's scores -- 1 for an equal boxed
+    answer, 0 for another, None (the sample skipped) where the gold answer does not parse."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+    from rlhf_plugins.types import RewardFunction
+
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(yaml.safe_dump({"reward_funcs": ["accuracy_reward"]}))
+    raw, _, plugins = from_trl_yaml(cfg)
+    config, pm, plan = prepare(raw, plugins, autoload=False)
+    assert plan.rewards == ["accuracy_reward"]
+    score = pm.components.get(RewardFunction, "accuracy_reward").build(config)
+    prompts = [[{"role": "user", "content": "What is a third?"}]] * 3
+    got = score(prompts=prompts, completions=[r"It is \boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}", "a third"],
+                solution=[r"$\frac{1}{3}$", r"$\frac{1}{3}$", "no math here"], completion_ids=[[1], [2], [3]])
+    assert got == [1.0, 0.0, None]
+
+
+def test_trls_accuracy_reward_without_math_verify_is_one_line_naming_the_extra(rlhf, monkeypatch):
+    block_import(monkeypatch, "math_verify")
+    Path("grpo.yaml").write_text(yaml.safe_dump({"reward_funcs": ["accuracy_reward"], "max_steps": 1}))
+    code, _, err = rlhf("train", "--trl-config", "grpo.yaml")
+    check_one_line_error(code, err, "reward function 'accuracy_reward' (plugin 'trl.rewards.accuracy_rewards') needs "
+                                    "math_verify, which is not installed: pip install 'rlhf-plugins[math]'")

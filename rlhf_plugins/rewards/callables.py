@@ -114,9 +114,16 @@ def wrap_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
     return OpenRLHFReward(fn) if is_openrlhf_style(fn) else TRLReward(fn)
 
 
+#: modules of other packages' reward functions that need a package they import only where it is
+#: installed (TRL's answer checkers call math-verify), with the rlhf-plugins extra that installs it
+NEEDS = {"trl.rewards.accuracy_rewards": ("math_verify", "math")}
+
+
 def as_reward_function(fn: Callable[..., Any], name: str | None = None) -> RewardFunction:
     doc = (inspect.getdoc(fn) or "").splitlines()
-    return RewardFunction(component_name(name or fn.__name__), wrap_reward(fn), description=doc[0] if doc else "")
+    module, extra = NEEDS.get(getattr(fn, "__module__", None) or "", (None, None))
+    return RewardFunction(component_name(name or fn.__name__), wrap_reward(fn), description=doc[0] if doc else "",
+                          requires=(module,) if module else (), extra=extra)
 
 
 class FunctionRewards:
