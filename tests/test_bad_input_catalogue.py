@@ -116,9 +116,6 @@ FLAGS = [
                              "reduce-overhead"],
      "learner.compile_mode reduce-overhead replays CUDA graphs, which the 'fsdp' learner does not allow (its weights "
      "move between steps); use --learner.compile_mode default (or max-autotune-no-cudagraphs) or --learner.backend torch"),
-    ("muon-on-fsdp", ["--learner.optimizer", "muon", "--learner.backend", "fsdp"],
-     "learner.optimizer muon orthogonalises whole matrices, and FSDP2 holds row shards of them; use "
-     "--learner.backend torch or deepspeed"),
     ("muon-steps-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
                                  "--learner.muon_ns_steps", "6"],
      "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "

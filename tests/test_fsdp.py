@@ -160,6 +160,65 @@ def test_two_ranks_on_ray_match_the_torch_learner_on_the_whole_batch(local_ray, 
     assert_same_update(got, expected, after, after_torch, before, tol=1e-6)
 
 
+def _set_fixed_grads(model: torch.nn.Module) -> None:
+    """Every trainable parameter's gradient drawn from a generator seeded by its name (an FSDP2 shard
+    gets its rows of the same whole gradient)."""
+    import zlib
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+
+
+def test_two_ranks_run_muon_on_their_row_shards_as_the_torch_learner_on_whole_matrices(local_ray, tiny_model):
+    """--learner.optimizer muon on two FSDP2 ranks (Ray actors, gloo), each holding half the rows of
+    every matrix: from the same gradients, one optimizer step moves every tensor as the torch learner's
+    Muon + AdamW on whole tensors -- AdamW's to 1e-7 (0 measured), each hidden matrix by the orthogonalisation of its
+    whole gradient up to the order of bf16 sums (DTensor gathers what each Newton-Schulz step needs);
+    orthogonalising each rank's rows alone would be another update altogether (checked to be told apart:
+    over 30% of the largest element apart, where the gaps allowed are 10% of each matrix's move; 3% measured)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from rlhf_plugins import PlacementContext
+    from rlhf_plugins.learners.muon import uses_muon
+    from rlhf_plugins.placement.ray_placement import RayPlacement
+    from rlhf_plugins.training.roles import PolicyRole
+
+    muon = {"optimizer": "muon", "muon_lr": 0.02}
+    local, _ = learner("torch", tiny_model, learner=muon)
+    before = {k: v.clone() for k, v in local.named_weights()}
+    _set_fixed_grads(local.model)
+    grads = {k: p.grad.clone() for k, p in local.model.named_parameters()}
+    local.optimizer.step()
+    after_torch = dict(local.named_weights())
+    config, pm, plan = prepare({"placement": {"strategy": "ray"}, "learner": {"backend": "fsdp", "lr": LR, **muon},
+                                "ray": {"actor_workers": 2}, "train": {"prompts_per_step": 4},
+                                "generation": {"n_samples_per_prompt": 4}}, autoload=False)
+    placement = RayPlacement(PlacementContext(config, ("actor",), plugin_spec=pm.spec))
+    try:
+        group = placement.create_role("actor", PolicyRole, config, pm.spec, tiny_model, plan.learner)
+        set_grads = _set_fixed_grads
+        group.run(lambda ctx: (set_grads(ctx.backend.model), ctx.backend.optimizer.step()))
+        after = dict(group.named_weights())
+    finally:
+        placement.shutdown()
+    hidden = [k for k in before if uses_muon(k, before[k])]
+    assert len(hidden) == 14 and set(hidden) < set(before)
+    for k in before:
+        moved = float((after_torch[k] - before[k]).abs().max())
+        gap = float((after[k] - after_torch[k]).abs().max())
+        assert moved > 0.5 * min(LR, 0.02) and gap < (0.1 * moved if k in hidden else 1e-7), (k, moved, gap)
+    k = max(hidden, key=lambda name: before[name].numel())
+    rows = before[k].shape[0] // 2
+    halves = torch.cat([_zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+                        for g in (grads[k][:rows], grads[k][rows:])]).float()
+    whole = _zeropower_via_newtonschulz(grads[k], (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+    assert float((halves - whole).abs().max()) > 0.3 * float(whole.abs().max())
+
+
 def test_a_reference_sharded_over_two_ranks_gives_the_whole_models_logprobs(local_ray, tiny_model):
     """The reference role on the FSDP learner over two Ray ranks: frozen (no optimizer, no gradients),
     each rank holding about half of the model, and the log-probs of the whole model."""
@@ -212,17 +271,19 @@ def test_the_loader_builds_an_empty_model_only_for_a_checkpoint_under_its_own_na
     assert build_empty(str(renamed), torch.float32, False) is None
 
 
-def test_checkpoint_resume_gives_the_same_next_update(tiny_model, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoint_resume_gives_the_same_next_update(tiny_model, tmp_path, optimizer):
     """Two updates, a checkpoint (torch.distributed.checkpoint), a fresh learner loads it: its next
-    update equals the uninterrupted learner's, metrics and weights exactly."""
-    first, config = learner("fsdp", tiny_model)
+    update equals the uninterrupted learner's, metrics and weights exactly (Muon's momentum and AdamW's
+    moments, one optimizer's state, included)."""
+    first, config = learner("fsdp", tiny_model, learner={"optimizer": optimizer})
     objective = objective_of(config)
     for seed in (1, 2):
         first.train(the_batch(seed), objective)
     first.save_checkpoint(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "fsdp" / ".metadata").is_file()
     expected = first.train(the_batch(3), objective)
-    second, _ = learner("fsdp", tiny_model)
+    second, _ = learner("fsdp", tiny_model, learner={"optimizer": optimizer})
     second.load_checkpoint(str(tmp_path / "ckpt"))
     assert second.updates == 2
     got = second.train(the_batch(3), objective)

@@ -147,16 +147,14 @@ def _check_generation(c: Config) -> None:
 
 
 def _check_muon(c: Config) -> None:
-    """Muon orthogonalises whole matrices: the torch learner (torch.optim.Muon) or DeepSpeed's own."""
+    """Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own on DeepSpeed."""
     learner = c.learner
     if learner.optimizer != "muon":
         return
     from ..learners.muon import check_torch_muon
 
     backend = learner.backend
-    _require(backend != "fsdp", "learner.optimizer muon orthogonalises whole matrices, and FSDP2 holds row shards of "
-             "them; use --learner.backend torch or deepspeed")
-    if backend == "torch":
+    if backend in ("torch", "fsdp"):
         check_torch_muon()
     _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
              "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "

@@ -113,8 +113,8 @@ class FSDPLearner(Learner):
         self.model = model
         if frozen:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, self.cfg, self.lr)
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = make_optimizer([p for _, p in named], self.cfg, self.lr, [name for name, _ in named])
         self.scheduler = make_scheduler(self.optimizer, config)
         self._keep_average()
 

@@ -4,8 +4,11 @@ OpenRLHF's: a tensor of two or more dimensions whose name holds neither ``embed`
 Muon steps at ``--learner.muon_lr``, AdamW at ``--learner.lr``; the schedule scales both.
 
 The torch learner runs torch's own ``torch.optim.Muon`` (torch 2.9+) on whole matrices; the
-DeepSpeed learner DeepSpeed's (ZeRO gathers each matrix to orthogonalise it). FSDP2 holds row shards
-of each matrix, which Newton-Schulz cannot orthogonalise one shard at a time: refused there."""
+DeepSpeed learner DeepSpeed's (ZeRO gathers each matrix to orthogonalise it). The FSDP2 learner runs
+``torch.optim.Muon`` on its row shards (DTensors): the momentum is kept shard by shard, and each
+Newton-Schulz step's norm and matrix products are DTensor operations, which gather across the ranks
+what each needs -- the whole-matrix orthogonalisation with each rank computing its rows, equal to the
+torch learner's up to the order of bf16 sums (``tests/test_muon.py``)."""
 from __future__ import annotations
 
 from typing import Any
