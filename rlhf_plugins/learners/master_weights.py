@@ -10,9 +10,11 @@ parameter's 16-bit gradient is complete in the backward pass it is taken from th
 of about :data:`BUCKET_BYTES` of 16-bit gradient, DDP's buckets -- has one, the bucket's gradients are
 added onto their masters' at once: one concatenation and one add per bucket where a per-parameter move
 launches one add per parameter (290 for a Qwen2.5-0.5B, each a kernel launch on a GPU). So micro
-batches accumulate in float32 and at most a bucket or two of 16-bit gradients wait at a time (a few
-tens of MB, where the whole 16-bit gradient is 2 bytes per parameter); a bucket some of whose
-parameters got no gradient from autograd moves as the backward ends. With CUDA graphs (a graph
+batches accumulate in float32. A bucket some of whose parameters get no gradient from autograd in a
+backward (experts no token reached, a fused head's weight) moves as the backward ends, or sooner, one
+gradient at a time, once more than :data:`HELD_BUCKETS` buckets' worth of gradients wait: at most
+about that much 16-bit gradient is held at any time (128 MB), where the whole of it is 2 bytes per
+parameter. With CUDA graphs (a graph
 ``--learner.compile_mode``) every gradient moves as it completes (``bucket_bytes=0``): a gradient the
 compiled backward made lives in the graphs' memory pool and must leave it before the next graph runs.
 Each parameter also carries its master's gradient as ``main_grad``
@@ -34,6 +36,8 @@ import torch
 
 #: about this many bytes of 16-bit gradient move onto their masters together (one bucket)
 BUCKET_BYTES = 32 * 2**20
+#: buckets' worth of 16-bit gradients that may wait for the rest of their buckets
+HELD_BUCKETS = 4
 
 
 class MasterWeights:
@@ -51,6 +55,9 @@ class MasterWeights:
         self.buckets = _buckets([p.nbytes for _, p in self.named], bucket_bytes)
         self._bucket_of = {i: b for b, span in enumerate(self.buckets) for i in span}
         self._waiting: dict[int, dict[int, torch.Tensor]] = {}
+        self._most_held = HELD_BUCKETS * bucket_bytes
+        #: bytes of 16-bit gradient waiting now
+        self.held = 0
         self._flush_queued = False
         self.handles = [p.register_post_accumulate_grad_hook(partial(self._arrived, i))
                         for i, (_, p) in enumerate(self.named)]
@@ -71,11 +78,15 @@ class MasterWeights:
             self.masters[i].grad.add_(grad)
             return
         waiting[i] = grad
+        self.held += grad.nbytes
         if len(waiting) == len(self.buckets[bucket]):
             self._move(bucket)
+        while self.held > self._most_held:  # the longest waiting first, one gradient at a time
+            self._move(next(iter(self._waiting)))
 
     def _move(self, bucket: int) -> None:
         waiting, span = self._waiting.pop(bucket), self.buckets[bucket]
+        self.held -= sum(grad.nbytes for grad in waiting.values())
         if len(waiting) == len(span) > 1:  # the whole bucket: one concatenation, one add
             flat = torch.cat([waiting[i].reshape(-1) for i in span])
             self.grad[self.offsets[span.start]:self.offsets[span.stop]].add_(flat)

@@ -8,7 +8,7 @@ DeepSpeed learner DeepSpeed's (ZeRO gathers each matrix to orthogonalise it). Th
 ``torch.optim.Muon`` on its row shards (DTensors): the momentum is kept shard by shard, and each
 Newton-Schulz step's norm and matrix products are DTensor operations, which gather across the ranks
 what each needs -- the whole-matrix orthogonalisation with each rank computing its rows, equal to the
-torch learner's up to the order of bf16 sums (``tests/test_muon.py``)."""
+torch learner's up to the order of bf16 sums (``tests/test_fsdp.py``)."""
 from __future__ import annotations
 
 from typing import Any

@@ -77,8 +77,8 @@ def optimizer_states(m: MemoryInputs) -> int:
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
     """One rank holding float32 gradients and optimizer states; weights in float32, or in 16 bits beside
     float32 masters of the trainable ones (16-bit runs; the 16-bit gradients move onto their masters a
-    bucket of about 32 MB at a time, left out here). With ``--learner.master_weights false`` 16-bit runs
-    keep float32 weights and run forwards under autocast."""
+    bucket of about 32 MB at a time, at most 128 MB waiting: left out here). With
+    ``--learner.master_weights false`` 16-bit runs keep float32 weights and run forwards under autocast."""
     masters = m.dtype_bytes < 4 and m.config.learner.master_weights
     return {k: v for k, v in {
         "weights": m.shape.parameters * (m.dtype_bytes if masters else 4),
