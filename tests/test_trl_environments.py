@@ -191,6 +191,37 @@ def test_rollout_func_takes_over_generation_with_env_mask(tool_model, tmp_path, 
     assert all(r["completion/length"] <= 8 for r in rows)
 
 
+def test_a_rollout_func_written_for_trls_vllm_helper_samples_from_the_runs_engine(tool_model, tmp_path, monkeypatch):
+    """trainer.vllm_generation.generate(prompts, images, num_generations), as TRL's rollout functions call
+    its vLLM helper (each prompt repeated num_generations times): one completion per entry, TRL's tuple
+    back, and log-probs that are the run's engine's -- the learner's recomputation of them differs by
+    float rounding only (the run logs the gap)."""
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+
+    seen = []
+
+    def rollout_func(prompts, trainer):
+        tok, n = trainer.processing_class, trainer.num_generations
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        trainer.vllm_generation.sync_weights()
+        repeated = [i for i in ids for _ in range(n)]
+        prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate(
+            prompts=repeated, images=None, num_generations=n)
+        seen.append((prompt_ids == repeated, len(completion_ids), token_ids == [[[t] for t in c] for c in completion_ids],
+                     all(len(lp) == len(c) and all(x[0] <= 0 for x in lp) for lp, c in zip(logprobs, completion_ids))))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[x[0] for x in row] for row in logprobs]}
+
+    monkeypatch.chdir(tmp_path)
+    GRPOTrainer(model=tool_model, reward_funcs=[correct], args=grpo_args(tmp_path), train_dataset=dataset(),
+                rollout_func=rollout_func).train()
+    assert seen == [(True, 16, True, True)] * 2
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and all(0 < r["completion/length"] <= 64 for r in rows)
+    assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows), [r["mismatch/abs_log_ratio"] for r in rows]
+
+
 AGENT = '''
 import torch
 from openrlhf.utils.agent import AgentInstanceBase

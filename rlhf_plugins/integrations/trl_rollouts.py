@@ -7,8 +7,8 @@ rollout_func=...)``.
 * ``environment_factory={"name": Factory, ...}`` -- one environment per name; each row picks its
   own in its ``environment`` column (TRL's dict form).
 * ``rollout_func(prompts, trainer)`` -- takes over generation through the ``rlhf_rollout`` hook;
-  ``trainer`` is a :class:`RolloutTrainer` (TRL's attributes a rollout function reads, and
-  ``generate`` on the run's engine).
+  ``trainer`` is a :class:`RolloutTrainer` (TRL's attributes a rollout function reads, ``generate`` on
+  the run's engine, and ``vllm_generation`` for functions written against TRL's vLLM helper).
 
 An environment that defines ``get_reward`` adds the ``env_reward`` reward source (weight 1), as TRL
 adds it; with no ``reward_funcs`` it is the only one.
@@ -31,6 +31,7 @@ class RolloutTrainer:
         self.processing_class: Any = None
         self.engine: Any = None
         self.max_completion_length = getattr(args, "max_completion_length", None) or 256
+        self.vllm_generation = EngineGeneration(self)
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, seed: int | None = None) -> Any:
@@ -39,6 +40,35 @@ class RolloutTrainer:
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens or self.max_completion_length, temperature=t,
                                 seed=seed)
         return self.engine.generate(prompt_ids, params)
+
+
+class EngineGeneration:
+    """``trainer.vllm_generation`` for a rollout function written against TRL's vLLM helper
+    (``trl.generation.VLLMGeneration``), on the run's engine, whichever it is: ``generate(prompts,
+    images, num_generations)`` samples one completion per entry of ``prompts`` -- TRL passes each
+    prompt's ids ``num_generations`` times in a row, and a group of equal prompts is one request of
+    ``num_generations`` samples -- and returns TRL's tuple: the prompt ids, the completion ids, each
+    token's log-prob and its token id (lists of one, as TRL's with ``logprobs=0``). ``sync_weights`` does
+    nothing: the run's loop syncs the engine before each rollout."""
+
+    def __init__(self, trainer: RolloutTrainer) -> None:
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], images: list[Any] | None = None, num_generations: int = 1,
+                 profiler: Any = None) -> tuple[list[list[int]], list[list[int]], list[Any], list[Any]]:
+        if images is not None and any(image is not None for image in images):
+            raise ValueError("trainer.vllm_generation.generate: images are not supported here (text models only); "
+                             "pass images=None")
+        n = max(1, int(num_generations))
+        prompts = [list(map(int, p)) for p in prompts]
+        grouped = n > 1 and len(prompts) % n == 0 and all(prompts[i] == prompts[i - i % n] for i in range(len(prompts)))
+        samples = self.trainer.generate(prompts[::n], n=n) if grouped else self.trainer.generate(prompts)
+        completions = [list(c) for c in samples.completion_ids]
+        logprobs = [[[float(lp)] for lp in row] for row in samples.logprobs]
+        return prompts, completions, logprobs, [[[t] for t in c] for c in completions]
 
 
 class TRLRollouts:
