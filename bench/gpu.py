@@ -284,7 +284,7 @@ def main() -> None:
                 r["train_fraction_of_matmul"], r["train_fraction_plain_equivalent"] = fraction["shared"], fraction["plain"]
                 what = VARIANTS[side][0] if side in VARIANTS else "(defaults)"
                 print(f"ours {what}: training at {fraction['shared']:.2f} of the bf16 matmul peak "
-                      f"({results['matmul_tflops']:.0f} TFLOP/s; target >= 0.4; {fraction['plain']:.2f} counting "
+                      f"({results['matmul_tflops']:.3g} TFLOP/s; target >= 0.4; {fraction['plain']:.2f} counting "
                       "every sample's prompt)", flush=True)
             write(args, results)
     if "error" not in results["ours"] and "error" not in results["trl"]:
