@@ -319,6 +319,17 @@ def torch_learner(dtype: str = "bfloat16", **learner_cfg: Any) -> Any:
     return TorchLearner(backend_context(config, "actor", default_model_path(), pm))
 
 
+def bucketed_and_per_parameter_learners(monkeypatch: Any, bucket_bytes: int = 2**17) -> tuple[Any, Any]:
+    """Two bf16 :func:`torch_learner` s with float32 masters: one moving its 16-bit gradients onto the
+    masters in buckets of ``bucket_bytes`` (several for the default model), one moving each alone."""
+    from rlhf_plugins.learners import master_weights
+
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", bucket_bytes)
+    bucketed = torch_learner()
+    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 0)
+    return bucketed, torch_learner()
+
+
 def ppo_batch(seed: int = 5) -> dict[str, Any]:
     """:func:`random_batch` (3 prompts x 4 samples) with random advantages on its completion tokens."""
     import torch

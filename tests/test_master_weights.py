@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from rlhf_plugins.learners.master_weights import MasterWeights
-from tests.helpers import largest_allocation, ppo_batch, ppo_update, random_batch, torch_learner
+from tests.helpers import (
+    bucketed_and_per_parameter_learners,
+    largest_allocation,
+    ppo_batch,
+    ppo_update,
+    random_batch,
+    torch_learner,
+)
 
 
 def mlp(seed: int) -> torch.nn.Module:
@@ -228,12 +235,7 @@ def _master_adds(lr, batch) -> tuple[int, list[torch.Tensor], dict[str, float]]:
 def test_buckets_move_the_16_bit_gradients_bit_for_bit_as_per_parameter_moves_in_one_add_each(monkeypatch):
     """Two micro batches: the masters' gradients, the update and its metrics equal those of moving each
     gradient as it completes, with one add per bucket instead of one per parameter."""
-    from rlhf_plugins.learners import master_weights
-
-    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 2**17)
-    bucketed = torch_learner()
-    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 0)
-    single = torch_learner()
+    bucketed, single = bucketed_and_per_parameter_learners(monkeypatch)
     params, buckets = len(bucketed.masters.named), len(bucketed.masters.buckets)
     assert 1 < buckets < params / 2 and len(single.masters.buckets) == params
     assert sorted(i for span in bucketed.masters.buckets for i in span) == list(range(params))

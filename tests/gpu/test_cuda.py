@@ -17,6 +17,7 @@ from tests.helpers import (
     TINY_CHUNKS,
     WHOLE_LOGITS,
     assert_same_samples,
+    bucketed_and_per_parameter_learners,
     compiled_learner_gaps,
     cuda_graph_gaps,
     ppo_batch,
@@ -263,12 +264,7 @@ def test_16_bit_gradients_moved_by_buckets_equal_per_parameter_moves_on_cuda(mon
     (one concatenation and one add each) give the masters, after one update of two micro batches, the
     values that moving each gradient as it completes gives, bit for bit (tests/test_master_weights.py
     counts the adds on a CPU; CUDA's backward runs on a thread of its own)."""
-    from rlhf_plugins.learners import master_weights
-
-    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 2**17)
-    bucketed = torch_learner()
-    monkeypatch.setattr(master_weights, "BUCKET_BYTES", 0)
-    single = torch_learner()
+    bucketed, single = bucketed_and_per_parameter_learners(monkeypatch)
     assert 1 < len(bucketed.masters.buckets) < len(single.masters.buckets)
     assert bucketed.masters.grad.device.type == DEVICE
     got, want = ppo_update(bucketed, ppo_batch()), ppo_update(single, ppo_batch())
