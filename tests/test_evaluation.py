@@ -211,6 +211,16 @@ def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
     assert again["model"] == "runs/r/final" and again["settings"]["n_samples"] == 2
 
 
+def test_rlhf_eval_of_a_run_trained_without_evaluations_uses_its_held_out_data(rlhf):
+    code, _, err = rlhf("train", "--train.steps", "2", "--train.run_name", "quiet", "--eval.enabled", "false")
+    assert code == 0, err
+    code, out, err = rlhf("eval", "runs/quiet", "--eval.n_samples", "2", "--output", "quiet.json")
+    assert code == 0, err
+    report = json.loads(Path("quiet.json").read_text())
+    assert report["data"] == "builtin:addition-test" and report["prompts"] == 20
+    assert set(report["metrics"]) == {"pass@1", "pass@2", "mean@2", "maj@2", "greedy"}
+
+
 def test_rlhf_eval_of_a_plain_folder_with_its_own_data_and_samples(rlhf, tiny_model, tmp_path):
     data = tmp_path / "held.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(5)))

@@ -65,11 +65,12 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
         args.model = rest.pop(0)
     folder, saved = model_and_config(args.model)
     raw = merge(saved, load_yaml(args.config) if args.config else {})
-    raw = merge(raw, parse_overrides(rest))
+    # asking for an evaluation turns it on: a run trained with --eval.enabled false keeps its held-out data
+    raw = merge(merge(raw, parse_overrides(rest)), {"eval": {"enabled": True}})
     if folder is not None:
         raw = merge(raw, {"model": {"path": folder}})
     if args.data:
-        raw = merge(raw, {"eval": {"path": args.data, "enabled": True}})
+        raw = merge(raw, {"eval": {"path": args.data}})
     config, pm, plan = prepare(raw, args.plugin)
     out = Path(args.output).expanduser()
     if not out.parent.is_dir() or out.is_dir():
