@@ -110,6 +110,36 @@ def test_a_layout_that_cannot_fit_is_refused_before_anything_starts(rlhf, reduce
     assert not Path("runs").exists()
 
 
+@pytest.mark.parametrize("learner, told", [
+    ({}, "shard them: --learner.backend deepspeed"),
+    ({"learner": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 1}}, "spread them over more ranks"),
+    ({"learner": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}}, "spread them over more ranks"),
+    ({"learner": {"backend": "fsdp"}}, "spread them over more ranks"),
+], ids=["torch", "zero-1", "zero-3", "fsdp"])
+def test_a_refusal_does_not_tell_a_sharding_learner_to_shard(reduced, learner, told):
+    """What the refusal names for each kind of memory leaves out what the run already does: ZeRO and
+    FSDP2 are told to spread their shards over more ranks, the torch learner to shard."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.errors import ConfigError
+    from rlhf_plugins.training.memory_plan import memory_plan
+
+    short = {"data": {"max_prompt_tokens": 8}, "generation": {"max_new_tokens": 8, "n_samples_per_prompt": 2},
+             "train": {"prompts_per_step": 1}}  # so that the optimizer states lead the refusal
+    config, _, plan = prepare({"model": {"path": reduced}, **short, **learner}, autoload=False)
+    mp = memory_plan(config, plan)
+    assert mp.remedies["optimizer states"].startswith(told)
+    stage = 3 if learner.get("learner", {}).get("backend") == "fsdp" else learner.get("deepspeed", {}).get("zero_stage", 0)
+    if stage:  # the refusal's line (the torch learner's small run is refused for its imports instead)
+        mp.node_bytes = 2**20
+        with pytest.raises(ConfigError) as refused:
+            mp.check()
+        need = mp.roles["actor"].parts["optimizer states"] / 2**20
+        assert f"optimizer states ({need:.0f} MB): {told}" in str(refused.value)
+    assert ("spread them" in mp.remedies["gradients"]) == (stage >= 2)
+    assert ("spread them" in mp.remedies["weights"]) == (stage == 3)
+    assert ("--learner.backend deepspeed" in mp.remedies["optimizer states"]) == (stage == 0)
+
+
 def test_dry_run_prints_each_roles_need_and_the_node(rlhf, reduced):
     code, out, err = rlhf("train", "--model.path", reduced, "--dry-run", *short_run())
     assert code == 0, err
