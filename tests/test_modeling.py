@@ -38,6 +38,82 @@ def test_shared_prefix_matches_plain_forward(model, temperature):
         assert (ga - gb).abs().max() <= 1e-5 * gb.abs().max() + 1e-7  # float32 summation order only
 
 
+def _checkpointed_run(path: str, batch: dict, checkpointing: bool) -> dict:
+    """One forward and backward of ``batch`` through a fresh float64 copy of the model at ``path``: the
+    log-probs, the gradients, the token widths its embedding saw and how often layer 1's attention ran."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    widths, attention_calls = [], []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+    attention.forward = lambda *a, **k: attention_calls.append(1) or forward(*a, **k)
+    logprobs = policy_forward(model, batch, logits_memory_mb=0)["logprobs"]
+    (logprobs * batch["action_mask"]).sum().backward()
+    kept = [layer for layer in model.model.layers if "_can_checkpoint_with_cache" in vars(layer)]
+    return {"logprobs": logprobs.detach(), "grads": {n: p.grad for n, p in model.named_parameters()},
+            "widths": widths, "attention_calls": len(attention_calls), "kept": kept}
+
+
+@needs_speedups
+@pytest.mark.parametrize("shape", ["tiny", "qwen2.5-0.5b"])
+def test_checkpointed_layers_encode_each_prompt_once_with_the_gradients_of_the_plain_forward(tiny_model, shape):
+    """Under activation checkpointing (the real-model default) the prompt is still encoded once per
+    group: each layer's recomputation in the backward pass writes nothing more to the prompt's cache
+    and reads it as the forward did, so the log-probs and gradients are those without checkpointing
+    (the same operations) and those of every sample run whole (float32 norms inside: 1e-6)."""
+    from rlhf_plugins.testing import reduced_model_path
+
+    path = tiny_model if shape == "tiny" else reduced_model_path(shape, layers=3, hidden=128)
+    batch = random_batch(group=4, prompts=3, seed=3)
+    P, T = batch["prompt_width"], batch["action_mask"].shape[1]
+    shared = _checkpointed_run(path, batch, checkpointing=True)
+    assert shared["widths"] == [(3, P), (12, T - 1)]  # each prompt once, then the completions
+    assert shared["attention_calls"] == 4  # the prompt's and the completions' forwards, each recomputed
+    assert shared["kept"] == []  # transformers' flag back as it was
+    unchecked = _checkpointed_run(path, batch, checkpointing=False)
+    assert unchecked["widths"] == shared["widths"] and unchecked["attention_calls"] == 2
+    whole = _checkpointed_run(path, dict(batch, group_size=1), checkpointing=True)
+    assert whole["widths"] == [(12, P + T)]
+    mask = batch["action_mask"].bool()
+    torch.testing.assert_close(shared["logprobs"], unchecked["logprobs"], rtol=0, atol=1e-12)
+    assert (shared["logprobs"] - whole["logprobs"]).abs()[mask].max() < 1e-9
+    for name, grad in whole["grads"].items():
+        torch.testing.assert_close(shared["grads"][name], unchecked["grads"][name], rtol=0, atol=1e-12)
+        assert (shared["grads"][name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+
+
+@needs_speedups
+def test_a_checkpointed_critic_encodes_each_prompt_once_with_the_values_of_the_plain_forward(tiny_model):
+    """The critic (a backbone and a value head) keeps its shared prompts under checkpointing too: its
+    backbone sees each prompt once, and its values and gradients are those of every sample run whole."""
+    from rlhf_plugins.models.forward import value_forward
+    from rlhf_plugins.models.value_model import ValueModel
+
+    batch = random_batch(group=4, prompts=3, seed=4)
+    runs = {}
+    for shared in (True, False):
+        critic = ValueModel.from_pretrained(tiny_model, torch.float64).train()
+        torch.manual_seed(0)
+        torch.nn.init.normal_(critic.value_head.weight)  # a fresh head is zero: no gradient reaches the backbone
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        widths: list[tuple[int, ...]] = []
+        critic.backbone.get_input_embeddings().register_forward_hook(
+            lambda m, a, o, seen=widths: seen.append(tuple(a[0].shape)))
+        values = value_forward(critic, batch if shared else dict(batch, group_size=1))["values"]
+        (values * batch["action_mask"]).sum().backward()
+        runs[shared] = (values.detach(), {n: p.grad for n, p in critic.named_parameters()}, widths)
+    assert runs[True][2] == [(3, batch["prompt_width"]), (12, batch["action_mask"].shape[1] - 1)]
+    assert runs[False][2] == [tuple(batch["sequences"].shape)]
+    mask = batch["action_mask"].bool()
+    assert (runs[True][0] - runs[False][0]).abs()[mask].max() < 1e-9
+    for name, grad in runs[False][1].items():
+        assert (runs[True][1][name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+
+
 def test_misaligned_micro_batches_fall_back_to_plain(model):
     batch = random_batch(group=4, prompts=3)
     full = policy_forward(model, dict(batch, group_size=1))["logprobs"]

@@ -22,7 +22,8 @@ CPU for a small model, more for a large one; Triton on a GPU).
 the rotary embedding, the projections' reshapes and the residual adds, for fewer kernels per layer
 where a small model's update waits on launching them. All layers share one compiled code (their
 index is a symbolic integer, not a constant to recompile for), and the shared-prompt forward's KV
-cache is updated outside the graph (:class:`EagerUpdateCache`): otherwise each layer index and each
+cache is updated outside the graph (:mod:`.prompt_cache`, or :class:`EagerUpdateCache` for layers it
+does not serve): otherwise each layer index and each
 cache state would be compiled apart, soon past dynamo's limit of eight versions (after which the
 layers run eagerly). A mixture-of-experts layer keeps its routing eager (its norms are compiled).
 
@@ -208,6 +209,7 @@ class EagerUpdateCache(DynamicCache):
 
 
 def layer_cache(model: Any) -> EagerUpdateCache | None:
-    """The KV cache of ``model``'s shared-prompt forward: an :class:`EagerUpdateCache` when its decoder
-    layers run compiled, else None (transformers makes its own)."""
+    """The KV cache of ``model``'s shared-prompt forward where :mod:`.prompt_cache` has none (sliding
+    windows, the speed machinery off): an :class:`EagerUpdateCache` when its decoder layers run
+    compiled, else None (transformers makes its own)."""
     return EagerUpdateCache(config=model.config) if getattr(model, LAYERS, False) else None

@@ -29,7 +29,8 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     When the batch holds ``group_size`` consecutive samples per prompt (and the
     prompt width ``prompt_width``), each prompt is encoded once and its KV cache
     shared by its samples: the forward runs on ``B / group * P + B * T`` tokens
-    instead of ``B * (P + T)``. Gradients flow through the shared prefix. Models with recurrent
+    instead of ``B * (P + T)``. Gradients flow through the shared prefix, also under activation
+    checkpointing where the model's caches allow it (:mod:`.prompt_cache`). Models with recurrent
     layers (:mod:`.recurrent`) run every sample whole.
     """
     if batch.get("packed"):  # a token-budget micro batch: one packed row, no padding
@@ -40,31 +41,49 @@ def completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     T = batch["action_mask"].shape[1]
     group = int(batch.get("group_size", 1))
     P = batch.get("prompt_width")
-    shared = (
-        P is not None
-        and group > 1
-        and seq.shape[0] % group == 0
-        and not checkpointing(model)
-        and not keeps_recurrent_state(model)
-    )
-    if not shared:
-        out = model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
-                    logits_to_keep=T + 1, use_cache=False)
-        return out.logits[:, :-1, :]
-    from .compiled import layer_cache
+    if P is not None and group > 1 and seq.shape[0] % group == 0 and not keeps_recurrent_state(model):
+        logits = _shared_prompt_logits(model, seq, mask, int(P), T, group)
+        if logits is not None:
+            return logits
+    out = model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
+                logits_to_keep=T + 1, use_cache=False)
+    return out.logits[:, :-1, :]
 
-    P = int(P)
+
+def _shared_prompt_logits(model: Any, seq: torch.Tensor, mask: torch.Tensor, P: int, T: int,
+                          group: int) -> torch.Tensor | None:
+    """:func:`completion_logits` with each prompt encoded once for its ``group`` samples; None where the
+    model cannot (checkpointed layers whose cache cannot be kept)."""
+    from .compiled import layer_cache
+    from .prompt_cache import cache_kept, checkpointed_layers, prompt_cache
+
+    cache = prompt_cache(model)
+    layers: list[Any] = []
+    if checkpointing(model):
+        layers = checkpointed_layers(model) or []
+        if cache is None or not layers:
+            return None
     pmask = mask[::group, :P]
-    out = model(input_ids=seq[::group, :P], attention_mask=pmask, position_ids=position_ids(pmask),
-                use_cache=True, logits_to_keep=1, **cache_argument(model, layer_cache(model)))
-    first = out.logits[:, -1:, :].repeat_interleave(group, dim=0)
-    if T == 1:
-        return first
-    cache = output_cache(out)
-    cache.batch_repeat_interleave(group)
-    full = mask[:, : P + T - 1]
-    rest = model(input_ids=seq[:, P : P + T - 1], attention_mask=full, position_ids=position_ids(full)[:, P:],
-                 use_cache=True, **cache_argument(model, cache))
+    # under checkpointing the cache is passed without use_cache, which checkpointed layers would turn off
+    # (with a warning): what they write goes to ``cache`` all the same
+    use_cache = not layers
+    with cache_kept(layers):
+        out = model(input_ids=seq[::group, :P], attention_mask=pmask, position_ids=position_ids(pmask),
+                    use_cache=use_cache, logits_to_keep=1,
+                    **cache_argument(model, cache if cache is not None else layer_cache(model)))
+        first = out.logits[:, -1:, :].repeat_interleave(group, dim=0)
+        if T == 1:
+            return first
+        if cache is not None and not cache.written():  # the model ignored the cache: every sample whole
+            return None
+        if cache is not None:
+            reader = cache.reader(group)
+        else:
+            reader = output_cache(out)
+            reader.batch_repeat_interleave(group)
+        full = mask[:, : P + T - 1]
+        rest = model(input_ids=seq[:, P : P + T - 1], attention_mask=full, position_ids=position_ids(full)[:, P:],
+                     use_cache=use_cache, **cache_argument(model, reader))
     return torch.cat([first, rest.logits], dim=1)
 
 
