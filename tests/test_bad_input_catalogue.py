@@ -177,7 +177,7 @@ FLAGS = [
 EVAL_FLAGS = [
     ("eval-model-missing", ["--model", "nowhere"],
      "--model 'nowhere' is not a folder; give a run directory or a save_pretrained folder"),
-    ("eval-without-data", ["--eval.enabled", "false"],
+    ("eval-without-data", ["--data.path", "builtin:addition-test"],  # data with no held-out split of its own
      "no held-out prompts: give --data PATH (or --eval.path, or --eval.split to hold out part of --data.path)"),
     ("eval-output-nowhere", ["--output", "no/such/folder/r.json"],
      "cannot write the report to 'no/such/folder/r.json': no such folder; choose another --output"),
