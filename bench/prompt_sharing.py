@@ -1,8 +1,10 @@
 """One update of the torch learner with each prompt encoded once for its group of samples (the shared
 prompt's KV cache, rlhf_plugins/models/prompt_cache.py) against every sample run whole, with and
 without activation checkpointing (the real-model default, under which the prompt used to be run per
-sample). The Qwen2.5-0.5B shape (hidden 896, grouped-query attention, the 151,936-token vocabulary)
-with fewer layers, float32, GRPO's batch shape: prompts x group samples, long prompts, short answers.
+sample), and in packed micro batches (``--learner.max_tokens_per_micro_batch``: a group's prompt once
+in the row, its completions attending to it). The Qwen2.5-0.5B shape (hidden 896, grouped-query
+attention, the 151,936-token vocabulary) with fewer layers, float32, GRPO's batch shape: prompts x
+group samples, long prompts, short answers.
 Each side runs in its own process: the seconds of an update after a first one, and the peak resident
 memory that update added (Linux's ``VmHWM``, reset before it).
 
@@ -19,9 +21,10 @@ from pathlib import Path
 
 import _env  # noqa: F401  (sets the benchmark environment before heavy imports)
 
-#: (name, gradient checkpointing, prompts shared by their samples)
-SIDES = (("checkpointed, shared", True, True), ("checkpointed, per sample", True, False),
-         ("shared", False, True), ("per sample", False, False))
+#: (name, gradient checkpointing, prompts shared by their samples, packed micro batches)
+SIDES = (("checkpointed, shared", True, True, False), ("checkpointed, per sample", True, False, False),
+         ("shared", False, True, False), ("per sample", False, False, False),
+         ("packed, checkpointed, shared", True, True, True), ("packed, checkpointed, per sample", True, False, True))
 
 
 def parse() -> argparse.Namespace:
@@ -81,11 +84,13 @@ def side(args: argparse.Namespace) -> dict:
     from rlhf_plugins.learners.torch_learner import TorchLearner
     from rlhf_plugins.testing import backend_context, reduced_model_path
 
-    name, checkpointing, shared = SIDES[args.side]
+    name, checkpointing, shared, packed = SIDES[args.side]
     path = reduced_model_path("qwen2.5-0.5b", layers=args.layers, hidden=896)
     n = args.prompts * args.group
+    budget = n * (args.prompt_tokens + args.completion_tokens) if packed else 0  # one micro batch either way
     config, pm, _ = prepare({"model": {"path": path}, "learner": {"gradient_checkpointing": checkpointing,
-                                                                   "micro_batch_size": n, "lr": 1e-6},
+                                                                   "micro_batch_size": n, "lr": 1e-6,
+                                                                   "max_tokens_per_micro_batch": budget},
                              "train": {"prompts_per_step": args.prompts},
                              "generation": {"n_samples_per_prompt": args.group}}, autoload=False)
     learner = TorchLearner(backend_context(config, "actor", path, pm))

@@ -105,6 +105,112 @@ def test_per_sample_attention_equals_softmax_under_a_block_diagonal_causal_mask(
     assert got.shape == (3, 16, 4, 8) and torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_per_sample_attention_lets_each_completion_attend_to_its_prompts_segment(kv_heads):
+    from rlhf_plugins.models.attention import per_sample_attention
+
+    g = torch.Generator().manual_seed(kv_heads)
+    # a prompt of 4 then two completions reading it, a prompt of 3 then one completion, a pad segment
+    row = [(0, 4), (4, 3, 0), (7, 2, 0), (9, 3), (12, 3, 3), (15, 1)]
+    q = torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, kv_heads, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got = per_sample_attention(q, k, v, [row], 0.3)
+    # independent: a token sees its own segment's past and all of the segment its segment reads
+    segment = torch.tensor([i for i, s in enumerate(row) for _ in range(s[1])])
+    reads = torch.tensor([s[2] if len(s) == 3 else -1 for s in row])[segment]
+    t = torch.arange(16)
+    allowed = ((segment[:, None] == segment[None, :]) & (t[:, None] >= t[None, :])) | (reads[:, None] == segment[None, :])
+    kk, vv = k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1)
+    scores = (q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    want = (torch.softmax(scores, -1) @ vv).transpose(1, 2)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def grouped_batch(prompts=3, group=4, seed=0):
+    """:func:`spread_batch`'s samples in groups of one prompt (consecutive, ``group_size`` set)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, completions, masks = [], [], []
+    for p in range(prompts):
+        prompt = torch.randint(1, 64, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+        for i in range(group):
+            c = torch.randint(1, 64, (int(torch.randint(1, 21, (1,), generator=g)),), generator=g).tolist()
+            prompt_ids.append(prompt)
+            completions.append(c)
+            masks.append([1] * len(c) if (p + i) % 3 else [1 if j % 4 else 0 for j in range(len(c))])
+    n = len(prompt_ids)
+    r = Rollout([""] * n, prompt_ids, completions, [""] * n, ["stop"] * n, [[0.0] * len(c) for c in completions], {},
+                group, scores=[0.0] * n, action_masks=masks)
+    batch = make_batch(r, pad_id=0)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g, dtype=torch.float64)
+    batch["old_logprobs"] = -torch.rand(batch["action_mask"].shape, generator=g, dtype=torch.float64) * 3
+    return batch
+
+
+def test_token_budget_split_places_whole_groups_counting_each_prompt_once():
+    from rlhf_plugins.models.packing import sharing_group
+
+    batch = grouped_batch(prompts=4, group=3, seed=2)
+    lengths = batch["attention_mask"].sum(-1)
+    prompt = batch["attention_mask"][:, : -batch["action_mask"].shape[1]].sum(-1)
+    shared = [int(prompt[i] + (lengths[i:i + 3] - prompt[i:i + 3]).sum()) for i in range(0, 12, 3)]
+    budget = max(shared[0] + shared[1], max(shared))
+    parts = token_budget_split(batch, budget, group=3)
+    for part in parts:
+        rows = part["rows"].tolist()
+        assert part["group_size"] == 3 and len(rows) % 3 == 0
+        assert all(rows[i:i + 3] == list(range(rows[i], rows[i] + 3)) and rows[i] % 3 == 0 for i in range(0, len(rows), 3))
+        assert sum(shared[r // 3] for r in rows[::3]) <= budget
+    assert sorted(r for p in parts for r in p["rows"].tolist()) == list(range(12))
+    # groups of 33, 31, 28, 26 tokens counted shared (37-47 each counted whole): two micro batches of 61
+    # and 57 tokens under a budget of 61, where whole samples would need four
+    assert len(parts) == 2
+    # a budget below a group's size: the group in consecutive runs that fit it, each counting the prompt
+    runs = token_budget_split(batch, 20, group=3)
+    for part in runs:
+        rows = part["rows"].tolist()
+        prompt_once = int(prompt[rows[0]] + (lengths[rows] - prompt[rows]).sum())
+        assert prompt_once <= 20 or len(rows) == 1  # a sample longer than the budget goes alone
+        assert rows == list(range(rows[0], rows[0] + len(rows))) and len({r // 3 for r in rows}) == 1
+    assert sorted(r for p in runs for r in p["rows"].tolist()) == list(range(12))
+    assert sharing_group(tiny_llama64(), batch) == (3 if speedups_supported() else 1)
+    assert sharing_group(tiny_llama64("eager"), batch) == 1  # transformers' packed mask cannot share a prompt
+    assert [p["group_size"] for p in token_budget_split(batch, budget)] == [1] * len(token_budget_split(batch, budget))
+
+
+@pytest.mark.skipif(not speedups_supported(), reason="this transformers runs its own attention")
+@pytest.mark.parametrize("fits", [True, False], ids=["whole-groups", "groups-in-runs"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_packed_groups_hold_each_prompt_once_with_the_padded_gradients(mode, fits):
+    """A packed micro batch of whole groups holds each prompt once, its samples' completions after it
+    (the rows' widths counted), with the log-probs and gradients of every sample run whole and padded;
+    so do groups cut into runs by a budget below a group's size."""
+    batch = grouped_batch(seed=4)
+    objective = Objective(policy_losses.ppo, PolicyLossConfig(aggregation=mode), norm_length=20)
+    lengths, prompt = batch["attention_mask"].sum(-1), batch["attention_mask"][:, : -batch["action_mask"].shape[1]].sum(-1)
+    budget = max(int(prompt[i] + (lengths[i:i + 4] - prompt[i:i + 4]).sum()) for i in range(0, 12, 4)) if fits else 30
+    runs = []
+    for parts in (split_batch(dict(batch, group_size=1), 3), token_budget_split(batch, budget, group=4)):
+        model, widths = tiny_llama64(), []
+        model.get_input_embeddings().register_forward_hook(lambda m, a, o, seen=widths: seen.append(a[0].shape[-1]))
+        logprobs = torch.zeros(batch["action_mask"].shape, dtype=torch.float64)
+        for part in parts:
+            out = policy_forward(model, part)
+            loss, _ = objective(out, part)
+            (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
+            if "rows" in part:
+                logprobs[part["rows"]] = out["logprobs"].detach()
+        runs.append(({n: p.grad.clone() for n, p in model.named_parameters()}, widths, logprobs))
+    (padded, _, _), (packed, widths, logprobs) = runs
+    once = int(prompt[::4].sum() + (lengths - prompt).sum())
+    assert sum(widths) == once if fits else once < sum(widths) < int(lengths.sum())  # each prompt once, or per run
+    mask = batch["action_mask"].bool()
+    with torch.no_grad():
+        whole = policy_forward(tiny_llama64(), dict(batch, group_size=1))["logprobs"]
+    assert torch.allclose(logprobs[mask], whole[mask], rtol=0, atol=1e-9)
+    for name in padded:
+        assert torch.allclose(packed[name], padded[name], rtol=1e-5, atol=1e-9), name
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_packed_gradients_equal_the_padded_gradients(mode):
     batch = spread_batch(seed=3)

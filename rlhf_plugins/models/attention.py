@@ -4,7 +4,8 @@ for by keyword argument to the model's forward.
 - ``shared_prefix=<cache>`` (the transformers engine's decode steps): cascade attention, each
   prompt's keys and values read once for all its samples (:mod:`rlhf_plugins.models.kv_cache`).
 - ``packed_samples=<rows>`` (the learner's packed micro batches, :mod:`rlhf_plugins.models.packing`):
-  causal attention inside each sample of a packed row, one SDPA call per sample. transformers'
+  causal attention inside each sample of a packed row, one SDPA call per sample; a row may hold a
+  prompt once for its group of samples, each completion attending to it. transformers'
   block-diagonal mask computes the same thing over the whole row, ``R^2`` scores per row of ``R``
   tokens; per sample it is ``n^2 / 2`` per sample of ``n`` tokens.
 
@@ -60,7 +61,7 @@ def enable(model: Any) -> bool:
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-              shared_prefix: Any = None, packed_samples: list[list[tuple[int, int]]] | None = None,
+              shared_prefix: Any = None, packed_samples: list[list[tuple[int, ...]]] | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """SDPA, or the cascade (``shared_prefix``) or per-sample attention (``packed_samples``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -80,12 +81,15 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         samples: list[list[tuple[int, int]]], scaling: float, dropout: float = 0.0) -> torch.Tensor:
+                         samples: list[list[tuple[int, ...]]], scaling: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of packed rows (``query``: ``[rows, H, R, d]``, ``key`` / ``value``:
-    ``[rows, H_kv, R, d]``) where row ``r`` holds the samples ``samples[r]`` = ``[(start, length), ...]``
-    back to back, covering the row; no token attends outside its sample. Returns ``[rows, R, H, d]``
-    (the attention functions' layout)."""
+    ``[rows, H_kv, R, d]``) where row ``r`` holds the segments ``samples[r]`` back to back, covering the
+    row: ``(start, length)``, a sample (or a shared prompt) attending inside itself; ``(start, length,
+    prefix)``, a completion attending to the segment of index ``prefix`` of its row (its prompt, shared
+    by the prompt's samples) and causally inside itself. Nothing else is attended to. Returns
+    ``[rows, R, H, d]`` (the attention functions' layout)."""
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
@@ -94,8 +98,17 @@ def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     for r, row in enumerate(samples):
         # split, not slices: the backward of a split is one concatenation, a slice's a zeroed copy of
         # the whole row per sample
-        sizes = [n for _, n in row]
-        parts = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
-                 for q, k, v in zip(*(t[r:r + 1].split(sizes, dim=2) for t in (query, key, value)))]
+        sizes = [segment[1] for segment in row]
+        qs, ks, vs = (t[r:r + 1].split(sizes, dim=2) for t in (query, key, value))
+        parts = []
+        for i, segment in enumerate(row):
+            if len(segment) == 2:
+                parts.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, is_causal=True,
+                                                            scale=scaling))
+                continue
+            j = segment[2]  # the prompt: all of it visible, then causal (the mask aligned bottom-right)
+            parts.append(F.scaled_dot_product_attention(
+                qs[i], torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2), dropout_p=dropout,
+                attn_mask=causal_lower_right(sizes[i], sizes[j] + sizes[i]), scale=scaling))
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous()

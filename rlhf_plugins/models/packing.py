@@ -6,7 +6,10 @@ samples' tokens back to back, position ids restarting at every sample, no attent
 transformers then keeps attention inside each sample (its packed-sequence mask). Models whose
 attention is plain SDPA run it per sample instead (:mod:`rlhf_plugins.models.attention`): the same
 result without computing the scores the mask throws away, so a micro batch is one row without a
-single pad slot. The logits come
+single pad slot. For those models a GRPO batch (samples in groups of one prompt) is packed by whole
+groups and each group's prompt goes into the row once, its samples' completions after it attending to
+it, so the budget counts the prompt once -- the shared prompt of the padded forward
+(:func:`rlhf_plugins.models.forward.completion_logits`), inside a packed row. The logits come
 back in the padded ``[B, T]`` layout, so losses, masks and metrics are unchanged, and the gradients
 equal those of the padded computation (tested in float64 for every loss aggregation).
 
@@ -41,45 +44,96 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def token_budget_split(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+def sharing_group(model: Any, batch: dict[str, Any]) -> int:
+    """How many samples' prompt a packed micro batch of ``batch`` holds once: the batch's group size
+    when its samples come in groups of one prompt (``group_size``, consecutive) and ``model`` attends
+    per sample (:mod:`rlhf_plugins.models.attention`, which lets a completion attend to its prompt
+    elsewhere in the row); else 1, every sample whole."""
+    group = int(batch.get("group_size", 1))
+    if group <= 1 or batch["sequences"].shape[0] % group or keeps_recurrent_state(model):
+        return 1
+    return group if attention.enable(model) else 1
+
+
+def token_budget_split(batch: dict[str, Any], max_tokens: int, group: int = 1) -> list[dict[str, Any]]:
     """Micro batches of ``batch`` whose real tokens add up to at most ``max_tokens`` (a sample longer
     than the budget is one of its own), each marked for the packed forward. Samples are placed longest
     first, each in the first micro batch with room for it (first-fit decreasing), so few micro batches
     carry the whole budget; each keeps its samples' places in ``batch`` under ``"rows"`` (the gradient
-    of a sum over micro batches does not depend on how samples are grouped)."""
-    groups = first_fit(batch["attention_mask"].sum(-1).tolist(), max_tokens)
+    of a sum over micro batches does not depend on how samples are grouped). With ``group`` > 1
+    (:func:`sharing_group`) a group's samples are placed together, counting their prompt once (a group
+    longer than the budget in runs that fit it)."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    units, sizes = [[i] for i in range(len(lengths))], lengths
+    if group > 1:
+        prompts = batch["attention_mask"][:, : -batch["action_mask"].shape[1]].sum(-1).tolist()
+        units, sizes = _prompt_units(lengths, prompts, group, max_tokens)
     out = []
-    for idx in groups:
+    for placed in first_fit(sizes, max_tokens):
+        idx = [i for u in placed for i in units[u]]
         part = {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx] if isinstance(v, list) else v)
                 for k, v in batch.items()}
-        part[PACKED], part["rows"] = True, torch.tensor(idx)
+        part[PACKED], part["rows"], part["group_size"] = True, torch.tensor(idx), group
         out.append(part)
     return out
+
+
+def _prompt_units(lengths: list[int], prompts: list[int], group: int,
+                  max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Each group's samples in runs that fit ``max_tokens`` with their prompt counted once (a group
+    too long for it is cut into consecutive runs, each holding the prompt; a sample too long alone is
+    a run of its own), and each run's tokens."""
+    units, sizes = [], []
+    for first in range(0, len(lengths), group):
+        for i in range(first, first + group):
+            completion = lengths[i] - prompts[i]
+            if i > first and sizes[-1] + completion <= max_tokens:
+                units[-1].append(i)
+                sizes[-1] += completion
+            else:
+                units.append([i])
+                sizes.append(lengths[i])
+    return units, sizes
 
 
 def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """Next-token logits ``[B, T, V]`` of the completion tokens, computed on packed rows.
 
     A model whose attention runs per sample (:func:`rlhf_plugins.models.attention.enable`) takes the
-    whole micro batch as one row, without a pad slot. Otherwise attention goes through a
+    whole micro batch as one row, without a pad slot; a micro batch placed by groups of one prompt
+    (``group_size`` > 1, :func:`token_budget_split`) holds each run of samples' prompt once, followed by
+    their completions, each attending to it. Otherwise attention goes through a
     block-diagonal mask and costs a row's length squared, so the samples are packed first-fit
     (longest first) into rows as long as the longest sample: no row costs more than a padded one,
     and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
     (positions restart), and nothing reads them. A model with recurrent layers (Mamba: their state
     would run from one sample into the next) gets one sample a row."""
     seq, mask = batch["sequences"], batch["attention_mask"].bool()
-    B, W = seq.shape
-    T = batch["action_mask"].shape[1]
-    P = W - T
-    lengths = mask.sum(-1).tolist()
     recurrent = keeps_recurrent_state(model)  # a state runs along a row: one sample a row, its pad slots after it
     per_sample = not recurrent and attention.enable(model)
+    if per_sample and int(batch.get("group_size", 1)) > 1:  # placed by :func:`token_budget_split`'s groups
+        ids, pos, samples, flat = _shared_prompt_row(seq, mask, batch["action_mask"].shape[1])
+    else:
+        ids, pos, samples, flat = _sample_rows(seq, mask, batch["action_mask"].shape[1], per_sample, recurrent)
+    extra = {"packed_samples": samples} if per_sample else {}
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra).logits
+    # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(*flat.shape, -1)
+
+
+def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool,
+                 recurrent: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
+    """Every sample whole in packed rows: (token ids, position ids, each row's segments, and for each
+    completion token the flat index of the position whose logits predict it)."""
+    B, W = seq.shape
+    P = W - T
+    lengths = mask.sum(-1).tolist()
     R = max(sum(lengths) if per_sample else max(lengths), 1)
     rows = [[b] for b in range(B)] if recurrent else first_fit(lengths, R)
     ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
     pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
-    samples: list[list[tuple[int, int]]] = []  # (start, length) of each sample of a row, pad slots last
+    samples: list[list[tuple[int, ...]]] = []  # (start, length) of each sample of a row, pad slots last
     for r, members in enumerate(rows):
         offset, samples_r = 0, []
         for b in members:
@@ -91,26 +145,57 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
             offset += n
         pos[r, offset:] = torch.arange(R - offset)
         samples.append(samples_r + ([(offset, R - offset)] if offset < R else []))
-    extra = {"packed_samples": samples} if per_sample else {}
-    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra)
     # completion token k of sample b sits at offset + prompt_len + k of its row and is predicted by
     # the logits one position before it
     prompt_len = mask[:, :P].sum(-1)
     k = torch.arange(T, device=seq.device)
     col = (where[:, 1].to(seq.device) + prompt_len)[:, None] + k[None, :] - 1
     col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
-    flat = where[:, 0].to(seq.device)[:, None] * R + col
-    # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
-    logits = out.logits
-    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(B, T, -1)
+    return ids, pos, samples, where[:, 0].to(seq.device)[:, None] * R + col
+
+
+def _shared_prompt_row(seq: torch.Tensor, mask: torch.Tensor,
+                       T: int) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
+    """:func:`_sample_rows` for samples in groups of one prompt: one row holding each prompt once, then
+    the completions of the consecutive samples with that prompt (positions continuing the prompt's),
+    each a segment attending to its prompt's. Laid out on the host, moved to the device once."""
+    device, seq, mask = seq.device, seq.cpu(), mask.cpu()
+    B, W = seq.shape
+    P = W - T
+    parts: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    segments: list[tuple[int, ...]] = []
+    col = torch.zeros((B, T), dtype=torch.long)
+    offset, prompt = 0, None
+    for b in range(B):
+        own = seq[b, :P][mask[b, :P]]
+        if prompt is None or not torch.equal(own, prompt):  # a new prompt (a group, or part of one)
+            prompt, n = own, len(own)
+            parts.append(prompt)
+            positions.append(torch.arange(n))
+            prompt_index, last = len(segments), offset + n - 1
+            segments.append((offset, n))
+            offset += n
+        completion = seq[b, P:][mask[b, P:]]
+        m = len(completion)
+        col[b, 0] = last  # the first completion token is predicted by the prompt's last position
+        col[b, 1:m] = torch.arange(offset, offset + m - 1)
+        if m:
+            parts.append(completion)
+            positions.append(torch.arange(n, n + m))
+            segments.append((offset, m, prompt_index))
+            offset += m
+    return (torch.cat(parts)[None].to(device), torch.cat(positions)[None].to(device), [segments],
+            col.to(device))
 
 
 def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[str, Any],
-                    max_tokens: int) -> torch.Tensor:
-    """``fn`` (a no-grad per-token pass, ``[b, T]``) over token-budget micro batches, concatenated."""
+                    max_tokens: int, model: Any = None) -> torch.Tensor:
+    """``fn`` (a no-grad per-token pass of ``model``, ``[b, T]``) over token-budget micro batches,
+    concatenated; each prompt once for its group where ``model`` allows (:func:`sharing_group`)."""
     if not max_tokens:
         return fn(batch)
-    parts = token_budget_split(batch, max_tokens)
+    parts = token_budget_split(batch, max_tokens, 1 if model is None else sharing_group(model, batch))
     results = [fn(part) for part in parts]
     out = results[0].new_zeros((batch["sequences"].shape[0], *results[0].shape[1:]))
     for part, result in zip(parts, results):

@@ -210,7 +210,7 @@ class ReferenceRole(Role):
         batch = to_device(batch, self.device)
         with torch.inference_mode():
             return in_token_budget(lambda part: self._forward(self.model, part, self.temperature)["logprobs"], batch,
-                                   self.budget).cpu()
+                                   self.budget, self.model).cpu()
 
 
 class GenerationRole(Role):
