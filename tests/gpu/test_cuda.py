@@ -272,6 +272,44 @@ def test_16_bit_gradients_moved_by_buckets_equal_per_parameter_moves_on_cuda(mon
     assert all(torch.equal(a, b) for a, b in zip(bucketed.masters.masters, single.masters.masters))
 
 
+@pytest.mark.parametrize("way", ["checkpointed", "packed"])
+def test_shared_prompts_give_every_samples_own_logprobs_and_gradients_on_cuda(report, way):
+    """Each prompt once for its group on the GPU -- under activation checkpointing (the prompt's cache
+    written once, read by the completions, each layer recomputed) and in a packed row (each
+    completion's attention reading its prompt's segment through SDPA's bottom-right causal mask) --
+    against every sample run whole and padded, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.device import to_device
+    from rlhf_plugins.models.forward import policy_forward
+    from rlhf_plugins.models.packing import sharing_group, token_budget_split
+    from rlhf_plugins.models.tiny_model import default_model_path
+
+    batch = to_device(random_batch(group=4, prompts=3, seed=3), torch.device(DEVICE))
+    mask = batch["action_mask"].bool()
+
+    def run(parts, checkpointed):
+        model = AutoModelForCausalLM.from_pretrained(default_model_path()).to(DEVICE).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logprobs = torch.zeros(mask.shape, device=DEVICE)
+        for part in parts(model):
+            out = policy_forward(model, part)["logprobs"]
+            (out * part["action_mask"]).sum().backward()
+            logprobs[part.get("rows", slice(None))] = out.detach()
+        return logprobs, {n: p.grad for n, p in model.named_parameters()}
+
+    whole, whole_grads = run(lambda m: [dict(batch, group_size=1)], False)
+    if way == "checkpointed":
+        shared, grads = run(lambda m: [batch], True)
+    else:
+        shared, grads = run(lambda m: token_budget_split(batch, 10_000, sharing_group(m, batch)), False)
+    gap = float((shared - whole).abs()[mask].max())
+    grad_gap = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in whole_grads.items())
+    report(f"shared_prompts_{way}_gaps", {"logprobs": gap, "gradients_relative": grad_gap})
+    assert gap < 1e-4 and grad_gap < 1e-3, (gap, grad_gap)
+
+
 def test_lora_trains_on_cuda_and_saves_the_adapter(tmp_path):
     from rlhf_plugins.cli import main
 
