@@ -61,15 +61,18 @@ def reference_update(tiny_model):
 
 
 @pytest.mark.parametrize("options", [{}, {"logits_memory_mb": 0.02}, {"max_tokens_per_micro_batch": 48},
-                                     {"compile": True}, {"compile": True, "compile_scope": "layers"}],
-                         ids=["whole-logits", "logits-in-chunks", "packed-micro-batches", "compiled", "compiled-layers"])
+                                     {"compile": True}, {"compile": True, "compile_scope": "layers"},
+                                     {"gradient_checkpointing": True}],
+                         ids=["whole-logits", "logits-in-chunks", "packed-micro-batches", "compiled", "compiled-layers",
+                              "checkpointed"])
 def test_one_rank_matches_the_torch_learner(tiny_model, options):
     """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
     also with the output head applied over chunks of tokens outside the model's own forward (what a
     real vocabulary triggers: the root's gathered head must last through the recomputation), with
     packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss), and
     with --learner.compile on both sides (the compiled norms and MLPs, or whole decoder layers, inside
-    each FSDP unit run on its gathered weights)."""
+    each FSDP unit run on its gathered weights), and with gradient checkpointing (each unit gathered
+    again for its recomputation, the shared prompt's cache read again)."""
     from rlhf_plugins.models.logits import chunking
 
     expected, before, after_torch = torch_update(tiny_model, learner=dict(options))
