@@ -124,14 +124,16 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool,
                  recurrent: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
     """Every sample whole in packed rows: (token ids, position ids, each row's segments, and for each
-    completion token the flat index of the position whose logits predict it)."""
+    completion token the flat index of the position whose logits predict it). Laid out on the host
+    (one copy from the device, not a read per sample), moved to the device once."""
+    device, seq, mask = seq.device, seq.cpu(), mask.cpu()
     B, W = seq.shape
     P = W - T
     lengths = mask.sum(-1).tolist()
     R = max(sum(lengths) if per_sample else max(lengths), 1)
     rows = [[b] for b in range(B)] if recurrent else first_fit(lengths, R)
-    ids = torch.zeros((len(rows), R), dtype=seq.dtype, device=seq.device)
-    pos = torch.zeros((len(rows), R), dtype=torch.long, device=seq.device)
+    ids = torch.zeros((len(rows), R), dtype=seq.dtype)
+    pos = torch.zeros((len(rows), R), dtype=torch.long)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
     samples: list[list[tuple[int, ...]]] = []  # (start, length) of each sample of a row, pad slots last
     for r, members in enumerate(rows):
@@ -147,11 +149,10 @@ def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool
         samples.append(samples_r + ([(offset, R - offset)] if offset < R else []))
     # completion token k of sample b sits at offset + prompt_len + k of its row and is predicted by
     # the logits one position before it
-    prompt_len = mask[:, :P].sum(-1)
-    k = torch.arange(T, device=seq.device)
-    col = (where[:, 1].to(seq.device) + prompt_len)[:, None] + k[None, :] - 1
+    k = torch.arange(T)
+    col = (where[:, 1] + mask[:, :P].sum(-1))[:, None] + k[None, :] - 1
     col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
-    return ids, pos, samples, where[:, 0].to(seq.device)[:, None] * R + col
+    return ids.to(device), pos.to(device), samples, (where[:, :1] * R + col).to(device)
 
 
 def _shared_prompt_row(seq: torch.Tensor, mask: torch.Tensor,
