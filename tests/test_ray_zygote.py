@@ -144,8 +144,10 @@ def _wait_until_ended(pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, not a zombie (Z) and not being reaped (X, dead: the state its
+    parent's wait leaves it in until its entry goes, which a read can catch)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
