@@ -200,6 +200,9 @@ class LearnerBackend(Component):
     the learner offers ``live_weights()``, its parameters themselves, updated in place.
     ``shards_reference``: built for the role ``"reference"`` it is a frozen sharded model (no
     optimizer) whose ``logprobs`` the reference role serves, each rank holding 1/N of it.
+    ``shards(config) -> int``: how far the learner already shards its states over its ranks with this
+    config, in ZeRO's stages (1: optimizer states, 2: and gradients, 3: and weights; 0 or no function:
+    nothing), so the memory plan tells it to spread them over more ranks rather than to shard them.
     ``compiles``: the learner honours ``--learner.compile`` (else the config is refused). ``graphs``:
     its compiled modules may replay CUDA graphs (``--learner.compile_mode reduce-overhead``): their
     weights keep their memory from one step to the next."""
@@ -210,6 +213,7 @@ class LearnerBackend(Component):
     memory: Callable[[Any], dict[str, int]] | None = field(default=None, kw_only=True)
     live_weights: bool = field(default=False, kw_only=True)
     shards_reference: bool = field(default=False, kw_only=True)
+    shards: Callable[[Any], int] | None = field(default=None, kw_only=True)
     compiles: bool = field(default=False, kw_only=True)
     graphs: bool = field(default=False, kw_only=True)
 

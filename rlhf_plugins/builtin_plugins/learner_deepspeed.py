@@ -50,4 +50,10 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         extra="deepspeed",
         multi_rank=True,
         memory=Lazy("rlhf_plugins.models.memory:deepspeed_learner_memory"),
+        shards=zero_stage,
     )
+
+
+def zero_stage(config: Any) -> int:
+    """How far ZeRO shards the learner's states: its stage."""
+    return config.section("deepspeed").zero_stage

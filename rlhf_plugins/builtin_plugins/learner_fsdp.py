@@ -43,5 +43,6 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         multi_rank=True,
         memory=Lazy("rlhf_plugins.models.memory:fsdp_learner_memory"),
         shards_reference=True,  # the reference model over --ray.reference_workers ranks, 1/N each
+        shards=lambda config: 3,  # weights, gradients and optimizer states: 1/N each
         compiles=True,
     )

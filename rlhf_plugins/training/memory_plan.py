@@ -174,18 +174,19 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     batch = c.train.prompts_per_step * c.generation.n_samples_per_prompt
     workload = (f"{batch} sequences of up to {prompt} + {completion} tokens, {shape.parameters / 1e6:.3g}M "
                 f"parameters in {c.model.dtype}")
-    return MemoryPlan(processes, node, fixed if node is not None else 0, workload, remedies(c))
+    return MemoryPlan(processes, node, fixed if node is not None else 0, workload, remedies(c, plan))
 
 
-def remedies(c: Config) -> dict[str, str]:
+def remedies(c: Config, plan: Plan) -> dict[str, str]:
     """:data:`REMEDIES` less what the run already does: a learner that already shards a kind of memory
-    (ZeRO's stages, FSDP2) is told to spread it over more ranks, not to shard it."""
+    (``LearnerBackend(shards=...)``: ZeRO's stages, FSDP2) is told to spread it over more ranks, not to
+    shard it."""
     out = dict(REMEDIES)
     if c.learner.gradient_checkpointing:
         out["activations"] = ("a smaller micro batch (--learner.micro_batch_size, --learner.max_tokens_per_micro_"
                               "batch, which also bounds the reference's forward)")
-    stage = 3 if c.learner.backend == "fsdp" else getattr(c.extra.get("deepspeed"), "zero_stage", 0)
-    if c.learner.backend not in ("deepspeed", "fsdp") or stage == 0:
+    stage = plan.learner.shards(c) if plan.learner.shards is not None else 0
+    if stage == 0:
         return out
     more = "spread them over more ranks (--ray.actor_workers)"
     out["optimizer states"] = f"{more}, or train adapters only (--lora.rank 16)"
