@@ -108,13 +108,17 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
     (positions restart), and nothing reads them. A model with recurrent layers (Mamba: their state
     would run from one sample into the next) gets one sample a row."""
-    seq, mask = batch["sequences"], batch["attention_mask"].bool()
+    device = batch["sequences"].device
+    # laid out on the host from one copy of the micro batch (a read of the device per sample would wait
+    # for its queued kernels each time), moved to the device once
+    seq, mask, T = batch["sequences"].cpu(), batch["attention_mask"].bool().cpu(), batch["action_mask"].shape[1]
     recurrent = keeps_recurrent_state(model)  # a state runs along a row: one sample a row, its pad slots after it
     per_sample = not recurrent and attention.enable(model)
     if per_sample and int(batch.get("group_size", 1)) > 1:  # placed by :func:`token_budget_split`'s groups
-        ids, pos, samples, flat = _shared_prompt_row(seq, mask, batch["action_mask"].shape[1])
+        ids, pos, samples, flat = _shared_prompt_row(seq, mask, T)
     else:
-        ids, pos, samples, flat = _sample_rows(seq, mask, batch["action_mask"].shape[1], per_sample, recurrent)
+        ids, pos, samples, flat = _sample_rows(seq, mask, T, per_sample, recurrent)
+    ids, pos, flat = ids.to(device), pos.to(device), flat.to(device)
     extra = {"packed_samples": samples} if per_sample else {}
     logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra).logits
     # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
@@ -124,9 +128,7 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool,
                  recurrent: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
     """Every sample whole in packed rows: (token ids, position ids, each row's segments, and for each
-    completion token the flat index of the position whose logits predict it). Laid out on the host
-    (one copy from the device, not a read per sample), moved to the device once."""
-    device, seq, mask = seq.device, seq.cpu(), mask.cpu()
+    completion token the flat index of the position whose logits predict it), on the host."""
     B, W = seq.shape
     P = W - T
     lengths = mask.sum(-1).tolist()
@@ -152,15 +154,14 @@ def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool
     k = torch.arange(T)
     col = (where[:, 1] + mask[:, :P].sum(-1))[:, None] + k[None, :] - 1
     col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
-    return ids.to(device), pos.to(device), samples, (where[:, :1] * R + col).to(device)
+    return ids, pos, samples, where[:, :1] * R + col
 
 
 def _shared_prompt_row(seq: torch.Tensor, mask: torch.Tensor,
                        T: int) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
     """:func:`_sample_rows` for samples in groups of one prompt: one row holding each prompt once, then
     the completions of the consecutive samples with that prompt (positions continuing the prompt's),
-    each a segment attending to its prompt's. Laid out on the host, moved to the device once."""
-    device, seq, mask = seq.device, seq.cpu(), mask.cpu()
+    each a segment attending to its prompt's."""
     B, W = seq.shape
     P = W - T
     parts: list[torch.Tensor] = []
@@ -186,8 +187,7 @@ def _shared_prompt_row(seq: torch.Tensor, mask: torch.Tensor,
             positions.append(torch.arange(n, n + m))
             segments.append((offset, m, prompt_index))
             offset += m
-    return (torch.cat(parts)[None].to(device), torch.cat(positions)[None].to(device), [segments],
-            col.to(device))
+    return torch.cat(parts)[None], torch.cat(positions)[None], [segments], col
 
 
 def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[str, Any],
