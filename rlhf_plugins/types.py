@@ -205,7 +205,8 @@ class LearnerBackend(Component):
     nothing), so the memory plan tells it to spread them over more ranks rather than to shard them.
     ``compiles``: the learner honours ``--learner.compile`` (else the config is refused). ``graphs``:
     its compiled modules may replay CUDA graphs (``--learner.compile_mode reduce-overhead``): their
-    weights keep their memory from one step to the next."""
+    weights keep their memory from one step to the next. ``float32_head``: the learner trains a 16-bit
+    model whose output head is float32 (``--model.fp32_lm_head``; else the config is refused)."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
@@ -216,6 +217,7 @@ class LearnerBackend(Component):
     shards: Callable[[Any], int] | None = field(default=None, kw_only=True)
     compiles: bool = field(default=False, kw_only=True)
     graphs: bool = field(default=False, kw_only=True)
+    float32_head: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -304,15 +304,15 @@ def batch_of(ids: list[list[int]], samples: Any, n: int) -> dict:
     return make_batch(r, pad_id=0)
 
 
-def torch_learner(dtype: str = "bfloat16", **learner_cfg: Any) -> Any:
+def torch_learner(dtype: str = "bfloat16", fp32_lm_head: bool = False, **learner_cfg: Any) -> Any:
     """The torch learner of the actor role on the default model, for batches of 3 prompts x 4 samples
-    in micro batches of 6 (``learner_cfg``: more ``learner.*`` settings)."""
+    in micro batches of 6 (``learner_cfg``: more ``learner.*`` settings; ``fp32_lm_head``: the model's)."""
     from rlhf_plugins.api import prepare
     from rlhf_plugins.learners.torch_learner import TorchLearner
     from rlhf_plugins.models.tiny_model import default_model_path
     from rlhf_plugins.testing import backend_context
 
-    raw = {"model": {"dtype": "bfloat16"}, "learner": {"lr": 1e-3, "micro_batch_size": 6, **learner_cfg},
+    raw = {"model": {"dtype": "bfloat16", "fp32_lm_head": fp32_lm_head}, "learner": {"lr": 1e-3, "micro_batch_size": 6, **learner_cfg},
            "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4}}
     config, pm, _ = prepare(raw, autoload=False)
     config.model.dtype = dtype  # float16 is refused on a CPU for whole runs; one update is fine

@@ -109,6 +109,18 @@ FLAGS = [
     ("entropy-bounds-reversed", ["--algo.policy_loss.entropy_target", "0.5", "--algo.policy_loss.entropy_coef_min",
                                  "0.2", "--algo.policy_loss.entropy_coef_max", "0.1"],
      "algo.policy_loss.entropy_coef_min (0.2) must not exceed entropy_coef_max (0.1)"),
+    ("fp32-head-deepspeed", ["--learner.backend", "deepspeed", "--model.dtype", "bfloat16", "--model.fp32_lm_head",
+                             "true"],
+     "model.fp32_lm_head: the 'deepspeed' learner trains every weight in model.dtype; use --learner.backend torch "
+     "(or fsdp) or drop --model.fp32_lm_head"),
+    ("fp32-head-vllm-verify", ["--generation.backend", "vllm", "--model.dtype", "bfloat16", "--model.fp32_lm_head",
+                               "true", "--sync.verify", "true"],
+     "--sync.verify checks that engine and learner log-probs agree to 1e-4, which vLLM's bfloat16 output head cannot "
+     "against the learner's float32 one (--model.fp32_lm_head); drop one of them"),
+    ("fp32-head-lora-head", ["--lora.rank", "4", "--lora.target_modules", "[q_proj, lm_head]", "--model.fp32_lm_head",
+                             "true"],
+     "model.fp32_lm_head keeps the output head a plain float32 layer, and the LoRA config adapts lm_head "
+     "(target_modules or modules_to_save); leave lm_head out of it or drop --model.fp32_lm_head"),
     ("compile-mode-alone", ["--learner.compile_mode", "reduce-overhead"],
      "learner.compile_mode reduce-overhead says how --learner.compile compiles; add --learner.compile true or drop "
      "--learner.compile_mode"),

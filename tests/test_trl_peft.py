@@ -124,7 +124,7 @@ def test_model_init_kwargs_and_the_sampler_carry_over_and_speed_knobs_are_notes(
     sampler we do not have is one error naming it."""
     raw, notes = from_grpo_fields({"model_init_kwargs": {"dtype": "float16", "attn_implementation": "sdpa",
                                                          "trust_remote_code": True}})
-    assert raw["model"] == {"dtype": "float16", "trust_remote_code": True}
+    assert raw["model"] == {"dtype": "float16", "trust_remote_code": True, "fp32_lm_head": False}
     assert notes == ["TRL model_init_kwargs 'attn_implementation' is ignored: this package's attention (SDPA with "
                      "its own masks and KV caches) runs"]
     raw, _ = from_grpo_fields({"model_init_kwargs": {"torch_dtype": "float32"}, "bf16": True})
@@ -165,8 +165,6 @@ def test_the_schedule_warms_up_and_decays_as_configured():
 
 
 def test_grpo_field_errors():
-    with pytest.raises(ConfigError, match="TRL field 'cast_lm_head_to_fp32' \\(True\\) has no equivalent"):
-        from_grpo_fields({"cast_lm_head_to_fp32": True})
     with pytest.raises(ConfigError, match="TRL field 'neftune_noise_alpha' \\(5.0\\) changes training and has no "
                                           "equivalent"):
         from_grpo_fields({"neftune_noise_alpha": 5.0})
@@ -207,10 +205,17 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
 
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
     cfg = tmp_path / "grpo.yaml"
-    cfg.write_text("cast_lm_head_to_fp32: true\n")
+    cfg.write_text("neftune_noise_alpha: 5.0\n")
     code, _, err = rlhf("train", "--trl-config", str(cfg))
     assert code == 2 and err.strip().count("\n") == 0
-    assert "TRL field 'cast_lm_head_to_fp32' (True) has no equivalent" in err
+    assert "TRL field 'neftune_noise_alpha' (5.0) changes training and has no equivalent" in err
+
+
+def test_trl_float32_head_becomes_ours():
+    raw, _ = from_grpo_fields({"cast_lm_head_to_fp32": True})
+    assert raw["model"]["fp32_lm_head"] is True
+    raw, _ = from_grpo_fields({"learning_rate": 1e-5})
+    assert raw["model"]["fp32_lm_head"] is False  # TRL's default
 
 
 def test_openrlhf_reward_file_unchanged(rlhf, tmp_path):

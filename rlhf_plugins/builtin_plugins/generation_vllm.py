@@ -85,6 +85,10 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         raise ConfigError(f"--sync.verify checks that engine and learner log-probs agree to 1e-4, which an engine in "
                           f"vllm.dtype {dtype} cannot against a {config.model.dtype} learner; drop --sync.verify or "
                           "set --vllm.dtype model")
+    if plan.engine.factory is ENGINE and config.sync.verify and config.model.fp32_lm_head:
+        raise ConfigError("--sync.verify checks that engine and learner log-probs agree to 1e-4, which vLLM's "
+                          f"{config.model.dtype} output head cannot against the learner's float32 one "
+                          "(--model.fp32_lm_head); drop one of them")
     if plan.engine.factory is ENGINE and plan.sync.needs_adapter:
         import importlib.util
 

@@ -45,4 +45,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         shards_reference=True,  # the reference model over --ray.reference_workers ranks, 1/N each
         shards=lambda config: 3,  # weights, gradients and optimizer states: 1/N each
         compiles=True,
+        float32_head=True,  # the root unit (embeddings, final norm, head) computes in float32
     )

@@ -18,4 +18,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         live_weights=True,
         compiles=True,
         graphs=True,  # its weights stay where they are: CUDA graphs of the compiled modules can hold them
+        float32_head=True,  # a float32 head is its own master (learners/master_weights.py)
     )

@@ -123,6 +123,21 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         raise ConfigError("LoRA needs peft, which is not installed: pip install 'rlhf-plugins[peft]'")
     if o.config and not Path(o.config).exists():
         raise ConfigError(f"lora.config '{o.config}' does not exist; give a PEFT adapter_config.json or its folder")
+    if config.model.fp32_lm_head and _adapts_head(o):
+        raise ConfigError("model.fp32_lm_head keeps the output head a plain float32 layer, and the LoRA config "
+                          "adapts lm_head (target_modules or modules_to_save); leave lm_head out of it or drop "
+                          "--model.fp32_lm_head")
+
+
+def _adapts_head(o: Any) -> bool:
+    """Whether the LoRA config names the output head among its targets or its fully trained modules."""
+    names: list[Any] = list(o.target_modules)
+    if o.config:
+        path = Path(o.config)
+        saved = json.loads((path / "adapter_config.json" if path.is_dir() else path).read_text())
+        names = [name for key in ("target_modules", "modules_to_save")
+                 for name in ([saved[key]] if isinstance(saved.get(key), str) else saved.get(key) or [])]
+    return any(isinstance(name, str) and name.rsplit(".", 1)[-1] == "lm_head" for name in names)
 
 
 @hookimpl(wrapper=True)

@@ -156,6 +156,9 @@ def check_combinations(c: Config, plan: Plan) -> None:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
     check_compile(c, plan)
+    if c.model.fp32_lm_head and not plan.learner.float32_head:
+        raise ConfigError(f"model.fp32_lm_head: the '{plan.learner.name}' learner trains every weight in "
+                          f"model.dtype; use --learner.backend torch (or fsdp) or drop --model.fp32_lm_head")
     refused = engine.refuses_sampling(c) if engine.refuses_sampling is not None else None
     if refused:
         raise ConfigError(refused)

@@ -2,8 +2,7 @@
 
 Every field of TRL's config is accounted for: mapped to one of ours (``DIRECT``, or derived by
 hand), ignored with a reason (``IGNORED_WHY``, trainer bookkeeping), or -- when it changes
-training and we have no equivalent (``UNSUPPORTED``) -- an error naming it, unless left at TRL's
-default.
+training and we have no equivalent -- an error naming it, unless left at TRL's default.
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from .trl_fields import (
     LEGACY,
     OPTIMIZERS,
     SCHEDULERS,
-    UNSUPPORTED,
     expected,
     mapping,
 )
@@ -98,8 +96,7 @@ def _legacy(fields: dict[str, Any]) -> list[tuple[str, Any, str]]:
 
 
 def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
-    """The fields a config changes from TRL's defaults; an unknown field, or a changed one we cannot
-    honour, is an error."""
+    """The fields a config changes from TRL's defaults; an unknown field is an error."""
     unknown = [k for k in fields if k not in defaults]
     if unknown:
         import difflib
@@ -107,12 +104,7 @@ def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
         close = difflib.get_close_matches(unknown[0], list(defaults), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"'{unknown[0]}' is not a field of trl.GRPOConfig{hint}")
-    changed = {k for k in fields if fields[k] != defaults.get(k)}
-    for name, why in UNSUPPORTED.items():
-        if name in changed:
-            raise ConfigError(f"TRL field '{name}' ({fields[name]!r}) has no equivalent in rlhf-plugins: {why}; "
-                              "remove it from the TRL config")
-    return changed
+    return {k for k in fields if fields[k] != defaults.get(k)}
 
 
 def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
@@ -226,7 +218,7 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     """Notes on the changed fields nothing above used: ignored with a reason, or bookkeeping; any
     other changes training and is an error."""
     notes, bookkeeping = [], []
-    for name in sorted(changed - (set(DIRECT) | DERIVED | set(UNSUPPORTED))):
+    for name in sorted(changed - (set(DIRECT) | DERIVED)):
         if name in IGNORED_WHY:
             notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
         elif name.startswith(BOOKKEEPING_PREFIXES):

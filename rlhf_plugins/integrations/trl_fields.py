@@ -1,18 +1,12 @@
 """How each of TRL's GRPOConfig fields is treated (:mod:`.trl_config` applies these tables): mapped
-to one of our keys (``DIRECT``) or by hand (``DERIVED``, with the value tables below), an error
-naming it when a config changes it (``UNSUPPORTED``: it changes training and we cannot honour it),
-a note saying why it changes nothing here (``IGNORED_WHY``), or one note for all of the trainer's
-bookkeeping (``BOOKKEEPING_PREFIXES``)."""
+to one of our keys (``DIRECT``) or by hand (``DERIVED``, with the value tables below), a note saying
+why it changes nothing here (``IGNORED_WHY``), or one note for all of the trainer's bookkeeping
+(``BOOKKEEPING_PREFIXES``); any other field a config changes is an error naming it."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-#: fields that change training and that we cannot honour (an error unless left at TRL's default)
-UNSUPPORTED = {
-    "cast_lm_head_to_fp32": "the output head's matrix product runs in the model's dtype (its logits are then "
-                            "widened to float32 for the log-softmax); train in float32 for a float32 head",
-}
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
@@ -90,6 +84,7 @@ def mapping(value: Any) -> dict[str, Any]:
 #: GRPOConfig field -> (our dotted key, converter)
 DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("learner.lr", float),
+    "cast_lm_head_to_fp32": ("model.fp32_lm_head", bool),
     "num_generations": ("generation.n_samples_per_prompt", int),
     "max_completion_length": ("generation.max_new_tokens", int),
     "temperature": ("generation.temperature", float),

@@ -23,6 +23,7 @@ import torch
 
 from ..models.compiled import decoder_layers
 from ..models.empty_init import Source, empty_weights, load_shards, source_of
+from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -84,7 +85,7 @@ class FSDPLearner(Learner):
         o = config.section("fsdp")
         self.device = role_device()
         model, source = _load(ctx)
-        dtype = next(model.parameters()).dtype
+        dtype = weights_dtype(model)  # a float32 head (--model.fp32_lm_head) aside
         frozen = ctx.role == "reference"  # the reference model: shards in its own dtype, no optimizer
         model = model.requires_grad_(False) if frozen else model.float()  # trained: float32 shards
         if self.cfg.gradient_checkpointing and not frozen:
@@ -101,10 +102,12 @@ class FSDPLearner(Learner):
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, reshard_after_forward=o.reshard_after_forward, offload_policy=offload,
                         mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
-        # the root takes the batch as it is (its floating tensors are not inputs to cast)
+        # the root takes the batch as it is (its floating tensors are not inputs to cast); it computes in
+        # float32 under --model.fp32_lm_head (its head's logits; a tied embedding's output is cast back)
+        root_compute = None if config.model.fp32_lm_head else compute
         self.root = fully_shard(LearnerForward(model, self.forward), mesh=mesh, offload_policy=offload,
                                 reshard_after_forward=o.reshard_after_forward,
-                                mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                mp_policy=MixedPrecisionPolicy(param_dtype=root_compute, reduce_dtype=torch.float32,
                                                                cast_forward_inputs=False))
         #: bytes this rank read of the checkpoint (its own rows of every tensor; 0: loaded whole)
         self.shard_bytes_read = 0 if source is None else load_shards(

@@ -20,8 +20,10 @@ compiled backward made lives in the graphs' memory pool and must leave it before
 Each parameter also carries its master's gradient as ``main_grad``
 (Megatron's name): a fused kernel adds its weight gradient there in float32 and gives autograd none
 (:mod:`rlhf_plugins.models.fused_head` does, for the output head). After the optimizer's step the
-masters are written back into the 16-bit weights. The learner computes exactly as the generation
-engine does (same weights, same dtypes), and an engine in the same process can read its parameters.
+masters are written back into the 16-bit weights. A parameter already in float32 (the output head of
+``--model.fp32_lm_head``) is its own master: the optimizer steps it, its gradient stays on it. The
+learner computes exactly as the generation engine does (same weights, same dtypes), and an engine in
+the same process can read its parameters.
 
 Checkpoints hold the masters under the model's names (float32, as the autocast learner saved its
 float32 weights), so a resume continues from full-precision weights.
@@ -42,8 +44,14 @@ HELD_BUCKETS = 4
 
 class MasterWeights:
     def __init__(self, model: torch.nn.Module, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        #: the 16-bit trainable parameters, each with a float32 master
+        self.named = [(name, p) for name, p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
         self.masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for _, p in self.named]
+        masters = {id(p): master for (_, p), master in zip(self.named, self.masters)}
+        #: what the optimizer steps, in the model's order: a 16-bit parameter's master, a float32 parameter
+        #: (a float32 head, ``--model.fp32_lm_head``) itself
+        self.params = [masters.get(id(p), p) for _, p in trainable]
         sizes = [p.numel() for _, p in self.named]
         self.offsets = [0, *accumulate(sizes)]
         device = self.named[0][1].device if self.named else None

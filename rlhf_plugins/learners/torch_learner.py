@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..models.compiled import keep_grads_allocated, replays_graphs
+from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
 from .base import Learner, make_optimizer, make_scheduler
 
@@ -27,7 +28,7 @@ class TorchLearner(Learner):
 
         self.device = role_device()
         model = ctx.load_model()
-        dtype = next(model.parameters()).dtype
+        dtype = weights_dtype(model)  # a float32 head (--model.fp32_lm_head) aside
         if dtype != torch.float32 and not self.cfg.master_weights:  # float32 weights, forwards autocast
             self.autocast_dtype = dtype
             model = model.float()
@@ -46,7 +47,7 @@ class TorchLearner(Learner):
 
             # with CUDA graphs each 16-bit gradient leaves the graphs' pool as it completes
             self.masters = MasterWeights(model, 0 if replays_graphs(self.cfg) else BUCKET_BYTES)
-            params = list(self.masters.masters)
+            params = list(self.masters.params)
         # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool
         self.grads_kept = replays_graphs(self.cfg) and self.masters is None
         if self.grads_kept:
@@ -54,7 +55,7 @@ class TorchLearner(Learner):
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr, names)
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
-        self._keep_average(None if self.masters is None else list(self.masters.masters))
+        self._keep_average(None if self.masters is None else list(self.masters.params))
 
     def _module(self) -> Any:
         return self.model

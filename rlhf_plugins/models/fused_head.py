@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .float32_head import is_float32_head
+
 #: set (to True) on a head whose chunks' elementwise work runs compiled (``--learner.compile``)
 COMPILED = "rlhf_compiled_head"
 
@@ -43,10 +45,12 @@ def fusable(head: torch.nn.Module) -> bool:
     return type(weight.data) is torch.Tensor and not hasattr(weight, "ds_id") and weight.device.type != "meta"
 
 
-def compute_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype the head's matmul runs in: autocast's when it is on for the weight's device, else the weight's."""
+def compute_dtype(head: torch.nn.Linear) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on for the weight's device, else the
+    weight's (always the weight's for a float32 head, :mod:`.float32_head`)."""
+    weight = head.weight
     device = weight.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32 and not is_float32_head(head):
         return torch.get_autocast_dtype(device)
     return weight.dtype
 
@@ -57,7 +61,7 @@ def head_stats(head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor
     ``chunk`` tokens at a time; shaped as ``tokens``."""
     shape = tokens.shape
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
-    dtype = compute_dtype(head.weight)
+    dtype = compute_dtype(head)
     bias = head.bias if head.bias is not None else head.weight.new_zeros(0)
     compiled = bool(getattr(head, COMPILED, False))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad or bias.requires_grad)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .fused_head import fusable, head_stats, wide
+from .model_parts import output_embeddings, unwrapped
 
 #: bytes one token's logits cost inside a chunk: float32 logits, their softmax, and their gradient
 BYTES_PER_LOGIT = 12
@@ -66,11 +67,9 @@ def output_head(model: Any) -> torch.nn.Module | None:
     """The model's language-model head when its forward returns the head's output as it is; ``None``
     otherwise (no head found, or soft-capped / scaled logits). Sees through a DeepSpeed engine and a
     PEFT wrapper."""
-    inner = model if hasattr(model, "get_output_embeddings") else getattr(model, "module", None)
-    get = getattr(inner, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    config = getattr(inner, "config", None)
-    if not isinstance(head, torch.nn.Module) or _vocab(head) is None:
+    head = output_embeddings(model)
+    config = getattr(unwrapped(model), "config", None)
+    if head is None or _vocab(head) is None:
         return None
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in HEAD_POSTPROCESSING):
         return None
@@ -101,10 +100,8 @@ def contiguous_head_input(model: Any) -> None:
     torch's CPU matmul then multiplies sample by sample against a copy of the weight expanded to the
     batch: B x the head's weight, 1.09 GB for the prefill of 4 prompts on the Qwen2.5-0.5B shape in
     bfloat16 (measured), where the contiguous slice costs B x k x hidden."""
-    inner = model if hasattr(model, "get_output_embeddings") else getattr(model, "module", None)
-    get = getattr(inner, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if isinstance(head, torch.nn.Module):
+    head = output_embeddings(model)
+    if head is not None:
         head.register_forward_pre_hook(_contiguous_first)
 
 

@@ -54,6 +54,12 @@ class MemoryInputs:
         return self.trainable * 4 if self.role == "actor" and self.config.learner.ema else 0
 
 
+def float32_head_bytes(m: MemoryInputs) -> int:
+    """What ``--model.fp32_lm_head`` adds to a 16-bit model's weights: its head (and a tied embedding) in
+    float32, 2 more bytes per element."""
+    return m.shape.vocab * m.shape.hidden * (4 - m.dtype_bytes) if m.config.model.fp32_lm_head else 0
+
+
 def activations(m: MemoryInputs) -> int:
     c = m.config.learner
     per_layer = m.shape.activation_elements_per_token(compiled=c.compile) * m.dtype_bytes
@@ -80,9 +86,12 @@ def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
     bucket of about 32 MB at a time, at most 128 MB waiting: left out here). With
     ``--learner.master_weights false`` 16-bit runs keep float32 weights and run forwards under autocast."""
     masters = m.dtype_bytes < 4 and m.config.learner.master_weights
+    head = float32_head_bytes(m) if masters else 0  # a trained float32 head is its own master
+    own = m.shape.vocab * m.shape.hidden * 4 if head and m.trainable == m.shape.parameters else 0
     return {k: v for k, v in {
         "weights": m.shape.parameters * (m.dtype_bytes if masters else 4),
-        "fp32 master weights": m.trainable * 4 if masters else 0,
+        "float32 head": head,
+        "fp32 master weights": m.trainable * 4 - own if masters else 0,
         "gradients": m.trainable * 4,
         "optimizer states": optimizer_states(m) * 4,
         "weight average": m.average_bytes,
@@ -126,12 +135,13 @@ def fsdp_learner_memory(m: MemoryInputs) -> dict[str, int]:
     n, b = max(1, m.ranks), m.dtype_bytes
     P, T = m.shape.parameters, m.trainable
     if m.role == "reference":
-        frozen = {**reference_memory(m), "weights": P * b // n,
+        frozen = {**reference_memory(m), "weights": P * b // n, "float32 head": float32_head_bytes(m) // n,
                   "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b}
         return {k: v for k, v in frozen.items() if v}
     return {k: v for k, v in {
         "weights": P * 4 // n,
         "gathered layers": 2 * max(m.shape.layer_parameters, m.shape.largest_tensor) * b,
+        "float32 head": float32_head_bytes(m),  # the root unit gathered in float32
         "gradients": T * 4 // n,
         "optimizer states": optimizer_states(m) * 4 // n,
         "weight average": m.average_bytes // n,
@@ -167,20 +177,22 @@ def kv_cache_bytes(m: MemoryInputs, block: int = 1) -> int:
 def transformers_engine_memory(m: MemoryInputs) -> dict[str, int]:
     """Weights, a KV cache reserved for prompt + budget, and one decode step's float32 logits,
     log-softmax and probabilities."""
-    return {
+    return {k: v for k, v in {
         "weights": m.shape.parameters * m.dtype_bytes,
+        "float32 head": float32_head_bytes(m),
         "KV cache": kv_cache_bytes(m),
         "decode logits": m.sequences * m.shape.vocab * 4 * 3,
-    }
+    }.items() if v}
 
 
 def reference_memory(m: MemoryInputs) -> dict[str, int]:
     """The frozen policy: weights, one layer's activations at a time, one chunk of logits."""
-    return {
+    return {k: v for k, v in {
         "weights": m.shape.parameters * m.dtype_bytes,
+        "float32 head": float32_head_bytes(m),
         "activations": m.micro_tokens * m.shape.activation_elements_per_token() * m.dtype_bytes,
         "logits chunk": m.logits_bytes,
-    }
+    }.items() if v}
 
 
 def this_machine(config: Any = None) -> int:
