@@ -65,14 +65,14 @@ def reference_update(tiny_model):
                                      {"gradient_checkpointing": True}],
                          ids=["whole-logits", "logits-in-chunks", "packed-micro-batches", "compiled", "compiled-layers",
                               "checkpointed"])
-def test_one_rank_matches_the_torch_learner(tiny_model, options):
+def test_one_rank_matches_the_torch_learner(tiny_model, options, monkeypatch):
     """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
     also with the output head applied over chunks of tokens outside the model's own forward (what a
     real vocabulary triggers: the root's gathered head must last through the recomputation), with
-    packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss), and
-    with --learner.compile on both sides (the compiled norms and MLPs, or whole decoder layers, inside
-    each FSDP unit run on its gathered weights), and with gradient checkpointing (each unit gathered
-    again for its recomputation, the shared prompt's cache read again)."""
+    packed micro batches of at most 48 tokens (the micro-batch weights keep the batch's loss; each
+    group's prompt once), and with --learner.compile on both sides (the compiled norms and MLPs, or
+    whole decoder layers, inside each FSDP unit run on its gathered weights), and with gradient
+    checkpointing (each unit gathered again for its recomputation, the shared prompt's cache read again)."""
     from rlhf_plugins.models.logits import chunking
 
     expected, before, after_torch = torch_update(tiny_model, learner=dict(options))
@@ -86,8 +86,16 @@ def test_one_rank_matches_the_torch_learner(tiny_model, options):
     assert gathered.keys() == before.keys() and all(torch.equal(gathered[k], before[k]) for k in before)
     # built empty and filled from the checkpoint's files (one rank: all of every tensor)
     assert fsdp.shard_bytes_read == 4 * sum(v.numel() for v in before.values())
+    from rlhf_plugins.learners import base
+
+    groups = []
+    split = base.token_budget_split
+    monkeypatch.setattr(base, "token_budget_split", lambda batch, budget, group: groups.append(group) or split(
+        batch, budget, group))
     got = fsdp.train(the_batch(), objective_of(config))
     assert_same_update(got, expected, dict(fsdp.named_weights()), after_torch, before)
+    # packed micro batches hold each group's prompt once, as the torch learner's do
+    assert groups == ([4] if "max_tokens_per_micro_batch" in options else [])
     if options.get("compile"):
         from rlhf_plugins.models.compiled import compiled_blocks
 

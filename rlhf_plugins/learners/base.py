@@ -18,7 +18,7 @@ import torch
 
 from ..models.device import to_device
 from ..models.forward import group_permutation, policy_forward, split_batch, value_forward
-from ..models.packing import in_token_budget, sharing_group, token_budget_split
+from ..models.packing import in_token_budget, lay_out, sharing_group, token_budget_split
 
 
 def weighted_metrics(done: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
@@ -121,6 +121,11 @@ class Learner:
         """What to call for a forward pass (the model, or the DeepSpeed engine)."""
         raise NotImplementedError
 
+    def _packed_model(self, module: Any) -> Any:
+        """The model a packed micro batch's forward reaches (:mod:`rlhf_plugins.models.packing` asks it
+        how to lay out the rows): ``module`` itself here; the FSDP learner's root wraps its model."""
+        return module
+
     def _backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -142,7 +147,7 @@ class Learner:
         batch = to_device(batch, self.device)
         with self.no_grad(), self._compute():
             out = in_token_budget(lambda part: self.forward(module, part, self.temperature)[self.output], batch,
-                                  self.cfg.max_tokens_per_micro_batch, module)
+                                  self.cfg.max_tokens_per_micro_batch, self._packed_model(module))
         return out.float().cpu()
 
     def train(self, batch: dict[str, Any], objective: Any) -> dict[str, float]:
@@ -173,8 +178,10 @@ class Learner:
         run, and the GPU then idles while the host issues the next ones)."""
         mini_mask = mini_batch["action_mask"]
         budget = self.cfg.max_tokens_per_micro_batch
-        parts = (token_budget_split(mini_batch, budget, sharing_group(module, mini_batch)) if budget
+        model = self._packed_model(module)
+        parts = (token_budget_split(mini_batch, budget, sharing_group(model, mini_batch)) if budget
                  else split_batch(mini_batch, micro))
+        lay_out(model, parts)  # packed rows, before the first forward
         weights = [objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
                    for part in parts]
         done = []

@@ -125,6 +125,9 @@ class FSDPLearner(Learner):
     def _module(self) -> Any:
         return self.root
 
+    def _packed_model(self, module: Any) -> Any:
+        return self.model  # what the root's forward hands the packed forward
+
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

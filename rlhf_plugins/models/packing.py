@@ -27,6 +27,8 @@ from .recurrent import keeps_recurrent_state
 
 #: a micro batch marked for the packed forward
 PACKED = "packed"
+#: a micro batch's packed rows, laid out ahead of its forward (:func:`lay_out`)
+LAYOUT = "packed_layout"
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -108,6 +110,25 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
     (positions restart), and nothing reads them. A model with recurrent layers (Mamba: their state
     would run from one sample into the next) gets one sample a row."""
+    ids, pos, extra, flat = batch.get(LAYOUT) or _layout(model, batch)
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra).logits
+    # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(*flat.shape, -1)
+
+
+def lay_out(model: Any, parts: list[dict[str, Any]]) -> None:
+    """Lay out the packed rows of every micro batch in ``parts`` now, kept in each under ``LAYOUT``: a
+    micro batch is read on the host to be laid out, and on a GPU that read waits for every queued kernel,
+    so done between one micro batch's backward and the next one's forward it left the GPU idle while
+    the host laid out rows and then issued the forward. Before the first forward nothing is queued."""
+    for part in parts:
+        if part.get(PACKED):
+            part[LAYOUT] = _layout(model, part)
+
+
+def _layout(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor]:
+    """(token ids, position ids, the model's extra arguments, the flat index of each completion token's
+    logits) of a micro batch's packed rows, on its device."""
     device = batch["sequences"].device
     # laid out on the host from one copy of the micro batch (a read of the device per sample would wait
     # for its queued kernels each time), moved to the device once
@@ -118,11 +139,8 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
         ids, pos, samples, flat = _shared_prompt_row(seq, mask, T)
     else:
         ids, pos, samples, flat = _sample_rows(seq, mask, T, per_sample, recurrent)
-    ids, pos, flat = ids.to(device), pos.to(device), flat.to(device)
     extra = {"packed_samples": samples} if per_sample else {}
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra).logits
-    # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
-    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(*flat.shape, -1)
+    return ids.to(device), pos.to(device), extra, flat.to(device)
 
 
 def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool,
@@ -197,6 +215,8 @@ def in_token_budget(fn: Callable[[dict[str, Any]], torch.Tensor], batch: dict[st
     if not max_tokens:
         return fn(batch)
     parts = token_budget_split(batch, max_tokens, 1 if model is None else sharing_group(model, batch))
+    if model is not None:
+        lay_out(model, parts)
     results = [fn(part) for part in parts]
     out = results[0].new_zeros((batch["sequences"].shape[0], *results[0].shape[1:]))
     for part, result in zip(parts, results):
