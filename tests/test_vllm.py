@@ -282,3 +282,57 @@ def test_third_party_noise_stays_out_of_the_terminal_unless_verbose(tmp_path):
     # warnings); -v lets through whichever there are
     noise = [line for line in loud.stderr.splitlines() if line.strip() and not line.startswith("rlhf: ")]
     assert any(word in line for line in noise for word in ("Triton", "Warning", "INFO", "WARNING")), loud.stderr
+
+
+@pytest.mark.parametrize("fp32_lm_head", [True, False])
+def test_vllm_computes_float32_logits_under_a_float32_head_and_takes_its_sync(tiny_model, fp32_lm_head):
+    """``--model.fp32_lm_head`` reaches vLLM as its ``head_dtype`` (``hf_overrides``): the logits vLLM's
+    logits processor hands its sampler are float32, computed from the bfloat16 model's hidden states
+    (bfloat16 without the option); the learner's float32 head syncs into the engine beside its 16-bit
+    weights, whose log-probs of its samples then follow the learner's (a gap of bfloat16 arithmetic,
+    where unsynced weights are off by more than 1)."""
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({"generation": {"backend": "vllm"},
+                             "model": {"dtype": "bfloat16", "fp32_lm_head": fp32_lm_head}}, autoload=False)
+    engine = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
+    try:
+        seen: list[torch.dtype] = []
+        engine.model_workers(lambda worker: worker.worker.model_runner.get_model().logits_processor
+                             .register_forward_hook(lambda module, args, out: seen.append(out.dtype)))
+        learner = pm.load_model("actor", tiny_model, config)
+        assert learner.get_output_embeddings().weight.dtype == (torch.float32 if fp32_lm_head else torch.bfloat16)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            for p in learner.parameters():
+                p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+        engine.load_weights(learner.state_dict().items())
+        ids = prompts(tiny_model)
+        batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=1)), 2)
+        assert seen and set(seen) == {torch.float32 if fp32_lm_head else torch.bfloat16}, set(seen)
+        assert verify_parity(Actor(learner), engine, batch, tol=10.0) < 0.5
+    finally:
+        engine.shutdown()
+
+
+def test_a_vllm_without_head_dtype_is_told_of_and_keeps_its_head(tiny_model, monkeypatch, caplog):
+    """An older vLLM whose logits processor has no ``head_dtype`` would take the override and compute in
+    the model's dtype all the same: the run says so once and passes no override."""
+    import vllm.model_executor.layers.logits_processor as lp
+
+    from rlhf_plugins.engines.vllm_engine import engine_arguments
+
+    class OldLogitsProcessor(torch.nn.Module):
+        def forward(self, lm_head, hidden_states):
+            return lm_head(hidden_states)
+
+    config, _, _ = prepare({"generation": {"backend": "vllm"}, "model": {"dtype": "bfloat16", "fp32_lm_head": True}},
+                           autoload=False)
+    assert engine_arguments(config, tiny_model, True, False)["hf_overrides"] == {"head_dtype": "float32"}
+    monkeypatch.setattr(lp, "LogitsProcessor", OldLogitsProcessor)
+    with caplog.at_level("WARNING", logger="rlhf_plugins"):
+        assert "hf_overrides" not in engine_arguments(config, tiny_model, True, False)
+    assert [r.message for r in caplog.records if "no head_dtype" in r.message] == [
+        "this vLLM computes its logits in --model.dtype (no head_dtype); the learner's head is float32 "
+        "(--model.fp32_lm_head), the engine's is not: install a newer vllm"]

@@ -27,7 +27,8 @@ class ModelConfig:
     #: float32 | bfloat16 | float16 -- weights of every role
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: keep the output head's weight and logits in float32 in a 16-bit model -- the policy, the reference and
-    #: the transformers engine (ScaleRL; TRL's cast_lm_head_to_fp32; a tied input embedding becomes float32 too)
+    #: the transformers engine; vLLM computes float32 logits from its 16-bit head (ScaleRL; TRL's
+    #: cast_lm_head_to_fp32; a tied input embedding becomes float32 too)
     fp32_lm_head: bool = False
     #: run Python code that ships with a model folder (custom architectures); never asked interactively
     trust_remote_code: bool = False

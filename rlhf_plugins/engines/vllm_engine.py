@@ -64,6 +64,20 @@ def _recurrent(model_path: str, config: Any) -> bool:
     return recurrent_config(AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code))
 
 
+def float32_head_supported() -> bool:
+    """Whether this vLLM computes a generation model's logits in the ``head_dtype`` its config names
+    (``hf_overrides``), as ``--model.fp32_lm_head`` asks; said once when it does not."""
+    import inspect
+
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    supported = "head_dtype" in inspect.getsource(LogitsProcessor)
+    if not supported:
+        logger.warning("this vLLM computes its logits in --model.dtype (no head_dtype); the learner's head is "
+                       "float32 (--model.fp32_lm_head), the engine's is not: install a newer vllm")
+    return supported
+
+
 def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> dict[str, Any]:
     """vLLM's ``LLM`` arguments for this run (LoRA and tensor-parallel ones are added by the engine)."""
     from ..builtin_plugins.generation_vllm import context_length, kv_cache_bytes, starts_empty
@@ -88,6 +102,8 @@ def engine_arguments(config: Any, model_path: str, cpu: bool, sleep: bool) -> di
     )
     if o.block_size:
         kwargs["block_size"] = o.block_size
+    if config.model.fp32_lm_head and float32_head_supported():  # vLLM casts its head's weight and input
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
     if starts_empty(config):  # the learner's weights come by sync before the first generation
         kwargs["load_format"] = "dummy"
     if o.kv_cache_mb or not o.gpu_memory_utilization:  # sized from the run, not from free memory
