@@ -74,22 +74,30 @@ def test_grpo_in_bf16_learns_on_cuda_with_float32_optimizer_states(report):
     assert all("memory/actor_gpu_gb" in r for r in rows) or DEVICE == "cpu"
 
 
-@pytest.mark.parametrize("dtype, bound", [("float32", 1e-3), ("bfloat16", 0.1)])
-def test_the_engine_samples_what_the_learner_recomputes(report, dtype, bound):
-    """Log-probs of the engine's own samples against the learner's recomputation on the GPU."""
+@pytest.mark.parametrize("dtype, fp32_head, bound", [("float32", False, 1e-3), ("bfloat16", False, 0.1),
+                                                     ("bfloat16", True, 0.1)])
+def test_the_engine_samples_what_the_learner_recomputes(report, dtype, fp32_head, bound):
+    """Log-probs of the engine's own samples against the learner's recomputation on the GPU; also with
+    --model.fp32_lm_head (float32 heads in both, on the card, the decoder in bf16)."""
     from rlhf_plugins.training.rollout import make_batch
 
-    t = trainer({"model": {"dtype": dtype}, "train": {"prompts_per_step": 16}, "eval": {"enabled": False}})
+    t = trainer({"model": {"dtype": dtype, "fp32_lm_head": fp32_head}, "train": {"prompts_per_step": 16},
+                 "eval": {"enabled": False}})
     t.setup()
     try:
         assert t.engine.engine.device.type == DEVICE
+        if fp32_head:
+            for model in (t.actor.learner.model, t.engine.engine.model):
+                head = model.get_output_embeddings().weight
+                assert head.dtype == torch.float32 and head.device.type == DEVICE
+                assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
         batch = make_batch(t.generate(0), t.pad_id)
         learner = t.actor.logprobs(batch)
         mask = batch["action_mask"].bool()
         gap = float((learner - batch["rollout_logprobs"]).abs()[mask].max())
     finally:
         t.shutdown()
-    report(f"engine_learner_gap_{dtype}", gap)
+    report(f"engine_learner_gap_{dtype}{'_fp32_head' if fp32_head else ''}", gap)
     assert gap < bound
 
 
