@@ -325,3 +325,28 @@ def test_gradients_waiting_for_parameters_that_got_none_are_held_to_a_bound():
     assert not masters._waiting and masters.held == 0
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(masters.masters, single.masters))
     assert sum(int(torch.count_nonzero(m.grad) > 0) for m in masters.masters) == 12
+
+
+def test_lora_adapters_in_a_bf16_model_are_their_own_float32_masters():
+    """PEFT makes a 16-bit model's adapters in float32: the optimizer steps them directly (no master copies,
+    nothing to write back), the 16-bit base stays as loaded, and an update moves every adapter."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.testing import backend_context
+
+    raw = {"model": {"dtype": "bfloat16"}, "lora": {"rank": 4}, "learner": {"lr": 1e-3, "micro_batch_size": 6},
+           "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4}}
+    config, pm, _ = prepare(raw, autoload=False)
+    lr = TorchLearner(backend_context(config, "actor", default_model_path(), pm))
+    adapters = [p for n, p in lr.model.named_parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters) and lr.masters.named == []
+    stepped = [p for group in lr.optimizer.param_groups for p in group["params"]]
+    assert len(stepped) == len(adapters) and all(a is b for a, b in zip(stepped, adapters))
+    base = {n: p.detach().clone() for n, p in lr.model.named_parameters() if not p.requires_grad}
+    assert base and all(p.dtype == torch.bfloat16 for p in base.values())
+    before = [p.detach().clone() for p in adapters]
+    assert ppo_update(lr, ppo_batch())["grad_norm"] > 0
+    assert all(torch.equal(p, base[n]) for n, p in lr.model.named_parameters() if n in base)
+    # each B (zero at the start) moves; each A's gradient is zero while its B is
+    assert sum(not torch.equal(a, b) for a, b in zip(adapters, before)) == len(adapters) // 2

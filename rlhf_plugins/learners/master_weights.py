@@ -113,7 +113,8 @@ class MasterWeights:
     def write_back(self) -> None:
         """The masters, after an optimizer step, into the 16-bit weights: one multi-tensor copy (a few
         kernel launches on a GPU instead of one per parameter, 290 for a Qwen2.5-0.5B)."""
-        torch._foreach_copy_([p for _, p in self.named], self.masters)
+        if self.named:  # (none when every trainable parameter is float32: LoRA's adapters, as PEFT makes them)
+            torch._foreach_copy_([p for _, p in self.named], self.masters)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's state dict with every trainable tensor replaced by its float32 master (a tied

@@ -83,15 +83,18 @@ def optimizer_states(m: MemoryInputs) -> int:
 def torch_learner_memory(m: MemoryInputs) -> dict[str, int]:
     """One rank holding float32 gradients and optimizer states; weights in float32, or in 16 bits beside
     float32 masters of the trainable ones (16-bit runs; the 16-bit gradients move onto their masters a
-    bucket of about 32 MB at a time, at most 128 MB waiting: left out here). With
-    ``--learner.master_weights false`` 16-bit runs keep float32 weights and run forwards under autocast."""
+    bucket of about 32 MB at a time, at most 128 MB waiting: left out here; LoRA's float32 adapters and
+    a float32 head are their own masters). With ``--learner.master_weights false`` 16-bit runs keep
+    float32 weights and run forwards under autocast."""
     masters = m.dtype_bytes < 4 and m.config.learner.master_weights
+    full = m.trainable == m.shape.parameters
     head = float32_head_bytes(m) if masters else 0  # a trained float32 head is its own master
-    own = m.shape.vocab * m.shape.hidden * 4 if head and m.trainable == m.shape.parameters else 0
+    own = m.shape.vocab * m.shape.hidden * 4 if head and full else 0
     return {k: v for k, v in {
         "weights": m.shape.parameters * (m.dtype_bytes if masters else 4),
         "float32 head": head,
-        "fp32 master weights": m.trainable * 4 - own if masters else 0,
+        "fp32 master weights": m.trainable * 4 - own if masters and full else 0,
+        "float32 adapters": m.trainable * 4 if not full else 0,  # LoRA's, as PEFT makes them: their own masters
         "gradients": m.trainable * 4,
         "optimizer states": optimizer_states(m) * 4,
         "weight average": m.average_bytes,
