@@ -273,3 +273,19 @@ def test_trl_torch_compile_turns_it_on_and_liger_is_a_note():
     assert [n for n in notes if "use_liger_kernel" in n] == [
         "TRL field 'use_liger_kernel' is ignored: the output head, log-softmax and gather already run as one fused, "
         "chunked function; --learner.compile fuses the norms and MLPs Liger's other kernels cover"]
+
+
+def test_with_cuda_graphs_a_16_bit_learners_float32_parameters_keep_their_gradients_allocated():
+    """bf16 weights with float32 masters and a float32 head (--model.fp32_lm_head: its own master, no
+    master to move its gradient out of the graphs' pool): under a CUDA-graph mode the head's gradient
+    exists before the first backward and stays the same tensor, zeroed after each update."""
+    from tests.helpers import ppo_batch, ppo_update
+
+    learner = torch_learner("bfloat16", fp32_lm_head=True, compile=True, compile_mode="reduce-overhead")
+    head = learner.model.get_output_embeddings().weight
+    assert head.dtype == torch.float32 and head.grad is not None and not head.grad.any()
+    allocated, before = head.grad.data_ptr(), head.detach().clone()
+    for seed in (3, 4):
+        assert ppo_update(learner, ppo_batch(seed))["grad_norm"] > 0
+        assert head.grad.data_ptr() == allocated and not head.grad.any()
+    assert not torch.equal(head, before)

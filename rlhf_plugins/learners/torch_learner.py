@@ -48,8 +48,9 @@ class TorchLearner(Learner):
             # with CUDA graphs each 16-bit gradient leaves the graphs' pool as it completes
             self.masters = MasterWeights(model, 0 if replays_graphs(self.cfg) else BUCKET_BYTES)
             params = list(self.masters.params)
-        # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool
-        self.grads_kept = replays_graphs(self.cfg) and self.masters is None
+        # with CUDA graphs, gradients accumulate in tensors of their own, not in the graphs' pool (a float32
+        # learner's; a 16-bit one's float32 parameters: LoRA's adapters, a float32 head; masters have theirs)
+        self.grads_kept = replays_graphs(self.cfg)
         if self.grads_kept:
             keep_grads_allocated(params)
         names = [name for name, p in model.named_parameters() if p.requires_grad]

@@ -171,9 +171,10 @@ def keep_grads_allocated(params: list[torch.Tensor]) -> None:
     tree's memory pool, and a parameter whose ``.grad`` is None takes that very tensor as its gradient;
     the next micro batch's forward begins a new graph generation, which frees it, and its backward then
     adds to freed memory (torch raises "accessing tensor output of CUDAGraphs that has been
-    overwritten by a subsequent run"; run 7 in docs/gpu.md). 16-bit runs need none of this: their
-    float32 masters' gradients are allocated once and each 16-bit gradient is moved onto them as soon
-    as it is complete (:mod:`rlhf_plugins.learners.master_weights`)."""
+    overwritten by a subsequent run"; run 7 in docs/gpu.md). The float32 masters of 16-bit runs have
+    theirs already, allocated once, and each 16-bit gradient is moved onto them as soon as it is
+    complete (:mod:`rlhf_plugins.learners.master_weights`); a 16-bit run's float32 parameters (LoRA's
+    adapters, a float32 head), their own masters, get one here."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
