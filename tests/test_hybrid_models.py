@@ -82,7 +82,7 @@ def test_vllm_on_cpu_caches_no_prefixes_of_a_hybrid_model(hybrid, tiny_model):
     off (seeded sampling): a hybrid model's CPU engine starts without prefix caching (before: vLLM
     refused to start, "Chunked prefill is required for mamba cache mode 'align'"), other models keep it."""
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.engines.vllm_engine import engine_arguments
+    from rlhf_plugins.engines.vllm_arguments import engine_arguments
 
     pytest.importorskip("vllm")
     config, _, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)

@@ -261,7 +261,7 @@ def test_the_engine_starts_with_placeholder_weights_only_where_the_learner_sends
     """``--vllm.load_format auto``: placeholder weights (no memory map of the checkpoint while the
     engine loads) when the sync moves every weight from the learner's process; the loop then syncs
     before the first generation (the Ray parity tests above check step 0)."""
-    from rlhf_plugins.engines.vllm_engine import engine_arguments
+    from rlhf_plugins.engines.vllm_arguments import engine_arguments
 
     config, _, plan = prepare({"generation": {"backend": "vllm"}, **raw}, autoload=False)
     assert plan.engine.starts_empty(config) is empty
@@ -321,7 +321,7 @@ def test_a_vllm_without_head_dtype_is_told_of_and_keeps_its_head(tiny_model, mon
     the model's dtype all the same: the run says so once and passes no override."""
     import vllm.model_executor.layers.logits_processor as lp
 
-    from rlhf_plugins.engines.vllm_engine import engine_arguments
+    from rlhf_plugins.engines.vllm_arguments import engine_arguments
 
     class OldLogitsProcessor(torch.nn.Module):
         def forward(self, lm_head, hidden_states):

@@ -10,8 +10,9 @@ autocast off, so its logits are float32 whatever the precision of the rest. A ti
 shares the weight, so it is float32 too; its output is cast back to the model's dtype, so the decoder
 runs as before. The learner trains the float32 weight directly: it is its own master
 (:mod:`rlhf_plugins.learners.master_weights` keeps copies of the 16-bit weights only). A vLLM engine
-is asked for float32 logits through its own ``head_dtype`` (:func:`rlhf_plugins.engines.vllm_engine.engine_arguments`):
-it keeps its head's weights in 16 bits, each sync rounding the learner's to them.
+is asked for float32 logits through its own ``head_dtype``
+(:func:`rlhf_plugins.engines.vllm_arguments.engine_arguments`): it keeps its head's weights in 16
+bits, each sync rounding the learner's to them.
 """
 from __future__ import annotations
 
