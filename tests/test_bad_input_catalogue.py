@@ -452,6 +452,13 @@ def _files() -> list:
         return ["--plugin", str(t / "two.py")], \
             "plugins provide several reward functions (a, b); choose with --reward.functions NAME[,NAME]"
 
+    @case("router-loss-on-a-dense-model")
+    def _(t, tiny_model):
+        return ["--model.path", tiny_model, "--learner.router_aux_loss_coef", "0.01"], \
+            (f"learner.router_aux_loss_coef 0.01 weights a mixture of experts' load-balancing loss, and the model at "
+             f"'{tiny_model}' has no routers that report it (no output_router_logits in its config); drop "
+             "--learner.router_aux_loss_coef")
+
     return cases
 
 

@@ -48,6 +48,10 @@ class LearnerConfig:
     ema: bool = False
     #: the average's decay: average = beta x average + (1 - beta) x weights after every update
     ema_beta: float = setting(0.992, gt=0, lt=1)
+    #: a mixture of experts' load-balancing loss, added to the policy's loss times this (Switch Transformer's,
+    #: as transformers computes it; TRL's router_aux_loss_coef, OpenRLHF's --aux_loss_coef); empty: the
+    #: model config's own router_aux_loss_coef (TRL's default); 0: none
+    router_aux_loss_coef: float | None = setting(0.0, ge=0)
     #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr)
     optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
     #: Muon's learning rate (the hidden matrices; OpenRLHF's --muon.lr)

@@ -222,6 +222,24 @@ def check_compile(c: Config, plan: Plan) -> None:
                               "torch")
 
 
+def check_router_loss(c: Config) -> None:
+    """--learner.router_aux_loss_coef weights a mixture of experts' load-balancing loss: a model with routers."""
+    if not c.learner.router_aux_loss_coef:
+        return
+    from ..models.model_shape import ModelShape
+    from ..models.tiny_model import default_model_path
+
+    path = c.model.path or default_model_path(quiet=True)
+    try:
+        routed = ModelShape.of_folder(path, c.model.trust_remote_code).router_loss
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with the folder
+    if not routed:
+        raise ConfigError(f"learner.router_aux_loss_coef {c.learner.router_aux_loss_coef:g} weights a mixture of "
+                          f"experts' load-balancing loss, and the model at '{path}' has no routers that report it "
+                          "(no output_router_logits in its config); drop --learner.router_aux_loss_coef")
+
+
 def check_kl_ratio(c: Config) -> None:
     """--algo.kl.ratio weights the KL loss term, which KL in the reward does not have."""
     _require(c.algo.kl.ratio == "none" or not c.algo.kl.in_reward,
@@ -252,6 +270,7 @@ def validate(c: Config, pm: RLHFPluginManager) -> Plan:
     plan.needs_reference = c.algo.kl.coef > 0
     check_reference_sync(c, plan)
     check_kl_ratio(c)
+    check_router_loss(c)
     plan.needs_critic = plan.estimator.needs_critic if c.critic.enabled is None else c.critic.enabled
     if c.critic.freezing_steps and not plan.needs_critic:
         raise ConfigError(f"critic.freezing_steps trains the critic alone for a while, but this run has no critic "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 
 from ..models.device import to_device
 from ..models.forward import group_permutation, policy_forward, split_batch, value_forward
-from ..models.packing import in_token_budget, lay_out, sharing_group, token_budget_split
+from ..models.packing import in_token_budget, lay_out, real_tokens, sharing_group, token_budget_split
+from ..models.router_loss import coefficient, load_balancing_loss, router_logits
 
 
 def weighted_metrics(done: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
@@ -86,10 +88,8 @@ class Learner:
 
     def _compute(self) -> Any:
         """The context forwards run in: autocast to ``autocast_dtype`` on the learner's device, or none."""
-        import contextlib
-
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _init_learner(self, config: Any, role: str, seed_offset: int = 0) -> None:
@@ -179,16 +179,21 @@ class Learner:
         mini_mask = mini_batch["action_mask"]
         budget = self.cfg.max_tokens_per_micro_batch
         model = self._packed_model(module)
-        parts = (token_budget_split(mini_batch, budget, sharing_group(model, mini_batch)) if budget
-                 else split_batch(mini_batch, micro))
+        # a mixture of experts' load-balancing loss runs every sample whole (models/router_loss.py)
+        router = coefficient(model, self.cfg.router_aux_loss_coef) if self.role == "actor" else 0.0
+        parts = (token_budget_split(mini_batch, budget, 1 if router else sharing_group(model, mini_batch)) if budget
+                 else [dict(part, group_size=1) if router else part for part in split_batch(mini_batch, micro)])
         lay_out(model, parts)  # packed rows, before the first forward
         weights = [objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
                    for part in parts]
         done = []
         for part, w in zip(parts, weights):
-            with self._compute():
+            with self._compute(), router_logits(model) if router else nullcontext([]) as routed:
                 outputs = self.forward(module, part, self.temperature, with_entropy=objective.needs_entropy)
             loss, m = objective(outputs, part)
+            if routed:  # one forward of the micro batch, its samples whole
+                m["loss/router_aux"] = aux = load_balancing_loss(model, routed[0], real_tokens(part))
+                loss = loss + router * aux
             self._backward(loss * w)
             done.append((m, w))
         metrics = weighted_metrics(done)

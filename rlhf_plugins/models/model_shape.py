@@ -38,6 +38,8 @@ class ModelShape:
     expert_intermediate: int = 0
     #: elements of the hidden weight matrices (what ``--learner.optimizer muon`` steps with Muon)
     matrix_parameters: int = 0
+    #: the model can return its routers' load-balancing loss (its config has ``output_router_logits``)
+    router_loss: bool = False
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -89,6 +91,7 @@ class ModelShape:
             tied=out is not None and out.weight is model.get_input_embeddings().weight,
             max_positions=getattr(config, "max_position_embeddings", None),
             matrix_parameters=sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p)),
+            router_loss=hasattr(config, "output_router_logits"),
             **_experts(config),
         )
 

@@ -110,7 +110,7 @@ def packed_completion_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     and the rows carry few pad slots. Pad slots at a row's end form a sequence of their own
     (positions restart), and nothing reads them. A model with recurrent layers (Mamba: their state
     would run from one sample into the next) gets one sample a row."""
-    ids, pos, extra, flat = batch.get(LAYOUT) or _layout(model, batch)
+    ids, pos, extra, flat, _ = batch.get(LAYOUT) or _layout(model, batch)
     logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **extra).logits
     # index_select, whose backward adds rows back, not advanced indexing (a sorting index_put)
     return logits.reshape(-1, logits.shape[-1]).index_select(0, flat.reshape(-1)).view(*flat.shape, -1)
@@ -126,9 +126,10 @@ def lay_out(model: Any, parts: list[dict[str, Any]]) -> None:
             part[LAYOUT] = _layout(model, part)
 
 
-def _layout(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor]:
+def _layout(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """(token ids, position ids, the model's extra arguments, the flat index of each completion token's
-    logits) of a micro batch's packed rows, on its device."""
+    logits, which slots hold a real token rather than padding) of a micro batch's packed rows, on its
+    device."""
     device = batch["sequences"].device
     # laid out on the host from one copy of the micro batch (a read of the device per sample would wait
     # for its queued kernels each time), moved to the device once
@@ -137,16 +138,25 @@ def _layout(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tens
     per_sample = not recurrent and attention.enable(model)
     if per_sample and int(batch.get("group_size", 1)) > 1:  # placed by :func:`token_budget_split`'s groups
         ids, pos, samples, flat = _shared_prompt_row(seq, mask, T)
+        real = torch.ones_like(ids, dtype=torch.bool)  # one row without a pad slot
     else:
-        ids, pos, samples, flat = _sample_rows(seq, mask, T, per_sample, recurrent)
+        ids, pos, samples, flat, real = _sample_rows(seq, mask, T, per_sample, recurrent)
     extra = {"packed_samples": samples} if per_sample else {}
-    return ids.to(device), pos.to(device), extra, flat.to(device)
+    return ids.to(device), pos.to(device), extra, flat.to(device), real.to(device)
+
+
+def real_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """Which of the positions a micro batch's forward runs hold real tokens: its attention mask, or for a
+    packed micro batch (laid out by :func:`lay_out`) its rows' slots other than padding."""
+    return batch[LAYOUT][-1] if LAYOUT in batch else batch["attention_mask"]
 
 
 def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool,
-                 recurrent: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor]:
-    """Every sample whole in packed rows: (token ids, position ids, each row's segments, and for each
-    completion token the flat index of the position whose logits predict it), on the host."""
+                 recurrent: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]], torch.Tensor,
+                                           torch.Tensor]:
+    """Every sample whole in packed rows: (token ids, position ids, each row's segments, for each
+    completion token the flat index of the position whose logits predict it, and the real-token slots),
+    on the host."""
     B, W = seq.shape
     P = W - T
     lengths = mask.sum(-1).tolist()
@@ -154,6 +164,7 @@ def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool
     rows = [[b] for b in range(B)] if recurrent else first_fit(lengths, R)
     ids = torch.zeros((len(rows), R), dtype=seq.dtype)
     pos = torch.zeros((len(rows), R), dtype=torch.long)
+    real = torch.zeros((len(rows), R), dtype=torch.bool)
     where = torch.zeros((B, 2), dtype=torch.long)  # (row, offset) of each sample
     samples: list[list[tuple[int, ...]]] = []  # (start, length) of each sample of a row, pad slots last
     for r, members in enumerate(rows):
@@ -166,13 +177,14 @@ def _sample_rows(seq: torch.Tensor, mask: torch.Tensor, T: int, per_sample: bool
             samples_r.append((offset, n))
             offset += n
         pos[r, offset:] = torch.arange(R - offset)
+        real[r, :offset] = True
         samples.append(samples_r + ([(offset, R - offset)] if offset < R else []))
     # completion token k of sample b sits at offset + prompt_len + k of its row and is predicted by
     # the logits one position before it
     k = torch.arange(T)
     col = (where[:, 1] + mask[:, :P].sum(-1))[:, None] + k[None, :] - 1
     col = torch.where(mask[:, P:], col, torch.zeros_like(col)).clamp(min=0)
-    return ids, pos, samples, where[:, :1] * R + col
+    return ids, pos, samples, where[:, :1] * R + col, real
 
 
 def _shared_prompt_row(seq: torch.Tensor, mask: torch.Tensor,
