@@ -38,14 +38,16 @@ def _objective(config):
     return Objective(policy_losses.ppo, config.algo.policy_loss)
 
 
-def test_the_update_adds_the_load_balancing_loss_transformers_computes_for_whole_samples(moe_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_update_adds_the_load_balancing_loss_transformers_computes_for_whole_samples(moe_path, checkpointing):
     """One SGD step of PPO-clip + COEF x the router loss: every weight lands where a step on the same
     loss computed independently lands -- the policy loss on every sample run whole, plus transformers'
-    aux_loss of that forward (attention mask and all) -- and the logged router loss is that aux_loss.
-    Without the term (coefficient 0) the routers land elsewhere."""
+    aux_loss of that forward (attention mask and all) -- and the logged router loss is that aux_loss;
+    also with gradient checkpointing (the router logits' backward recomputes their layers). Without the
+    term (coefficient 0) the routers land elsewhere."""
     from rlhf_plugins.models.forward import policy_forward, position_ids
 
-    learner, config = _learner(moe_path, router_aux_loss_coef=COEF)
+    learner, config = _learner(moe_path, router_aux_loss_coef=COEF, gradient_checkpointing=checkpointing)
     model = copy.deepcopy(learner.model)
     batch = ppo_batch()
     whole = dict(batch, group_size=1)
