@@ -113,6 +113,9 @@ FLAGS = [
                              "true"],
      "model.fp32_lm_head: the 'deepspeed' learner trains every weight in model.dtype; use --learner.backend torch "
      "(or fsdp) or drop --model.fp32_lm_head"),
+    ("vllm-regex-invalid", ["--generation.backend", "vllm", "--vllm.structured_outputs_regex", "[0-9"],
+     "vllm.structured_outputs_regex '[0-9' is not a regular expression (unterminated character set at position 0); "
+     "fix it or drop it"),
     ("fp32-head-vllm-verify", ["--generation.backend", "vllm", "--model.dtype", "bfloat16", "--model.fp32_lm_head",
                                "true", "--sync.verify", "true"],
      "--sync.verify checks that engine and learner log-probs agree to 1e-4, which vLLM's bfloat16 output head cannot "

@@ -336,3 +336,32 @@ def test_a_vllm_without_head_dtype_is_told_of_and_keeps_its_head(tiny_model, mon
     assert [r.message for r in caplog.records if "no head_dtype" in r.message] == [
         "this vLLM computes its logits in --model.dtype (no head_dtype); the learner's head is float32 "
         "(--model.fp32_lm_head), the engine's is not: install a newer vllm"]
+
+
+def test_structured_outputs_make_every_completion_match_the_regex(tiny_model):
+    """``--vllm.structured_outputs_regex`` (TRL's ``vllm_structured_outputs_regex``, carried over from a TRL
+    config): every completion vLLM samples matches it whole before its end of sequence, where the same
+    engine samples freely without it."""
+    import re
+
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+    from rlhf_plugins.testing import backend_context
+
+    raw, _ = from_grpo_fields({"use_vllm": True, "vllm_structured_outputs_regex": "[0-9]{3}"})
+    assert raw["vllm"]["structured_outputs_regex"] == "[0-9]{3}"
+    ids = prompts(tiny_model)
+    texts = {}
+    for regex in ("[0-9]{3}", None):
+        config, pm, _ = prepare({"generation": {"backend": "vllm"}, "vllm": {"structured_outputs_regex": regex}},
+                                autoload=False)
+        engine = VLLMEngine(backend_context(config, "generation", tiny_model, pm))
+        try:
+            samples = engine.generate(ids, SamplingParams(n=2, max_new_tokens=8, seed=3))
+            tokenizer = engine.llm.get_tokenizer()
+            texts[regex] = [tokenizer.decode(c, skip_special_tokens=True) for c in samples.completion_ids]
+        finally:
+            engine.shutdown()
+    assert len(texts["[0-9]{3}"]) == 2 * len(ids)
+    assert all(re.fullmatch("[0-9]{3}", t) for t in texts["[0-9]{3}"]), texts["[0-9]{3}"]
+    assert not all(re.fullmatch("[0-9]{3}", t) for t in texts[None]), texts[None]

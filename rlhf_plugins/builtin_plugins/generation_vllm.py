@@ -56,6 +56,9 @@ class VLLMOptions:
     #: the engine never maps the checkpoint's files), ``auto``: dummy when the sync moves every weight
     #: from the learner's process (broadcast, ipc), else checkpoint
     load_format: Literal["auto", "checkpoint", "dummy"] = "auto"
+    #: every completion matches this regular expression (vLLM's structured outputs, TRL's
+    #: vllm_structured_outputs_regex); the engine's log-probs are then those of the constrained sampling
+    structured_outputs_regex: str | None = None
 
 
 @hookimpl
@@ -85,6 +88,15 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         raise ConfigError(f"--sync.verify checks that engine and learner log-probs agree to 1e-4, which an engine in "
                           f"vllm.dtype {dtype} cannot against a {config.model.dtype} learner; drop --sync.verify or "
                           "set --vllm.dtype model")
+    regex = config.section("vllm").structured_outputs_regex
+    if plan.engine.factory is ENGINE and regex is not None:
+        import re
+
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ConfigError(f"vllm.structured_outputs_regex {regex!r} is not a regular expression ({exc}); fix it "
+                              "or drop it") from None
     if plan.engine.factory is ENGINE and config.sync.verify and config.model.fp32_lm_head:
         raise ConfigError("--sync.verify checks that engine and learner log-probs agree to 1e-4, which vLLM's "
                           f"{config.model.dtype} output head cannot against the learner's float32 one "

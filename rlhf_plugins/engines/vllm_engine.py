@@ -66,6 +66,11 @@ class VLLMEngine:
 
         o = config.section("vllm")
         self.opts = o
+        self._structured = None  # guided decoding: every completion matches vllm.structured_outputs_regex
+        if o.structured_outputs_regex is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            self._structured = StructuredOutputsParams(regex=o.structured_outputs_regex)
         self.cpu = not torch.cuda.is_available()
         self.model_path = model_path
         self.trust_remote_code = config.model.trust_remote_code
@@ -112,6 +117,7 @@ class VLLMEngine:
             stop=list(params.stop) or None,
             # the loop decodes what it needs; vLLM's incremental detokenizer runs only to match stop strings
             detokenize=bool(params.stop),
+            structured_outputs=self._structured,
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
                                     lora_request=self._take_lora())

@@ -86,6 +86,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("learner.lr", float),
     "cast_lm_head_to_fp32": ("model.fp32_lm_head", bool),
     "router_aux_loss_coef": ("learner.router_aux_loss_coef", lambda v: None if v is None else float(v)),
+    "vllm_structured_outputs_regex": ("vllm.structured_outputs_regex", lambda v: None if v is None else str(v)),
     "num_generations": ("generation.n_samples_per_prompt", int),
     "max_completion_length": ("generation.max_new_tokens", int),
     "temperature": ("generation.temperature", float),
