@@ -210,6 +210,35 @@ def test_shared_prefix_decoding_samples_what_per_sample_attention_samples(tiny_m
     assert max(map(len, runs[True][0].completion_ids)) > 2  # decoding went on past the short budget
 
 
+@needs_speedups
+def test_a_mixture_of_experts_decodes_its_shared_prefixes_as_per_sample_attention_does(monkeypatch):
+    """Qwen3-MoE's attention is plain SDPA (as Qwen2-MoE's and Mixtral's): the engine decodes each prompt's
+    keys once for its samples (the cascade's calls counted), sampling what per-sample attention samples, on
+    a reduced Qwen3-30B-A3B (128 experts, 8 per token, Qwen2.5's vocabulary)."""
+    from rlhf_plugins import SamplingParams
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.models import kv_cache
+    from rlhf_plugins.testing import backend_context, reduced_model_path
+
+    calls = []
+    cascade = kv_cache.cascade_attention
+    monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: calls.append(a[0].shape[0]) or cascade(*a))
+    path = reduced_model_path("qwen3-30b-a3b", layers=2, hidden=64)
+    config, pm, _ = prepare({}, autoload=False)
+    engine = TransformersEngine(backend_context(config, "generation", path, pm))
+    assert engine.shared_prefix
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 5000, (int(n),), generator=g).tolist() for n in (40, 33)]
+    runs = {}
+    for shared in (True, False):
+        engine.shared_prefix = shared
+        calls.clear()
+        runs[shared] = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=6, temperature=1.3, seed=11))
+        assert bool(calls) == shared and all(c == 8 for c in calls)
+    assert_same_samples(runs[True], runs[False], atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_cascade_attention_equals_sdpa_over_the_whole_sequence(kv_heads):
     """Against torch's SDPA on the repeated prompt + own keys (grouped-query heads expanded as

@@ -253,3 +253,39 @@ def test_data_parallel_shards_of_packed_training_hold_about_equal_tokens():
     rows = sorted(tuple(r.tolist()) for s in balanced for r in s["sequences"])
     assert rows == sorted(tuple(r.tolist()) for r in batch["sequences"])
     assert sum(s["dp_weight"] for s in balanced) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not speedups_supported(), reason="this transformers runs its own attention")
+def test_a_mixture_of_experts_packs_its_groups_per_sample_with_the_padded_gradients():
+    """Qwen3-MoE's attention is plain SDPA (as Qwen2-MoE's and Mixtral's), so its packed micro batches run
+    it per sample and hold each group's prompt once: on a reduced Qwen3-30B-A3B (128 experts, 8 per token)
+    in float64, the log-probs of every sample run whole and padded, and its gradients (the routers' and
+    the experts' included)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models import attention
+    from rlhf_plugins.testing import reduced_model_path
+
+    path = reduced_model_path("qwen3-30b-a3b", layers=2, hidden=64)
+    batch = grouped_batch(seed=4)
+    objective = Objective(policy_losses.ppo, PolicyLossConfig(aggregation="seq-mean-token-mean"))
+    runs = []
+    for parts in (split_batch(dict(batch, group_size=1), 3), token_budget_split(batch, 200, group=4)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
+        logprobs = torch.zeros(batch["action_mask"].shape, dtype=torch.float64)
+        for part in parts:
+            out = policy_forward(model, part)
+            loss, _ = objective(out, part)
+            (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
+            if "rows" in part:
+                logprobs[part["rows"]] = out["logprobs"].detach()
+        runs.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, model, logprobs))
+    (padded, _, _), (packed, model, logprobs) = runs
+    assert attention.enable(model)  # per-sample attention, each prompt once per group
+    mask = batch["action_mask"].bool()
+    with torch.no_grad():
+        whole = policy_forward(model, dict(batch, group_size=1))["logprobs"]
+    assert torch.allclose(logprobs[mask], whole[mask], rtol=0, atol=1e-9)
+    assert padded.keys() == packed.keys() and any("gate" in n for n in packed)
+    for name in padded:
+        assert torch.allclose(packed[name], padded[name], rtol=1e-5, atol=1e-9), name

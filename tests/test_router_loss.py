@@ -72,9 +72,15 @@ def test_the_update_adds_the_load_balancing_loss_transformers_computes_for_whole
     assert moved > 1e-4, float(moved)
 
 
-def test_packed_micro_batches_take_the_same_load_balancing_loss(moe_path):
-    """A token budget that holds the whole batch in one packed row: the same router loss and the same
-    update as the padded micro batch (packing leaves out exactly the padding the mask leaves out)."""
+@pytest.mark.parametrize("per_sample", [True, False], ids=["one-row", "rows-with-pad-slots"])
+def test_packed_micro_batches_take_the_same_load_balancing_loss(moe_path, per_sample, monkeypatch):
+    """A token budget that holds the whole batch in one packed micro batch: the same router loss and the
+    same update as the padded micro batch -- in one row (attention per sample), and in rows as long as the
+    longest sample, whose pad slots count no more than the padded batch's padding does."""
+    from rlhf_plugins.models import attention
+
+    if not per_sample:  # as for a model whose attention cannot run per sample
+        monkeypatch.setattr(attention, "enable", lambda model: False)
     batch = ppo_batch()
     padded, config = _learner(moe_path, router_aux_loss_coef=COEF)
     packed, _ = _learner(moe_path, router_aux_loss_coef=COEF, max_tokens_per_micro_batch=4096)

@@ -26,7 +26,8 @@ import torch
 ATTENTION = "rlhf_sdpa"
 #: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
 #: values, so the cascade and the per-sample attention compute the same thing as SDPA with a mask
-PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
+                   "MixtralAttention", "Qwen2MoeAttention", "Qwen3MoeAttention")  # the mixtures of experts' alike
 #: models found not to qualify (packing asks on every micro batch; the answer does not change)
 _NOT_PLAIN: weakref.WeakSet = weakref.WeakSet()
 
