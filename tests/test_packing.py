@@ -146,6 +146,19 @@ def grouped_batch(prompts=3, group=4, seed=0):
     return batch
 
 
+def backward_of_parts(model, parts, batch, objective) -> torch.Tensor:
+    """Each micro batch's loss, weighted by its share of ``batch``, backward through ``model``; the packed
+    micro batches' log-probs in ``batch``'s layout (zeros for the rest)."""
+    logprobs = torch.zeros(batch["action_mask"].shape, dtype=torch.float64)
+    for part in parts:
+        out = policy_forward(model, part)
+        loss, _ = objective(out, part)
+        (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
+        if "rows" in part:
+            logprobs[part["rows"]] = out["logprobs"].detach()
+    return logprobs
+
+
 def test_token_budget_split_places_whole_groups_counting_each_prompt_once():
     from rlhf_plugins.models.packing import sharing_group
 
@@ -192,13 +205,7 @@ def test_packed_groups_hold_each_prompt_once_with_the_padded_gradients(mode, fit
     for parts in (split_batch(dict(batch, group_size=1), 3), token_budget_split(batch, budget, group=4)):
         model, widths = tiny_llama64(), []
         model.get_input_embeddings().register_forward_hook(lambda m, a, o, seen=widths: seen.append(a[0].shape[-1]))
-        logprobs = torch.zeros(batch["action_mask"].shape, dtype=torch.float64)
-        for part in parts:
-            out = policy_forward(model, part)
-            loss, _ = objective(out, part)
-            (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
-            if "rows" in part:
-                logprobs[part["rows"]] = out["logprobs"].detach()
+        logprobs = backward_of_parts(model, parts, batch, objective)
         runs.append(({n: p.grad.clone() for n, p in model.named_parameters()}, widths, logprobs))
     (padded, _, _), (packed, widths, logprobs) = runs
     once = int(prompt[::4].sum() + (lengths - prompt).sum())
@@ -272,13 +279,7 @@ def test_a_mixture_of_experts_packs_its_groups_per_sample_with_the_padded_gradie
     runs = []
     for parts in (split_batch(dict(batch, group_size=1), 3), token_budget_split(batch, 200, group=4)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
-        logprobs = torch.zeros(batch["action_mask"].shape, dtype=torch.float64)
-        for part in parts:
-            out = policy_forward(model, part)
-            loss, _ = objective(out, part)
-            (loss * objective.weight(part["action_mask"], batch["action_mask"])).backward()
-            if "rows" in part:
-                logprobs[part["rows"]] = out["logprobs"].detach()
+        logprobs = backward_of_parts(model, parts, batch, objective)
         runs.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, model, logprobs))
     (padded, _, _), (packed, model, logprobs) = runs
     assert attention.enable(model)  # per-sample attention, each prompt once per group
