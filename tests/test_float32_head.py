@@ -10,9 +10,11 @@ import torch
 from tests.helpers import (
     check_one_line_error,
     in_process_trainer,
+    metrics_of,
     ppo_batch,
     ppo_update,
     short_run,
+    the_run,
     torch_learner,
 )
 
@@ -185,8 +187,17 @@ def test_a_run_keeps_the_head_float32_in_every_role_and_its_engine_agrees_with_i
 
 
 def test_the_cli_trains_with_a_float32_head(rlhf):
+    """``rlhf train --model.dtype bfloat16 --model.fp32_lm_head true``: three updates, and the saved policy
+    holds its trained head in float32 beside the 16-bit decoder."""
+    from safetensors import safe_open
+
     code, out, err = rlhf("train", "--model.dtype", "bfloat16", "--model.fp32_lm_head", "true", *short_run())
     assert code == 0, err
+    rows = [r for r in metrics_of(the_run()) if "grad_norm" in r]
+    assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)
+    with safe_open(str(the_run() / "final" / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes.pop("lm_head.weight") == "F32" and set(dtypes.values()) == {"BF16"}, dtypes
 
 
 def test_an_adapter_on_the_head_found_at_load_is_one_line_and_leaves_no_run(rlhf, tmp_path):
