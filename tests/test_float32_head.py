@@ -101,8 +101,8 @@ def test_chunked_log_probs_entropy_and_gradients_follow_the_float32_head(autocas
 
 def test_the_learner_trains_the_float32_head_as_its_own_master():
     """bf16 weights with float32 masters, and the float32 head stepped by the optimizer itself (no
-    master of it, no 16-bit copy): after an update the head moved and stayed float32, every 16-bit
-    weight equals its master; the plan's float32 head item is what the head costs over 16 bits."""
+    master of it, no 16-bit copy, its AdamW states float32): after an update the head moved, holding
+    values a 16-bit head could not, and every 16-bit weight equals its master."""
     lr = torch_learner(fp32_lm_head=True)
     head = lr.model.get_output_embeddings().weight
     stepped = [p for group in lr.optimizer.param_groups for p in group["params"]]
