@@ -19,7 +19,7 @@ def _recurrent(model_path: str, config: Any) -> bool:
 
 def float32_head_supported() -> bool:
     """Whether this vLLM computes a generation model's logits in the ``head_dtype`` its config names
-    (``hf_overrides``), as ``--model.fp32_lm_head`` asks; said once when it does not."""
+    (``hf_overrides``), as ``--model.fp32_lm_head`` asks; a warning says so when it does not."""
     import inspect
 
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
