@@ -179,10 +179,11 @@ class Learner:
         mini_mask = mini_batch["action_mask"]
         budget = self.cfg.max_tokens_per_micro_batch
         model = self._packed_model(module)
-        # a mixture of experts' load-balancing loss runs every sample whole (models/router_loss.py)
         router = coefficient(model, self.cfg.router_aux_loss_coef) if self.role == "actor" else 0.0
-        parts = (token_budget_split(mini_batch, budget, 1 if router else sharing_group(model, mini_batch)) if budget
-                 else [dict(part, group_size=1) if router else part for part in split_batch(mini_batch, micro)])
+        if router:  # a mixture of experts' load-balancing loss runs every sample whole (models/router_loss.py)
+            mini_batch = dict(mini_batch, group_size=1)
+        parts = (token_budget_split(mini_batch, budget, sharing_group(model, mini_batch)) if budget
+                 else split_batch(mini_batch, micro))
         lay_out(model, parts)  # packed rows, before the first forward
         weights = [objective.weight(part["action_mask"], mini_mask) * float(part.get("dp_weight", 1.0))
                    for part in parts]
