@@ -13,9 +13,13 @@ from rlhf_plugins.models.fused_head import COMPILED, FusedHeadStats, fusable, he
 VOCAB, HIDDEN = 5003, 24
 
 
-def reference(weight, bias, hidden, tokens, temperature):
-    """log softmax and entropy written from their definitions, in float64."""
-    z = (hidden.double() @ weight.double().t() + (bias.double() if bias is not None else 0)) / temperature
+def reference(weight, bias, hidden, tokens, temperature, softcap=None):
+    """log softmax and entropy written from their definitions, in float64 (the logits soft-capped,
+    ``c tanh(z / c)``, before the temperature when ``softcap`` is given)."""
+    z = hidden.double() @ weight.double().t() + (bias.double() if bias is not None else 0)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     logp = z - z.exp().sum(-1, keepdim=True).log()
     picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return picked, -(logp.exp() * logp).sum(-1)
@@ -52,13 +56,14 @@ def grads(loss, *tensors):
     return torch.autograd.grad(loss, tensors, retain_graph=True)
 
 
-def assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy):
-    """``head_stats`` in chunks of 5 tokens (a ragged last one): log-probs and entropy equal
+def assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy, softcap=None,
+                               stats=head_stats):
+    """``stats`` (``head_stats``) in chunks of 5 tokens (a ragged last one): log-probs and entropy equal
     :func:`reference`'s, and so do the gradients of a weighted sum of them for the hidden states, the
-    weight and the bias. Returns what ``head_stats`` gave."""
+    weight and the bias. Returns what ``stats`` gave."""
     params = [hidden, head.weight] + ([head.bias] if head.bias is not None else [])
-    got = head_stats(head, hidden, tokens, temperature, with_entropy, chunk=5)
-    want = reference(head.weight, head.bias, hidden, tokens, temperature)
+    got = stats(head, hidden, tokens, temperature, with_entropy, 5, softcap)
+    want = reference(head.weight, head.bias, hidden, tokens, temperature, softcap)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     loss_got = (got[0] * w[0]).sum() + ((got[1] * w[1]).sum() if with_entropy else 0)
@@ -91,6 +96,29 @@ def test_compiled_chunks_equal_the_formulas_in_float64(temperature, with_entropy
     counters.clear()
     assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy)
     assert counters["stats"]["unique_graphs"] >= 2  # the statistics' graph and the gradient's
+
+
+@pytest.mark.parametrize("path", ["fused", "compiled", "autograd"])
+@pytest.mark.parametrize("temperature,with_entropy", [(1.0, True), (0.7, False)])
+def test_soft_capped_logits_and_their_gradients_equal_the_formulas(path, temperature, with_entropy, monkeypatch):
+    """Gemma 2's ``final_logit_softcapping``, ``c tanh(z / c)``, applied chunk by chunk -- by the fused
+    head, its compiled chunks, and autograd through checkpointed chunks (a head that is not a plain
+    linear layer) --: values and gradients equal the float64 formulas. A cap of 3 bends logits of
+    this size, so the uncapped values are far off."""
+    from rlhf_plugins.models.compiled import cpu_compiler
+
+    if path == "compiled" and cpu_compiler() is None:
+        pytest.skip("torch.compile on a CPU needs a C++ compiler")
+    head, hidden, tokens, w = make(7)
+    if path == "compiled":
+        setattr(head, COMPILED, True)
+    if path == "autograd":
+        monkeypatch.setattr(logits_mod, "fusable", lambda h: False)
+    got = assert_equals_the_formulas(head, hidden, tokens, w, temperature, with_entropy, softcap=3.0,
+                                     stats=logits_mod.head_token_stats)
+    assert made_by_fused(got[0]) == (path != "autograd")
+    uncapped = reference(head.weight, head.bias, hidden, tokens, temperature)[0]
+    assert (got[0] - uncapped).abs().max() > 0.5
 
 
 def test_entropy_asked_for_but_unused_in_the_loss_and_log_probs_unused():

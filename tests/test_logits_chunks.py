@@ -88,14 +88,61 @@ def test_no_logits_tensor_grows_with_batch_times_length(model):
         assert whole.rows >= batch["action_mask"].numel()
 
 
-def test_models_that_transform_their_logits_are_not_chunked(model):
-    """Soft-capped or scaled logits (Gemma 2, Cohere, Granite) come from the model's own forward."""
+def test_models_that_scale_their_logits_are_not_chunked(model):
+    """Scaled logits (Cohere's logit_scale, Granite's logits_scaling: multiplied by some models,
+    divided by others) come from the model's own forward."""
     assert output_head(model) is model.lm_head
-    model.config.final_logit_softcapping = 30.0
+    for key in ("logit_scale", "logits_scaling"):
+        setattr(model.config, key, 8.0)
+        try:
+            assert output_head(model) is None
+        finally:
+            delattr(model.config, key)
+
+
+@pytest.fixture(scope="module")
+def gemma2():
+    """A two-layer Gemma 2 (tied head, soft-capped attention and logits) with Qwen2.5's vocabulary, in
+    float64; its logit cap lowered so that it bends this random model's small logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                  query_pre_attn_scalar=32, final_logit_softcapping=0.05)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    with torch.no_grad():  # logits of a trained model's spread, about 0.1 here, so the cap of 0.05 bends them
+        model.lm_head.weight.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_soft_capped_logits_are_capped_chunk_by_chunk_as_the_model_caps_them(gemma2, temperature):
+    """Gemma 2 caps its logits, c tanh(z / c), in its own forward: chunked (two tokens a chunk) the
+    log-probs, entropy and every gradient equal that forward's, no tensor over the vocabulary has
+    more than a chunk's rows, and the model's cap is back in its config afterwards. Without the cap
+    the values are far off."""
+    batch = random_batch(group=3, prompts=2, seed=6)
+    assert output_head(gemma2) is gemma2.lm_head
+    budget = 2 * VOCAB * (BYTES_PER_LOGIT + 4) / 2**20  # soft-capped: 16 bytes a logit, two tokens a chunk
+    g = torch.Generator().manual_seed(7)
+    weights = torch.randn(2, *batch["action_mask"].shape, generator=g, dtype=torch.float64)
+    whole, whole_grads = _grads(gemma2, batch, 0, temperature, weights)
+    with LargestVocabTensor(gemma2.config.hidden_size) as seen:
+        chunked, chunked_grads = _grads(gemma2, batch, budget, temperature, weights)
+    assert seen.rows == 2
+    assert gemma2.config.final_logit_softcapping == 0.05
+    mask = batch["action_mask"].bool()
+    for key in ("logprobs", "entropy"):
+        assert (whole[key] - chunked[key]).abs()[mask].max() < 1e-12
+    for name, grad in whole_grads.items():
+        assert (grad - chunked_grads[name]).abs().max() <= 1e-10 * grad.abs().max() + 1e-14, name
+    gemma2.config.final_logit_softcapping = None
     try:
-        assert output_head(model) is None
+        uncapped = policy_forward(gemma2, batch, temperature, logits_memory_mb=0)["logprobs"]
     finally:
-        del model.config.final_logit_softcapping
+        gemma2.config.final_logit_softcapping = 0.05
+    assert (uncapped - whole["logprobs"]).abs()[mask].max() > 0.1
 
 
 def test_packed_micro_batches_and_lora_are_chunked_too(model):

@@ -349,3 +349,32 @@ def test_the_builtin_loader_reads_tensor_by_tensor_what_from_pretrained_returns(
     keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
     assert empty_init.build_empty(path, torch.float32, False) is None
     del keep
+
+
+def test_the_logits_chunk_item_follows_how_the_model_computes_its_logits(tmp_path):
+    """The actor's ``logits chunk``: 12 bytes per vocabulary entry for as many tokens as the 256 MB
+    budget holds; 16 for soft-capped logits (Gemma 2: the cap's slope is kept too); and the whole
+    batch's logits for a model that scales them (Granite), which computes them in its own forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from rlhf_plugins.training.memory_plan import memory_plan
+
+    vocab, budget = 32000, 256 * 2**20
+    sizes = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    models = {"capped": ("gemma2", dict(head_dim=32)),  # final_logit_softcapping 30 by default
+              "uncapped": ("gemma2", dict(head_dim=32, final_logit_softcapping=None)),
+              "scaled": ("granite", dict(logits_scaling=8.0))}
+    chunk = {}
+    for name, (model_type, fields) in models.items():
+        folder = tmp_path / name
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **fields)).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(default_model_path(quiet=True)).save_pretrained(folder)
+        config, _, plan = prepare({"model": {"path": str(folder)}}, autoload=False)
+        chunk[name] = memory_plan(config, plan).roles["actor"].parts["logits chunk"]
+    scored = config.train.prompts_per_step * config.generation.n_samples_per_prompt * config.generation.max_new_tokens
+    assert chunk["uncapped"] == budget // (vocab * 12) * vocab * 12
+    assert chunk["capped"] == budget // (vocab * 16) * vocab * 16
+    assert chunk["scaled"] == scored * vocab * 12 > chunk["uncapped"]

@@ -100,10 +100,10 @@ def policy_forward(
     if chunked is None:
         stats = token_stats(completion_logits(model, batch), tokens, temperature, with_entropy)
     else:
-        head, chunk = chunked
-        with head_deferred(head):
+        with head_deferred(chunked):
             hidden = completion_logits(model, batch)
-        stats = head_token_stats(head, hidden, tokens, temperature, with_entropy, chunk)
+        stats = head_token_stats(chunked.head, hidden, tokens, temperature, with_entropy, chunked.chunk,
+                                 chunked.softcap)
     return dict(zip(("logprobs", "entropy"), stats))
 
 

@@ -56,9 +56,10 @@ def compute_dtype(head: torch.nn.Linear) -> torch.dtype:
 
 
 def head_stats(head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
-               with_entropy: bool, chunk: int) -> tuple[torch.Tensor, ...]:
+               with_entropy: bool, chunk: int, softcap: float | None = None) -> tuple[torch.Tensor, ...]:
     """(log-probs,) or (log-probs, entropy) of ``tokens`` under ``head(hidden) / temperature``,
-    ``chunk`` tokens at a time; shaped as ``tokens``."""
+    ``chunk`` tokens at a time; shaped as ``tokens``. ``softcap``: the logits are first soft-capped,
+    ``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``)."""
     shape = tokens.shape
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     dtype = compute_dtype(head)
@@ -66,9 +67,11 @@ def head_stats(head: torch.nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor
     compiled = bool(getattr(head, COMPILED, False))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad or bias.requires_grad)
     if grad:
-        out = FusedHeadStats.apply(flat_h, head.weight, bias, flat_t, temperature, with_entropy, chunk, dtype, compiled)
+        out = FusedHeadStats.apply(flat_h, head.weight, bias, flat_t, (temperature, softcap), with_entropy, chunk,
+                                   dtype, compiled)
     else:
-        out = _forward(flat_h, head.weight.to(dtype), bias, flat_t, temperature, with_entropy, chunk, compiled)
+        out = _forward(flat_h, head.weight.to(dtype), bias, flat_t, (temperature, softcap), with_entropy, chunk,
+                       compiled)
     return tuple(o.view(shape) for o in out[: 2 if with_entropy else 1])
 
 
@@ -84,31 +87,48 @@ def _matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
                                           bias.to(weight.dtype) if bias.numel() else None)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 (:func:`wide`) ``(hidden W^T + b) / T`` of one chunk."""
-    z = _matmul(hidden, weight, bias)
-    z = z.to(wide(z.dtype))
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+            scale: tuple[float, float | None]) -> torch.Tensor:
+    """float32 (:func:`wide`) ``capped(hidden W^T + b) / T`` of one chunk."""
+    return _scaled(_matmul(hidden, weight, bias), scale)
+
+
+def _scaled(logits: torch.Tensor, scale: tuple[float, float | None]) -> torch.Tensor:
+    """The head's output widened, soft-capped (``c tanh(z / c)``, when a cap is set) and divided by the
+    temperature: ``scale`` is (temperature, cap)."""
+    temperature, cap = scale
+    z = logits.to(wide(logits.dtype))
+    if cap:
+        z.div_(cap).tanh_().mul_(cap)  # in place: ``logits`` is each chunk's own matmul output
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _cap_slope(z: torch.Tensor, scale: tuple[float, float | None]) -> torch.Tensor | None:
+    """d capped / d logits, ``1 - tanh(z / c)^2``, from ``z`` as :func:`_scaled` returned it (``None``
+    without a cap)."""
+    temperature, cap = scale
+    if not cap:
+        return None
+    t = z * (temperature / cap)  # tanh(z / c) itself
+    return t.mul_(t).neg_().add_(1.0)
+
+
 def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
-             temperature: float, with_entropy: bool, chunk: int,
+             scale: tuple[float, float | None], with_entropy: bool, chunk: int,
              compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token: log-prob of its token, entropy (zeros when not asked for) and log-sum-exp."""
     stats = _compiled(_chunk_stats) if compiled else _eager_stats
-    parts = [stats(_matmul(h, weight, bias), t, temperature, with_entropy)
+    parts = [stats(_matmul(h, weight, bias), t, scale, with_entropy)
              for h, t in zip(torch.split(hidden, chunk), torch.split(tokens, chunk))]
     lp, ent, lse = (torch.cat(column) for column in zip(*parts))
     return lp, ent, lse
 
 
-def _eager_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+def _eager_stats(logits: torch.Tensor, tokens: torch.Tensor, scale: tuple[float, float | None],
                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_chunk_stats` with in-place steps, one float32 copy of the logits at a time."""
-    z = logits.to(wide(logits.dtype))
+    z = _scaled(logits, scale)
     del logits
-    if temperature != 1.0:
-        z.div_(temperature)
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
@@ -122,12 +142,12 @@ class FusedHeadStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor,
-                temperature: float, with_entropy: bool, chunk: int, dtype: torch.dtype,
+                scale: tuple[float, float | None], with_entropy: bool, chunk: int, dtype: torch.dtype,
                 compiled: bool) -> tuple[torch.Tensor, ...]:
         w = weight.to(dtype)
-        lp, ent, lse = _forward(hidden, w, bias, tokens, temperature, with_entropy, chunk, compiled)
+        lp, ent, lse = _forward(hidden, w, bias, tokens, scale, with_entropy, chunk, compiled)
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
-        ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.dtype = temperature, with_entropy, chunk, dtype
+        ctx.scale, ctx.with_entropy, ctx.chunk, ctx.dtype = scale, with_entropy, chunk, dtype
         ctx.compiled = compiled
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros to work through
@@ -154,11 +174,10 @@ class FusedHeadStats(torch.autograd.Function):
             start += len(t)
             entropy = None if g_ent is None else (ent[part], g_ent[part])
             if compiled is not None:
-                g16, g_sum = compiled(_matmul(h, w, bias), t, lse[part], g_lp[part], entropy, ctx.temperature,
+                g16, g_sum = compiled(_matmul(h, w, bias), t, lse[part], g_lp[part], entropy, ctx.scale,
                                       w.dtype, grad_b is not None)
             else:
-                g = _logits_grad(_logits(h, w, bias, ctx.temperature), t, lse[part], g_lp[part], entropy,
-                                 ctx.temperature)
+                g = _eager_grad(_logits(h, w, bias, ctx.scale), t, lse[part], g_lp[part], entropy, ctx.scale)
                 g_sum = g.sum(0) if grad_b is not None else None
                 g16 = g.to(w.dtype)
                 del g
@@ -174,6 +193,14 @@ class FusedHeadStats(torch.autograd.Function):
 
 def _like(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
     return None if grad is None else grad.to(param.dtype)
+
+
+def _eager_grad(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
+                entropy: tuple[torch.Tensor, torch.Tensor] | None, scale: tuple[float, float | None]) -> torch.Tensor:
+    """d loss / d head output of one chunk from ``z`` as :func:`_scaled` returned it (overwritten)."""
+    slope = _cap_slope(z, scale)
+    g = _logits_grad(z, tokens, lse, g_lp, entropy, scale[0])
+    return g if slope is None else g.mul_(slope)
 
 
 def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
@@ -193,11 +220,14 @@ def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp:
     return g.div_(temperature) if temperature != 1.0 else g
 
 
-def _chunk_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+def _chunk_stats(logits: torch.Tensor, tokens: torch.Tensor, scale: tuple[float, float | None],
                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward`'s per-token outputs for one chunk, from the head's matmul output as it is
     (compiled: one kernel reads it and never writes a float32 copy)."""
+    temperature, cap = scale
     z = logits.to(wide(logits.dtype))
+    if cap:
+        z = torch.tanh(z / cap) * cap
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -207,11 +237,15 @@ def _chunk_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
 
 
 def _chunk_grad(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
-                entropy: tuple[torch.Tensor, torch.Tensor] | None, temperature: float, dtype: torch.dtype,
-                with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_logits_grad` written without in-place steps (for the compiler), returned in the matmul
+                entropy: tuple[torch.Tensor, torch.Tensor] | None, scale: tuple[float, float | None],
+                dtype: torch.dtype, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_eager_grad` written without in-place steps (for the compiler), returned in the matmul
     dtype, with its sum over the chunk's tokens (the bias's gradient) when asked for."""
+    temperature, cap = scale
     z = logits.to(lse.dtype)
+    if cap:
+        capped = torch.tanh(z / cap)
+        z = capped * cap
     if temperature != 1.0:
         z = z / temperature
     logp = z - lse.unsqueeze(-1)
@@ -224,6 +258,8 @@ def _chunk_grad(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, g
         g = g - p * (logp + ent.unsqueeze(-1)) * g_ent.unsqueeze(-1)
     if temperature != 1.0:
         g = g / temperature
+    if cap:
+        g = g * (1.0 - capped * capped)
     return g.to(dtype), (g.sum(0) if with_bias else None)
 
 

@@ -10,16 +10,18 @@ backward pass (with the backward written out for a plain linear head, :mod:`.fus
 one chunk of logits exists at any moment.
 
 ``--learner.logits_memory_mb`` is the budget of one chunk (float32 logits, their softmax and their
-gradient); 0 computes the whole batch's logits at once, as the model's own forward does. Models
-whose forward does more to the head's output than return it (logit soft-capping or scaling) always
-take that path.
+gradient); 0 computes the whole batch's logits at once, as the model's own forward does. Soft-capped
+logits (Gemma 2's ``final_logit_softcapping``: ``c tanh(z / c)``, the same formula in every model
+that has the setting) are capped chunk by chunk too, the model's own capping switched off while its
+head is deferred. Models that scale their logits (Cohere's ``logit_scale``, Granite's
+``logits_scaling``: multiplied by some, divided by others) always take the whole-logits path.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,8 +30,12 @@ from .model_parts import output_embeddings, unwrapped
 
 #: bytes one token's logits cost inside a chunk: float32 logits, their softmax, and their gradient
 BYTES_PER_LOGIT = 12
-#: config attributes of architectures whose forward transforms the head's output
-HEAD_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+#: what soft-capped logits add: the cap's slope, kept for the gradient
+SOFTCAP_BYTES_PER_LOGIT = 4
+#: the config attribute of soft-capped logits (``c tanh(z / c)``)
+SOFTCAP = "final_logit_softcapping"
+#: config attributes of architectures whose forward scales the head's output (each its own way)
+HEAD_SCALING = ("logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -56,22 +62,35 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
     return (lp, entropy_from_logits(logits)) if with_entropy else (lp,)
 
 
-def chunk_tokens(vocab: int, budget_mb: float) -> int:
+def bytes_per_logit(softcap: float | None = None) -> int:
+    """Bytes one logit costs inside a chunk (more when soft-capped)."""
+    return BYTES_PER_LOGIT + (SOFTCAP_BYTES_PER_LOGIT if softcap else 0)
+
+
+def chunk_tokens(vocab: int, budget_mb: float, softcap: float | None = None) -> int:
     """Tokens per chunk under a budget of ``budget_mb`` MiB (0: no chunking)."""
     if budget_mb <= 0:
         return 0
-    return max(1, int(budget_mb * 2**20) // (vocab * BYTES_PER_LOGIT))
+    return max(1, int(budget_mb * 2**20) // (vocab * bytes_per_logit(softcap)))
+
+
+def logit_softcap(config: Any) -> float | None:
+    """The soft cap a model's forward puts on its logits (``None``: none)."""
+    cap = getattr(config, SOFTCAP, None)
+    return float(cap) if cap else None
+
+
+def scales_logits(config: Any) -> bool:
+    """Whether the model's forward scales its head's output (then it computes its logits whole)."""
+    return any(getattr(config, key, None) not in (None, 1, 1.0) for key in HEAD_SCALING)
 
 
 def output_head(model: Any) -> torch.nn.Module | None:
-    """The model's language-model head when its forward returns the head's output as it is; ``None``
-    otherwise (no head found, or soft-capped / scaled logits). Sees through a DeepSpeed engine and a
-    PEFT wrapper."""
+    """The model's language-model head when its logits can be computed from the head's output chunk by
+    chunk (as they are, or soft-capped: :func:`logit_softcap`); ``None`` otherwise (no head found, or
+    scaled logits). Sees through a DeepSpeed engine and a PEFT wrapper."""
     head = output_embeddings(model)
-    config = getattr(unwrapped(model), "config", None)
-    if head is None or _vocab(head) is None:
-        return None
-    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in HEAD_POSTPROCESSING):
+    if head is None or _vocab(head) is None or scales_logits(getattr(unwrapped(model), "config", None)):
         return None
     return head
 
@@ -82,16 +101,28 @@ def _vocab(head: torch.nn.Module) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def chunking(model: Any, n_tokens: int, budget_mb: float) -> tuple[torch.nn.Module, int] | None:
-    """(head, tokens per chunk) when ``n_tokens`` of logits exceed the budget and the head can be
-    deferred; ``None`` when the model's own forward should compute the logits."""
+class HeadChunks(NamedTuple):
+    """How a model's logits are computed chunk by chunk: its head, tokens per chunk, the soft cap, and
+    the config whose own capping is switched off while the head is deferred."""
+
+    head: torch.nn.Module
+    chunk: int
+    softcap: float | None
+    config: Any
+
+
+def chunking(model: Any, n_tokens: int, budget_mb: float) -> HeadChunks | None:
+    """How to chunk when ``n_tokens`` of logits exceed the budget and the head can be deferred;
+    ``None`` when the model's own forward should compute the logits."""
     if budget_mb <= 0:
         return None
     head = output_head(model)
     if head is None:
         return None
-    chunk = chunk_tokens(_vocab(head) or 1, budget_mb)
-    return (head, chunk) if n_tokens > chunk else None
+    config = getattr(unwrapped(model), "config", None)
+    softcap = logit_softcap(config)
+    chunk = chunk_tokens(_vocab(head) or 1, budget_mb, softcap)
+    return HeadChunks(head, chunk, softcap, config) if n_tokens > chunk else None
 
 
 def contiguous_head_input(model: Any) -> None:
@@ -112,11 +143,11 @@ def _contiguous_first(module: Any, args: tuple) -> tuple | None:
 
 
 @contextmanager
-def head_deferred(head: torch.nn.Module) -> Iterator[None]:
-    """Inside, every call of ``head`` returns its input (the final hidden states) and computes no
+def head_deferred(chunks: HeadChunks) -> Iterator[None]:
+    """Inside, every call of the head returns its input (the final hidden states) and computes no
     logits: the model's forward then returns hidden states where it would return logits, with every
-    slice it takes of them (``logits_to_keep``) already applied."""
-    inputs: list[torch.Tensor] = []
+    slice it takes of them (``logits_to_keep``) already applied, and without its soft cap."""
+    head, inputs = chunks.head, []
 
     def before(module: Any, args: tuple) -> tuple:
         inputs.append(args[0])
@@ -126,23 +157,28 @@ def head_deferred(head: torch.nn.Module) -> Iterator[None]:
         return inputs.pop()
 
     handles = [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
+    if chunks.softcap:
+        setattr(chunks.config, SOFTCAP, None)
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if chunks.softcap:
+            setattr(chunks.config, SOFTCAP, chunks.softcap)
 
 
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                     with_entropy: bool, chunk: int) -> tuple[torch.Tensor, ...]:
-    """:func:`token_stats` of ``head(hidden)`` computed ``chunk`` tokens at a time. With gradients,
-    each chunk is recomputed in the backward pass, so no more than one chunk of logits is alive: by
-    :mod:`.fused_head` for a plain linear head, else through autograd and ``torch.utils.checkpoint``."""
+                     with_entropy: bool, chunk: int, softcap: float | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`token_stats` of ``head(hidden)`` (soft-capped at ``softcap``) computed ``chunk`` tokens at
+    a time. With gradients, each chunk is recomputed in the backward pass, so no more than one chunk of
+    logits is alive: by :mod:`.fused_head` for a plain linear head, else through autograd and
+    ``torch.utils.checkpoint``."""
     if fusable(head):
-        return head_stats(head, hidden, tokens, temperature, with_entropy, chunk)
+        return head_stats(head, hidden, tokens, temperature, with_entropy, chunk, softcap)
     shape = tokens.shape
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
-    fn = partial(_chunk_stats, head, temperature, with_entropy)
+    fn = partial(_chunk_stats, head, temperature, with_entropy, softcap)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     parts = []
     for h, t in zip(torch.split(flat_h, chunk), torch.split(flat_t, chunk)):
@@ -155,6 +191,9 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.
     return tuple(torch.cat(column).view(shape) for column in zip(*parts))
 
 
-def _chunk_stats(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: torch.Tensor,
-                 tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return token_stats(head(hidden), tokens, temperature, with_entropy)
+def _chunk_stats(head: torch.nn.Module, temperature: float, with_entropy: bool, softcap: float | None,
+                 hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits.to(wide(logits.dtype)) / softcap) * softcap
+    return token_stats(logits, tokens, temperature, with_entropy)

@@ -40,6 +40,10 @@ class ModelShape:
     matrix_parameters: int = 0
     #: the model can return its routers' load-balancing loss (its config has ``output_router_logits``)
     router_loss: bool = False
+    #: the soft cap of the model's logits (Gemma 2's ``final_logit_softcapping``), ``None`` if uncapped
+    logit_softcap: float | None = None
+    #: the model's forward scales its logits (Cohere, Granite), so they are computed whole, not in chunks
+    scaled_logits: bool = False
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -70,6 +74,8 @@ class ModelShape:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from .logits import logit_softcap, scales_logits
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = list(model.parameters())
@@ -92,6 +98,8 @@ class ModelShape:
             max_positions=getattr(config, "max_position_embeddings", None),
             matrix_parameters=sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p)),
             router_loss=hasattr(config, "output_router_logits"),
+            logit_softcap=logit_softcap(config),
+            scaled_logits=scales_logits(config),
             **_experts(config),
         )
 

@@ -16,7 +16,7 @@ from typing import Any
 from ..config.schema import Config
 from ..config.validate import Plan
 from ..errors import ConfigError
-from ..models.logits import BYTES_PER_LOGIT, chunk_tokens
+from ..models.logits import bytes_per_logit, chunk_tokens
 from ..models.memory import DTYPE_BYTES, GIB, MemoryInputs, ModelShape, gib, reference_memory, streamed_staging
 from .remedies import REMEDIES
 
@@ -268,8 +268,8 @@ def _inputs(c: Config, shape: ModelShape, role: str, ranks: int, batch: int, pro
     if learner.max_tokens_per_micro_batch:
         tokens = min(tokens, max(learner.max_tokens_per_micro_batch, prompt + completion))
     scored = micro_samples * completion  # tokens whose logits are computed
-    chunk = chunk_tokens(shape.vocab, learner.logits_memory_mb)
-    logits = min(scored, chunk or scored) * shape.vocab * BYTES_PER_LOGIT
+    chunk = 0 if shape.scaled_logits else chunk_tokens(shape.vocab, learner.logits_memory_mb, shape.logit_softcap)
+    logits = min(scored, chunk or scored) * shape.vocab * bytes_per_logit(shape.logit_softcap)
     if role == "critic":
         logits = 0
     trainable = _trainable(c, shape, role)
