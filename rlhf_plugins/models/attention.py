@@ -27,7 +27,10 @@ ATTENTION = "rlhf_sdpa"
 #: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
 #: values, so the cascade and the per-sample attention compute the same thing as SDPA with a mask
 PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
-                   "MixtralAttention", "Qwen2MoeAttention", "Qwen3MoeAttention")  # the mixtures of experts' alike
+                   "MixtralAttention", "Qwen2MoeAttention", "Qwen3MoeAttention",  # the mixtures of experts' alike
+                   # Llama's forward with a fused qkv projection (Phi-3), RoPE skipped in some layers (SmolLM3),
+                   # its own softmax scale (Granite's attention_multiplier, passed as ``scaling``)
+                   "Phi3Attention", "SmolLM3Attention", "GraniteAttention")
 #: models found not to qualify (packing asks on every micro batch; the answer does not change)
 _NOT_PLAIN: weakref.WeakSet = weakref.WeakSet()
 

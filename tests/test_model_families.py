@@ -1,0 +1,132 @@
+"""Decoder architectures beyond the ones the project is built around, from their public configs: the
+fields that make each one different kept, the widths and depths reduced, the real vocabulary kept.
+Gemma 2 (soft-capped attention and logits, sliding-window layers), Gemma 3 (q/k norms, sliding and full
+layers with their own RoPE), Phi-3 (fused qkv and gate-up projections), Mistral, Granite (scaled
+embeddings, residuals, attention and logits), SmolLM3 (layers without RoPE). Each trains a step with the
+transformers engine on the CPU: the log-probs the engine sampled with (decoding shared prefixes once
+where the attention is plain) are the learner's (packed micro batches, its head applied in chunks, or
+whole for a model that scales its logits) to float32 rounding, and the update moves the weights by a
+finite step."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import in_process_trainer, sampling_logprobs, speedups_supported
+
+#: model_type and the public config's fields (google/gemma-2-2b, google/gemma-3-1b-pt,
+#: microsoft/Phi-3-mini-4k-instruct, mistralai/Mistral-7B-v0.3, ibm-granite/granite-3.1-2b-base,
+#: HuggingFaceTB/SmolLM3-3B) that shape the computation, at 64 wide; sliding windows of 8 tokens,
+#: so that they slide within these short samples
+ARCHITECTURES = {
+    "gemma2": ("gemma2", dict(vocab_size=256000, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma3": ("gemma3_text", dict(vocab_size=262144, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)),
+    "phi3": ("phi3", dict(vocab_size=32064, tie_word_embeddings=False, sliding_window=None)),
+    "mistral": ("mistral", dict(vocab_size=32768, head_dim=32, sliding_window=None, rope_theta=1000000.0,
+                                tie_word_embeddings=False)),
+    "granite": ("granite", dict(vocab_size=49155, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True)),
+    "smollm3": ("smollm3", dict(vocab_size=128256, no_rope_layer_interval=2, tie_word_embeddings=True)),
+}
+
+#: a TRL-style reward that tells samples apart, so the update is not zero (by token ids: most of these
+#: models' ids are past the embedded tokenizer's, whose text is empty)
+REWARD = '''
+def mean_token_id(prompts, completions, completion_ids, **kwargs):
+    return [sum(ids) / len(ids) / 100000 for ids in completion_ids]
+'''
+
+
+def _folder(name: str) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
+    from rlhf_plugins.models.tiny_model import cached_build, default_model_path
+
+    def build(out: Path) -> None:
+        model_type, fields = ARCHITECTURES[name]
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path(quiet=True))
+        config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # queries and keys of a trained model's spread: attention far from uniform,
+            for key, weight in model.named_parameters():  # so its scale and masks decide what samples read
+                if key.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                    weight.normal_(0, 0.3)
+        save_pretrained(model, out)
+        save_tokenizer(tokenizer, out)
+
+    return cached_build(f"architecture-{name}-v3", build, quiet=True)
+
+
+def _prompts(folder: Path) -> Path:
+    """Sums of 12 to 28 digits (past SHARED_PREFIX_MIN_PROMPT tokens: the engine decodes shared prefixes)."""
+    path = folder / "sums.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "+".join("123456789"[: 3 + i % 5] * 4) + "="}) + "\n"
+                            for i in range(8)))
+    return path
+
+
+def _engine_matches_the_models_own_forward(folder: str, engine: Any, prompts: Path) -> None:
+    """The engine's samples of two prompts, 4 each, carry the log-probs the model's own forward (a fresh
+    transformers model, one unpadded sample at a time) gives them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in prompts.read_text().splitlines()[:2]]
+    samples = engine.generate(ids, SamplingParams(n=4, max_new_tokens=8, temperature=0.9, seed=3))
+    own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for i, (completion, logprobs) in enumerate(zip(samples.completion_ids, samples.logprobs)):
+        want, _ = sampling_logprobs(own, ids[i // 4], completion, 0.9)
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_architecture_trains_a_step_sampling_the_log_probs_the_learner_computes(name, tmp_path, monkeypatch):
+    from rlhf_plugins.models import forward, kv_cache
+    from rlhf_plugins.models.logits import BYTES_PER_LOGIT
+
+    monkeypatch.chdir(tmp_path)
+    reward = tmp_path / "mean_token_id.py"
+    reward.write_text(REWARD)
+    vocab = ARCHITECTURES[name][1]["vocab_size"]
+    chunks, cascades = [], []
+    head_token_stats, cascade = forward.head_token_stats, kv_cache.cascade_attention
+    monkeypatch.setattr(forward, "head_token_stats", lambda *a: chunks.append(a[5]) or head_token_stats(*a))
+    monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: cascades.append(1) or cascade(*a))
+    prompts, folder = _prompts(tmp_path), _folder(name)
+    raw = {"plugins": [str(reward)], "data": {"path": str(prompts), "apply_chat_template": False},
+           "train": {"prompts_per_step": 2, "steps": 1},
+           "generation": {"n_samples_per_prompt": 4, "max_new_tokens": 8, "temperature": 1.0},
+           # a few tokens a chunk of logits, and packed micro batches
+           "learner": {"logits_memory_mb": 4 * vocab * BYTES_PER_LOGIT / 2**20, "max_tokens_per_micro_batch": 160}}
+    t = in_process_trainer(folder, raw)
+    try:
+        _engine_matches_the_models_own_forward(folder, t.engine, prompts)
+        before = [p.detach().clone() for p in t.actor.learner.model.parameters()]
+        metrics = t.step(0)
+        after = list(t.actor.learner.model.parameters())
+    finally:
+        t.shutdown()
+    assert metrics["mismatch/abs_log_ratio"] < 2e-6, metrics["mismatch/abs_log_ratio"]  # the learner's, the engine's
+    assert metrics["reward/std"] > 0 and torch.isfinite(torch.tensor(metrics["loss/total"]))
+    assert 0 < metrics["grad_norm"] < float("inf")
+    moved = max((a - b).abs().max().item() for a, b in zip(after, before))
+    assert 0 < moved < 1
+    if name == "granite":  # logits scaled by the model's own forward: computed whole
+        assert chunks == []
+    else:
+        assert chunks and max(chunks) <= 4
+    # plain attention over full-attention layers: the engine reads each prompt's keys once for its samples
+    assert bool(cascades) == (name in ("granite", "mistral", "phi3", "smollm3") and speedups_supported())
