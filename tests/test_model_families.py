@@ -3,10 +3,11 @@ fields that make each one different kept, the widths and depths reduced, the rea
 Gemma 2 (soft-capped attention and logits, sliding-window layers), Gemma 3 (q/k norms, sliding and full
 layers with their own RoPE), Phi-3 (fused qkv and gate-up projections), Mistral, Granite (scaled
 embeddings, residuals, attention and logits), SmolLM3 (layers without RoPE). Each trains a step with the
-transformers engine on the CPU: the log-probs the engine sampled with (decoding shared prefixes once
-where the attention is plain) are the learner's (packed micro batches, its head applied in chunks, or
-whole for a model that scales its logits) to float32 rounding, and the update moves the weights by a
-finite step."""
+transformers engine on the CPU: the log-probs the engine samples with (decoding shared prefixes once
+where the attention is plain) are those of the model's own forward, one unpadded sample at a time, and
+the learner's (packed micro batches, its head applied in chunks, or whole for a model that scales its
+logits), to float32 rounding; the update moves the weights by a finite step. Queries and keys are drawn
+at a trained model's spread, so that attention is far from uniform: a wrong softmax scale or mask shows."""
 from __future__ import annotations
 
 import json
