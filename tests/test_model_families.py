@@ -2,7 +2,8 @@
 fields that make each one different kept, the widths and depths reduced, the real vocabulary kept.
 Gemma 2 (soft-capped attention and logits, sliding-window layers), Gemma 3 (q/k norms, sliding and full
 layers with their own RoPE), Phi-3 (fused qkv and gate-up projections), Mistral, Granite (scaled
-embeddings, residuals, attention and logits), SmolLM3 (layers without RoPE). Each trains a step with the
+embeddings, residuals, attention and logits), SmolLM3 (layers without RoPE), Seed-OSS (dropout in its
+config, turned off in training by --learner.disable_dropout). Each trains a step with the
 transformers engine on the CPU: the log-probs the engine samples with (decoding shared prefixes once
 where the attention is plain) are those of the model's own forward, one unpadded sample at a time, and
 the learner's (packed micro batches, its head applied in chunks, or whole for a model that scales its
@@ -21,8 +22,8 @@ from tests.helpers import in_process_trainer, sampling_logprobs, speedups_suppor
 
 #: model_type and the public config's fields (google/gemma-2-2b, google/gemma-3-1b-pt,
 #: microsoft/Phi-3-mini-4k-instruct, mistralai/Mistral-7B-v0.3, ibm-granite/granite-3.1-2b-base,
-#: HuggingFaceTB/SmolLM3-3B) that shape the computation, at 64 wide; sliding windows of 8 tokens,
-#: so that they slide within these short samples
+#: HuggingFaceTB/SmolLM3-3B, ByteDance-Seed/Seed-OSS-36B-Base) that shape the computation, at 64 wide;
+#: sliding windows of 8 tokens, so that they slide within these short samples
 ARCHITECTURES = {
     "gemma2": ("gemma2", dict(vocab_size=256000, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -35,6 +36,9 @@ ARCHITECTURES = {
     "granite": ("granite", dict(vocab_size=49155, embedding_multiplier=12.0, residual_multiplier=0.22,
                                 attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True)),
     "smollm3": ("smollm3", dict(vocab_size=128256, no_rope_layer_interval=2, tie_word_embeddings=True)),
+    # its config keeps dropout (0.1 in attention and on the residuals): --learner.disable_dropout's case
+    "seed_oss": ("seed_oss", dict(vocab_size=155136, head_dim=32, attention_bias=True, attention_dropout=0.1,
+                                  residual_dropout=0.1, rope_theta=10000000.0, tie_word_embeddings=False)),
 }
 
 #: a TRL-style reward that tells samples apart, so the update is not zero (by token ids: most of these

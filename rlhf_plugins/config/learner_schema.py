@@ -52,6 +52,10 @@ class LearnerConfig:
     #: as transformers computes it; TRL's router_aux_loss_coef, OpenRLHF's --aux_loss_coef); empty: the
     #: model config's own router_aux_loss_coef (TRL's default); 0: none
     router_aux_loss_coef: float | None = setting(0.0, ge=0)
+    #: dropout off in the actor's and the critic's training forwards (TRL's disable_dropout; the TRL converter
+    #: carries its default, false): a model whose config keeps dropout (Seed-OSS, OPT, GPT-2) would otherwise
+    #: train a perturbed policy whose log-probs are not the engine's. LoRA's own dropout (--lora.dropout) stays
+    disable_dropout: bool = True
     #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr)
     optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
     #: Muon's learning rate (the hidden matrices; OpenRLHF's --muon.lr)

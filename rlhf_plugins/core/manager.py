@@ -224,13 +224,9 @@ class RLHFPluginManager(PluginLoading, pluggy.PluginManager):
                               if not (i.hookwrapper or i.wrapper))
             raise PluginError(f"rlhf_load_model returned {type(model).__name__} for the {role} model; it must return a "
                               f"torch.nn.Module (plugins implementing it, in call order: {impls})")
-        from ..models.float32_head import ROLES, float32_head
-        from ..models.logits import contiguous_head_input
+        from ..models.loaded import finish_loading
 
-        if config.model.fp32_lm_head and role in ROLES:  # the roles that compute the policy's log-probs
-            float32_head(model)
-        contiguous_head_input(model)
-        return model
+        return finish_loading(model, role, config)
 
     def per_plugin(self, hookname: str, only: Iterable[str] | None = None, **kwargs: Any) -> Iterator[tuple[str, list]]:
         """Call a hook one implementing plugin at a time (through pluggy, in registration order):

@@ -12,7 +12,6 @@ IGNORED_WHY = {
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
     "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
     "use_cache": "the learner never caches; generation always does",
-    "disable_dropout": "dropout stays as the model's config sets it (0.0 in Qwen2 and Llama configs)",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
     "trust_remote_code": "set --model.trust_remote_code",
     "use_liger_kernel": "the output head, log-softmax and gather already run as one fused, chunked function; "
@@ -86,6 +85,7 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("learner.lr", float),
     "cast_lm_head_to_fp32": ("model.fp32_lm_head", bool),
     "router_aux_loss_coef": ("learner.router_aux_loss_coef", lambda v: None if v is None else float(v)),
+    "disable_dropout": ("learner.disable_dropout", bool),
     "vllm_structured_outputs_regex": ("vllm.structured_outputs_regex", lambda v: None if v is None else str(v)),
     "num_generations": ("generation.n_samples_per_prompt", int),
     "max_completion_length": ("generation.max_new_tokens", int),
