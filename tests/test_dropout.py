@@ -1,7 +1,8 @@
 """--learner.disable_dropout (rlhf_plugins.models.dropout; TRL's disable_dropout): a model whose config keeps
 dropout -- Seed-OSS's attention and residual dropout of 0.1, handed to functional dropout and to the attention
 function from module attributes, and OPT's torch.nn.Dropout modules -- trains without it in the actor and the
-critic, a LoRA adapter's own dropout kept; with the option off the training forward stays random."""
+critic, a LoRA adapter's own dropout kept; with the option off the training forward stays random. Converted
+TRL configs and OpenRLHF commands keep their dropout, as both of those run it."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +79,11 @@ def test_trl_configs_keep_trls_default_of_dropout_on():
 
     assert from_grpo_fields({})[0]["learner"]["disable_dropout"] is False
     assert from_grpo_fields({"disable_dropout": True})[0]["learner"]["disable_dropout"] is True
+
+
+def test_openrlhf_commands_keep_openrlhfs_dropout_on():
+    """OpenRLHF's Actor trains the model as loaded, dropout included: the converter carries that."""
+    from rlhf_plugins.commands.convert import convert
+
+    conv = convert("python3 -m openrlhf.cli.train_ppo_ray --pretrain MODEL --prompt_data DATA".split())
+    assert conv.raw["learner"]["disable_dropout"] is False

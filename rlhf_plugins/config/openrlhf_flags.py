@@ -38,6 +38,7 @@ PPO_DEFAULTS: dict[str, Any] = {
     "learner.warmup_ratio": 0.03,
     "learner.lr_scheduler": "cosine",
     "learner.min_lr_ratio": 0.1,
+    "learner.disable_dropout": False,  # its Actor trains the model as loaded, dropout included
     "train.prompts_per_step": 1024,
     "train.episodes": 1,
     "learner.mini_batch_size": 128,
