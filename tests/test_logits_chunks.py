@@ -88,16 +88,46 @@ def test_no_logits_tensor_grows_with_batch_times_length(model):
         assert whole.rows >= batch["action_mask"].numel()
 
 
-def test_models_that_scale_their_logits_are_not_chunked(model):
-    """Scaled logits (Cohere's logit_scale, Granite's logits_scaling: multiplied by some models,
-    divided by others) come from the model's own forward."""
-    assert output_head(model) is model.lm_head
-    for key in ("logit_scale", "logits_scaling"):
-        setattr(model.config, key, 8.0)
-        try:
-            assert output_head(model) is None
-        finally:
-            delattr(model.config, key)
+@pytest.mark.parametrize("model_type,scale", [("granite", {"logits_scaling": 0.125}), ("cohere", {"logit_scale": 8.0})])
+def test_logits_scaled_by_a_number_are_chunked_through_the_scaled_hidden_states(model_type, scale):
+    """Granite divides its logits by ``logits_scaling``, Cohere multiplies them by ``logit_scale``: with the
+    head deferred the model's forward scales the hidden states instead, and the bias-free head's chunks
+    then give the scaled logits -- log-probs, entropy and every gradient equal the model's own forward
+    (float64), in chunks of two tokens. A scaled head with a bias is not chunked."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, **scale)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    with torch.no_grad():  # logits spread as a trained model's, so that a factor of 8 changes them
+        model.lm_head.weight.normal_(0, 0.1)
+    batch = random_batch(group=3, prompts=2, seed=8)
+    g = torch.Generator().manual_seed(9)
+    weights = torch.randn(2, *batch["action_mask"].shape, generator=g, dtype=torch.float64)
+    budget = 2 * VOCAB * BYTES_PER_LOGIT / 2**20
+    whole, whole_grads = _grads(model, batch, 0, 0.8, weights)
+    with LargestVocabTensor(model.config.hidden_size) as seen:
+        chunked, chunked_grads = _grads(model, batch, budget, 0.8, weights)
+    assert seen.rows == 2
+    mask = batch["action_mask"].bool()
+    for key in ("logprobs", "entropy"):
+        assert (whole[key] - chunked[key]).abs()[mask].max() < 1e-11  # log-probs near -12 or below
+    for name, grad in whole_grads.items():
+        assert (grad - chunked_grads[name]).abs().max() <= 1e-10 * grad.abs().max() + 1e-14, name
+    (key, value), = scale.items()
+    setattr(model.config, key, 1.0)
+    if model_type == "cohere":
+        model.logit_scale = 1.0  # Cohere keeps its own copy
+    try:
+        unscaled = policy_forward(model, batch, 0.8, logits_memory_mb=0, with_entropy=True)["entropy"]
+    finally:
+        setattr(model.config, key, value)
+        if model_type == "cohere":
+            model.logit_scale = value
+    assert (unscaled - whole["entropy"]).abs()[mask].max() > 0.1  # the factor matters here
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB, dtype=torch.float64))
+    assert output_head(model) is None
 
 
 @pytest.fixture(scope="module")

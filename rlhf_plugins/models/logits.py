@@ -13,8 +13,11 @@ one chunk of logits exists at any moment.
 gradient); 0 computes the whole batch's logits at once, as the model's own forward does. Soft-capped
 logits (Gemma 2's ``final_logit_softcapping``: ``c tanh(z / c)``, the same formula in every model
 that has the setting) are capped chunk by chunk too, the model's own capping switched off while its
-head is deferred. Models that scale their logits (Cohere's ``logit_scale``, Granite's
-``logits_scaling``: multiplied by some, divided by others) always take the whole-logits path.
+head is deferred. Logits a model scales by a number (Cohere's ``logit_scale``, Granite's
+``logits_scaling``, Falcon-H1's ``lm_head_multiplier``: multiplied by some, divided by others) need
+nothing: the model's forward scales what its deferred head hands back, the hidden states, and a linear
+head without a bias maps ``s h`` to ``s W h``, the scaled logits (a head with a bias would not: such a
+model computes its logits whole).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ BYTES_PER_LOGIT = 12
 SOFTCAP_BYTES_PER_LOGIT = 4
 #: the config attribute of soft-capped logits (``c tanh(z / c)``)
 SOFTCAP = "final_logit_softcapping"
-#: config attributes of architectures whose forward scales the head's output (each its own way)
+#: config attributes of architectures whose forward scales the head's output by a number (each its own way)
 HEAD_SCALING = ("logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
@@ -81,18 +84,20 @@ def logit_softcap(config: Any) -> float | None:
 
 
 def scales_logits(config: Any) -> bool:
-    """Whether the model's forward scales its head's output (then it computes its logits whole)."""
+    """Whether the model's forward scales its head's output (or input) by a number."""
     return any(getattr(config, key, None) not in (None, 1, 1.0) for key in HEAD_SCALING)
 
 
 def output_head(model: Any) -> torch.nn.Module | None:
     """The model's language-model head when its logits can be computed from the head's output chunk by
-    chunk (as they are, or soft-capped: :func:`logit_softcap`); ``None`` otherwise (no head found, or
-    scaled logits). Sees through a DeepSpeed engine and a PEFT wrapper."""
+    chunk (as they are, soft-capped, or scaled by a number the model's forward applies to what the
+    deferred head returns); ``None`` otherwise (no head found, or scaled logits from a head with a bias).
+    Sees through a DeepSpeed engine and a PEFT wrapper."""
     head = output_embeddings(model)
-    if head is None or _vocab(head) is None or scales_logits(getattr(unwrapped(model), "config", None)):
+    if head is None or _vocab(head) is None:
         return None
-    return head
+    biased = getattr(getattr(head, "base_layer", head), "bias", None) is not None
+    return None if biased and scales_logits(getattr(unwrapped(model), "config", None)) else head
 
 
 def _vocab(head: torch.nn.Module) -> int | None:

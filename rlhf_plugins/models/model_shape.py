@@ -42,8 +42,6 @@ class ModelShape:
     router_loss: bool = False
     #: the soft cap of the model's logits (Gemma 2's ``final_logit_softcapping``), ``None`` if uncapped
     logit_softcap: float | None = None
-    #: the model's forward scales its logits (Cohere, Granite), so they are computed whole, not in chunks
-    scaled_logits: bool = False
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -74,7 +72,7 @@ class ModelShape:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from .logits import logit_softcap, scales_logits
+        from .logits import logit_softcap
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -99,7 +97,6 @@ class ModelShape:
             matrix_parameters=sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p)),
             router_loss=hasattr(config, "output_router_logits"),
             logit_softcap=logit_softcap(config),
-            scaled_logits=scales_logits(config),
             **_experts(config),
         )
 

@@ -268,7 +268,7 @@ def _inputs(c: Config, shape: ModelShape, role: str, ranks: int, batch: int, pro
     if learner.max_tokens_per_micro_batch:
         tokens = min(tokens, max(learner.max_tokens_per_micro_batch, prompt + completion))
     scored = micro_samples * completion  # tokens whose logits are computed
-    chunk = 0 if shape.scaled_logits else chunk_tokens(shape.vocab, learner.logits_memory_mb, shape.logit_softcap)
+    chunk = chunk_tokens(shape.vocab, learner.logits_memory_mb, shape.logit_softcap)
     logits = min(scored, chunk or scored) * shape.vocab * bytes_per_logit(shape.logit_softcap)
     if role == "critic":
         logits = 0
