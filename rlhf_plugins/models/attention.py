@@ -29,8 +29,9 @@ ATTENTION = "rlhf_sdpa"
 PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
                    "MixtralAttention", "Qwen2MoeAttention", "Qwen3MoeAttention",  # the mixtures of experts' alike
                    # Llama's forward with a fused qkv projection (Phi-3), RoPE skipped in some layers (SmolLM3),
-                   # its own softmax scale (Granite's attention_multiplier, passed as ``scaling``)
-                   "Phi3Attention", "SmolLM3Attention", "GraniteAttention")
+                   # its own softmax scale (Granite's attention_multiplier, passed as ``scaling``), partial RoPE
+                   # (GLM-4), dropout on its output (Seed-OSS)
+                   "Phi3Attention", "SmolLM3Attention", "GraniteAttention", "Glm4Attention", "SeedOssAttention")
 #: models found not to qualify (packing asks on every micro batch; the answer does not change)
 _NOT_PLAIN: weakref.WeakSet = weakref.WeakSet()
 
