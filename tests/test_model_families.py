@@ -113,17 +113,20 @@ def _engine_matches_the_models_own_forward(folder: str, engine: Any, prompts: Pa
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_each_architecture_trains_a_step_sampling_the_log_probs_the_learner_computes(name, tmp_path, monkeypatch):
-    from rlhf_plugins.models import forward, kv_cache
+    from rlhf_plugins.learners import base
+    from rlhf_plugins.models import forward, kv_cache, packing
     from rlhf_plugins.models.logits import BYTES_PER_LOGIT
 
     monkeypatch.chdir(tmp_path)
     reward = tmp_path / "mean_token_id.py"
     reward.write_text(REWARD)
     vocab = ARCHITECTURES[name][1]["vocab_size"]
-    chunks, cascades = [], []
-    head_token_stats, cascade = forward.head_token_stats, kv_cache.cascade_attention
+    chunks, cascades, packed = [], [], []
+    head_token_stats, cascade, lay_out = forward.head_token_stats, kv_cache.cascade_attention, packing.lay_out
     monkeypatch.setattr(forward, "head_token_stats", lambda *a: chunks.append(a[5]) or head_token_stats(*a))
     monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: cascades.append(1) or cascade(*a))
+    for where, module in (("log-probs", packing), ("update", base)):
+        monkeypatch.setattr(module, "lay_out", lambda *a, where=where, **k: packed.append(where) or lay_out(*a, **k))
     prompts, folder = _prompts(tmp_path), _folder(name)
     raw = {"plugins": [str(reward)], "data": {"path": str(prompts), "apply_chat_template": False},
            "train": {"prompts_per_step": 2, "steps": 1},
@@ -144,6 +147,7 @@ def test_each_architecture_trains_a_step_sampling_the_log_probs_the_learner_comp
     moved = max((a - b).abs().max().item() for a, b in zip(after, before))
     assert 0 < moved < 1
     assert chunks and max(chunks) <= 4  # Granite's scaled logits too (through its scaled hidden states)
+    assert set(packed) == {"log-probs", "update"}  # the learner's micro batches were packed rows, both passes
     # plain attention over full-attention layers: the engine reads each prompt's keys once for its samples
     plain = ("glm4", "granite", "mistral", "phi3", "seed_oss", "smollm3")
     assert bool(cascades) == (name in plain and speedups_supported())
