@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .fused_head import fusable, head_stats, wide
-from .model_parts import output_embeddings, unwrapped
+from .model_parts import model_config, output_embeddings
 
 #: bytes one token's logits cost inside a chunk: float32 logits, their softmax, and their gradient
 BYTES_PER_LOGIT = 12
@@ -97,7 +97,7 @@ def output_head(model: Any) -> torch.nn.Module | None:
     if head is None or _vocab(head) is None:
         return None
     biased = getattr(getattr(head, "base_layer", head), "bias", None) is not None
-    return None if biased and scales_logits(getattr(unwrapped(model), "config", None)) else head
+    return None if biased and scales_logits(model_config(model)) else head
 
 
 def _vocab(head: torch.nn.Module) -> int | None:
@@ -124,7 +124,7 @@ def chunking(model: Any, n_tokens: int, budget_mb: float) -> HeadChunks | None:
     head = output_head(model)
     if head is None:
         return None
-    config = getattr(unwrapped(model), "config", None)
+    config = model_config(model)
     softcap = logit_softcap(config)
     chunk = chunk_tokens(_vocab(head) or 1, budget_mb, softcap)
     return HeadChunks(head, chunk, softcap, config) if n_tokens > chunk else None

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .model_parts import model_config
+
 #: transformers' flag of a checkpointed decoder layer that keeps the cache it is given
 KEEP = "_can_checkpoint_with_cache"
 
@@ -88,7 +90,7 @@ def prompt_cache(model: Any) -> PromptCache | None:
     None where its layers' caches are not plain full attention or the speed machinery is off."""
     from . import speedups
 
-    config = getattr(model, "config", None)
+    config = model_config(model)
     if config is None or not speedups.enabled():
         return None
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from .model_parts import model_config
+
 _RECURRENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -16,18 +18,8 @@ def keeps_recurrent_state(model: Any) -> bool:
     convolution-state size error, Granite 4.0-H: no ``batch_repeat_interleave``)."""
     known = _RECURRENT.get(model)
     if known is None:
-        known = _RECURRENT[model] = recurrent_config(_config_of(model))
+        known = _RECURRENT[model] = recurrent_config(model_config(model))
     return known
-
-
-def _config_of(model: Any) -> Any:
-    """The transformers config of ``model`` or of the model a wrapper holds (a DeepSpeed engine's
-    ``config`` is DeepSpeed's own; its model is ``module``)."""
-    for candidate in (model, getattr(model, "module", None)):
-        config = getattr(candidate, "config", None)
-        if hasattr(config, "get_text_config"):
-            return config
-    return None
 
 
 def recurrent_config(config: Any) -> bool:

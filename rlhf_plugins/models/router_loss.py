@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from .model_parts import unwrapped
+from .model_parts import model_config, unwrapped
 
 
 def coefficient(model: Any, setting: float | None) -> float:
     """The coefficient of the load-balancing loss for ``model`` (0: none): ``setting``, or when it is
     None the model config's own ``router_aux_loss_coef`` -- for a model that returns router logits."""
-    config = getattr(unwrapped(model), "config", None)
+    config = model_config(model)
     if not hasattr(config, "output_router_logits"):
         return 0.0
     if setting is None:
