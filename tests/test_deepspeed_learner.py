@@ -1,9 +1,9 @@
 """The DeepSpeed learner in this process (world size 1, gloo) trains the model its engine wraps as the torch
 learner trains it, for the model options read from the model's config: a soft cap on the logits (Gemma 2,
 its head applied in chunks), a mixture of experts' load-balancing loss, and the prompts shared under
-gradient checkpointing. The engine passes attribute reads through to its model, but its ``config`` is
-DeepSpeed's own: read there, these options were silently lost (the cap applied to the hidden states, the
-router loss off, every sample's prompt recomputed)."""
+gradient checkpointing and in packed micro batches. The engine passes attribute reads through to its
+model, but its ``config`` is DeepSpeed's own: read there, these options were silently lost (the cap
+applied to the hidden states, the router loss off, every sample's prompt recomputed or padded)."""
 from __future__ import annotations
 
 import pytest
@@ -116,5 +116,28 @@ def test_zero3_under_gradient_checkpointing_runs_each_prompt_once(tiny_model, mo
         hook.remove()
     assert made and all(cache is not None for cache in made)
     assert rows.count(3) == 2 and rows.count(12) == 2  # each learner: 3 prompts, then 12 completions
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert worst < 0.05 * LR
+
+
+def test_packed_micro_batches_hold_each_prompt_once_through_the_engine(tiny_model):
+    """Token-budget micro batches: through the engine the model attends per sample, so its packed rows
+    hold each group's prompt once, as the torch learner's do (the same rows, the same update); the
+    engine's config once hid the model's attention and every sample went in whole."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    shapes: list[tuple[int, ...]] = []  # every embedding call with gradients: the DeepSpeed update's, the torch one's
+    hook = register_module_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape))
+        if isinstance(module, torch.nn.Embedding) and torch.is_grad_enabled() else None)
+    try:
+        want, got, worst = _one_update_each(tiny_model, {"max_tokens_per_micro_batch": 48}, 3)
+    finally:
+        hook.remove()
+    ds, local = shapes[: len(shapes) // 2], shapes[len(shapes) // 2:]
+    batch = random_batch(group=4, prompts=3, seed=5)
+    whole = int(batch["attention_mask"].sum())  # every sample's prompt and completion
+    assert ds == local and all(rows == 1 for rows, _ in ds)
+    assert sum(width for _, width in ds) < whole - 2 * 3 * 3  # each prompt (3+ tokens) once, not 4 times
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert worst < 0.05 * LR

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .model_parts import model_config
+
 #: the attention implementation name an enabled model's config carries (never saved with the model)
 ATTENTION = "rlhf_sdpa"
 #: attention classes whose forward is plain scaled dot-product attention over the cache's keys and
@@ -48,7 +50,7 @@ def enable(model: Any) -> bool:
 
     if not speedups.enabled():
         return False
-    config = getattr(model, "config", None)
+    config = model_config(model)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == ATTENTION:
         return True

@@ -14,12 +14,14 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .model_parts import model_config
+
 
 def reserved_cache(model: Any, capacity: int) -> DynamicCache | None:
     """A cache whose full-attention layers reserve ``capacity`` positions, or None when the model's
     cache has other kinds of layers (sliding windows, linear attention) -- those keep transformers'
     own cache."""
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model_config(model))
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     cache.layers = [ReservedLayer(capacity) for _ in cache.layers]
