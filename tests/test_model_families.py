@@ -18,41 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import in_process_trainer, sampling_logprobs, speedups_supported
-
-#: model_type and the public config's fields (google/gemma-2-2b, google/gemma-3-1b-pt,
-#: microsoft/Phi-3-mini-4k-instruct, mistralai/Mistral-7B-v0.3, ibm-granite/granite-3.1-2b-base,
-#: HuggingFaceTB/SmolLM3-3B, ByteDance-Seed/Seed-OSS-36B-Base, zai-org/GLM-4-9B-0414,
-#: deepseek-ai/DeepSeek-V3) that shape the computation, at 64 wide;
-#: sliding windows of 8 tokens, so that they slide within these short samples
-ARCHITECTURES = {
-    "gemma2": ("gemma2", dict(vocab_size=256000, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
-                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
-    "gemma3": ("gemma3_text", dict(vocab_size=262144, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
-                                   layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)),
-    "phi3": ("phi3", dict(vocab_size=32064, tie_word_embeddings=False, sliding_window=None)),
-    "mistral": ("mistral", dict(vocab_size=32768, head_dim=32, sliding_window=None, rope_theta=1000000.0,
-                                tie_word_embeddings=False)),
-    "granite": ("granite", dict(vocab_size=49155, embedding_multiplier=12.0, residual_multiplier=0.22,
-                                attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True)),
-    "smollm3": ("smollm3", dict(vocab_size=128256, no_rope_layer_interval=2, tie_word_embeddings=True)),
-    "glm4": ("glm4", dict(vocab_size=151552, head_dim=32, partial_rotary_factor=0.5, attention_bias=True,
-                          tie_word_embeddings=False)),
-    # multi-head latent attention (low-rank queries and keys, RoPE on a slice), a dense first layer, then 8
-    # routed experts (2 per token, grouped sigmoid routing) beside a shared one
-    "deepseek_v3": ("deepseek_v3", dict(vocab_size=129280, moe_intermediate_size=32, n_routed_experts=8,
-                                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                        v_head_dim=16, n_group=2, topk_group=1, num_key_value_heads=2,
-                                        tie_word_embeddings=False)),
-    # its config keeps dropout (0.1 in attention and on the residuals): --learner.disable_dropout's case
-    "seed_oss": ("seed_oss", dict(vocab_size=155136, head_dim=32, attention_bias=True, attention_dropout=0.1,
-                                  residual_dropout=0.1, rope_theta=10000000.0, tie_word_embeddings=False)),
-}
-
-#: the weights that make queries and keys (DeepSeek's latent attention: its up-projections)
-QUERIES_AND_KEYS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")
+from tests.helpers import ARCHITECTURES, family_model_path, in_process_trainer, sampling_logprobs, speedups_supported
 
 #: a TRL-style reward that tells samples apart, so the update is not zero (by token ids: most of these
 #: models' ids are past the embedded tokenizer's, whose text is empty)
@@ -60,31 +26,6 @@ REWARD = '''
 def mean_token_id(prompts, completions, completion_ids, **kwargs):
     return [sum(ids) / len(ids) / 100000 for ids in completion_ids]
 '''
-
-
-def _folder(name: str) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
-    from rlhf_plugins.models.tiny_model import cached_build, default_model_path
-
-    def build(out: Path) -> None:
-        model_type, fields = ARCHITECTURES[name]
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path(quiet=True))
-        sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1)
-        config = AutoConfig.for_model(model_type, **{**sizes, **fields}, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # queries and keys of a trained model's spread: attention far from uniform,
-            for key, weight in model.named_parameters():  # so its scale and masks decide what samples read
-                if key.endswith(QUERIES_AND_KEYS):
-                    weight.normal_(0, 0.3)
-        save_pretrained(model, out)
-        save_tokenizer(tokenizer, out)
-
-    return cached_build(f"architecture-{name}-v4", build, quiet=True)
 
 
 def _prompts(folder: Path) -> Path:
@@ -127,7 +68,7 @@ def test_each_architecture_trains_a_step_sampling_the_log_probs_the_learner_comp
     monkeypatch.setattr(kv_cache, "cascade_attention", lambda *a: cascades.append(1) or cascade(*a))
     for where, module in (("log-probs", packing), ("update", base)):
         monkeypatch.setattr(module, "lay_out", lambda *a, where=where, **k: packed.append(where) or lay_out(*a, **k))
-    prompts, folder = _prompts(tmp_path), _folder(name)
+    prompts, folder = _prompts(tmp_path), family_model_path(name)
     raw = {"plugins": [str(reward)], "data": {"path": str(prompts), "apply_chat_template": False},
            "train": {"prompts_per_step": 2, "steps": 1},
            "generation": {"n_samples_per_prompt": 4, "max_new_tokens": 8, "temperature": 1.0},

@@ -365,3 +365,68 @@ def test_structured_outputs_make_every_completion_match_the_regex(tiny_model):
     assert len(texts["[0-9]{3}"]) == 2 * len(ids)
     assert all(re.fullmatch("[0-9]{3}", t) for t in texts["[0-9]{3}"]), texts["[0-9]{3}"]
     assert not all(re.fullmatch("[0-9]{3}", t) for t in texts[None]), texts[None]
+
+
+def test_a_fused_modules_lora_adapter_is_split_into_the_parts_vllm_takes():
+    """GLM-4's MLP is one ``gate_up_proj`` in transformers and two adapter targets in vLLM: each part keeps
+    lora_A and takes its rows of lora_B, so each part's update B_part A is the fused update's rows; other
+    modules pass as they are; a split of unknown widths is refused in one line."""
+    from rlhf_plugins.engines.vllm_lora import split_fused
+    from rlhf_plugins.errors import UsageError
+
+    g = torch.Generator().manual_seed(0)
+    layer = "base_model.model.model.layers.0"
+    weights = {f"{layer}.mlp.gate_up_proj.lora_A.weight": torch.randn(4, 16, generator=g),
+               f"{layer}.mlp.gate_up_proj.lora_B.weight": torch.randn(2 * 24, 4, generator=g),
+               f"{layer}.self_attn.q_proj.lora_B.weight": torch.randn(16, 4, generator=g)}
+    config = {"r": 4, "target_modules": ["gate_up_proj", "q_proj"]}
+    out, cfg = split_fused(weights, config, {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj",)})
+    fused = weights[f"{layer}.mlp.gate_up_proj.lora_B.weight"] @ weights[f"{layer}.mlp.gate_up_proj.lora_A.weight"]
+    for rows, part in ((slice(0, 24), "gate_proj"), (slice(24, 48), "up_proj")):
+        got = out[f"{layer}.mlp.{part}.lora_B.weight"] @ out[f"{layer}.mlp.{part}.lora_A.weight"]
+        assert torch.equal(got, fused[rows]), part
+    assert out[f"{layer}.self_attn.q_proj.lora_B.weight"] is weights[f"{layer}.self_attn.q_proj.lora_B.weight"]
+    assert len(out) == 5 and cfg["target_modules"] == ["gate_proj", "q_proj", "up_proj"] and config["r"] == cfg["r"]
+    with pytest.raises(UsageError, match="drop qkv_proj from --lora.target_modules"):
+        split_fused({f"{layer}.self_attn.qkv_proj.lora_A.weight": torch.zeros(4, 16)}, config,
+                    {"qkv_proj": ("q_proj", "k_proj", "v_proj")})
+
+
+def test_a_lora_adapter_on_glm4s_fused_mlp_syncs_into_vllm():
+    """A reduced GLM-4 with LoRA on every linear layer (its fused ``gate_up_proj`` among them), adapters
+    trained away from zero: vLLM loads the adapter the learner hands over (it refused the fused name) and
+    samples with the learner's log-probs; vLLM's Phi-3 takes its fused modules as they are."""
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.engines.vllm_lora import split_parts
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.testing import backend_context
+    from tests.helpers import family_model_path
+
+    path = family_model_path("glm4")
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "model": {"path": path}, "lora": {"rank": 8},
+                             "sync": {"method": "adapter"}}, autoload=False)
+    learner = TorchLearner(backend_context(config, "actor", path, pm))
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    weights, lora_config = learner.adapter_state()
+    assert any(".mlp.gate_up_proj.lora_B" in name for name in weights)
+    engine = VLLMEngine(backend_context(config, "generation", path, pm, adapter_sync=True))
+    try:
+        vllm_config = engine.llm.llm_engine.vllm_config.model_config
+        assert split_parts(vllm_config)["gate_up_proj"] == ("gate_proj", "up_proj")
+        assert engine.load_adapter(weights, lora_config)["tensors"] > len(weights)  # split into its parts
+        ids = prompts(path)
+        batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=6, seed=1)), 2)
+        assert verify_parity(Actor(learner.model), engine, batch) < 1e-4
+    finally:
+        engine.shutdown()
+
+    class Phi3:  # the engine's model config, naming vLLM's Phi-3 instead
+        architectures = ["Phi3ForCausalLM"]
+
+        def __getattr__(self, name):
+            return getattr(vllm_config, name)
+
+    assert "gate_up_proj" not in split_parts(Phi3())

@@ -29,6 +29,7 @@ from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
 from .vllm_arguments import engine_arguments
 from .vllm_classes import vllm_class_patches_confined
+from .vllm_lora import split_fused, split_parts
 from .vllm_worker import VLLMModelWorker, load, on_worker, reclass_model
 
 logger = logging.getLogger("rlhf_plugins")
@@ -219,6 +220,7 @@ class VLLMEngine:
         if rank > lora.max_lora_rank:
             raise UsageError(f"the LoRA adapter has rank {rank} but the vLLM engine was started with "
                              f"max_lora_rank {lora.max_lora_rank}; set --vllm.max_lora_rank {rank}")
+        weights, config = split_fused(weights, config, self.__dict__.get("lora_parts") or self._lora_parts())
         if self.lora_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.lora_dir = Path(tempfile.mkdtemp(prefix="rlhf-lora-", dir=base))
@@ -226,6 +228,10 @@ class VLLMEngine:
         (self.lora_dir / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "LORA"}))
         self.lora_request = LoRARequest("rlhf-policy", 1, str(self.lora_dir), load_inplace=True)
         return {"tensors": len(weights)}
+
+    def _lora_parts(self) -> dict[str, tuple[str, ...]]:
+        self.lora_parts = split_parts(self.llm.llm_engine.vllm_config.model_config)
+        return self.lora_parts
 
     def _take_lora(self) -> Any:
         """The adapter request: reloaded once after each sync, then served from vLLM's cache."""
