@@ -87,7 +87,9 @@ class ValueModel(torch.nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> ValueOutput:
-        """``cache`` (or, by transformers' older name, ``past_key_values``): the KV cache to extend."""
+        """``cache`` (or, by transformers' older name, ``past_key_values``): the KV cache to extend;
+        ``kwargs`` reach the backbone's attention as they reach a causal LM's (a packed micro batch's
+        ``packed_samples``: without them its completions would attend to each other)."""
         cache = past_key_values if cache is None else cache
         out = self.backbone(
             input_ids=input_ids,
@@ -95,6 +97,7 @@ class ValueModel(torch.nn.Module):
             position_ids=position_ids,
             use_cache=use_cache,
             **cache_argument(self.backbone, cache),
+            **kwargs,
         )
         hidden = out.last_hidden_state
         if logits_to_keep:
