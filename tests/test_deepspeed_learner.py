@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.deepspeed_cases import LR
-from tests.helpers import random_batch
+from tests.helpers import clean_env, random_batch
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed") / "cases.json"
-    done = subprocess.run([sys.executable, "-m", "tests.deepspeed_cases", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    # without the process-group variables an in-process sharded learner of this worker left set (its port)
+    done = subprocess.run([sys.executable, "-m", "tests.deepspeed_cases", str(out)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
