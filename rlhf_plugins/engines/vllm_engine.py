@@ -82,6 +82,7 @@ class VLLMEngine:
         kwargs = engine_arguments(config, model_path, self.cpu, self.sleep_enabled)
         self.lora_request: Any = None
         self.lora_dir: Path | None = None
+        self.lora_parts: dict[str, tuple[str, ...]] | None = None  # read at the first adapter sync
         if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them
             kwargs.update(enable_lora=True, max_lora_rank=o.max_lora_rank)
         if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
@@ -220,7 +221,9 @@ class VLLMEngine:
         if rank > lora.max_lora_rank:
             raise UsageError(f"the LoRA adapter has rank {rank} but the vLLM engine was started with "
                              f"max_lora_rank {lora.max_lora_rank}; set --vllm.max_lora_rank {rank}")
-        weights, config = split_fused(weights, config, self.__dict__.get("lora_parts") or self._lora_parts())
+        if self.lora_parts is None:
+            self.lora_parts = split_parts(self.llm.llm_engine.vllm_config.model_config)
+        weights, config = split_fused(weights, config, self.lora_parts)
         if self.lora_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.lora_dir = Path(tempfile.mkdtemp(prefix="rlhf-lora-", dir=base))
@@ -228,10 +231,6 @@ class VLLMEngine:
         (self.lora_dir / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "LORA"}))
         self.lora_request = LoRARequest("rlhf-policy", 1, str(self.lora_dir), load_inplace=True)
         return {"tensors": len(weights)}
-
-    def _lora_parts(self) -> dict[str, tuple[str, ...]]:
-        self.lora_parts = split_parts(self.llm.llm_engine.vllm_config.model_config)
-        return self.lora_parts
 
     def _take_lora(self) -> Any:
         """The adapter request: reloaded once after each sync, then served from vLLM's cache."""
