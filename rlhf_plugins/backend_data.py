@@ -6,6 +6,7 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -27,7 +28,9 @@ Batch = dict[str, Any]
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample: ``n`` completions per prompt of at most ``max_new_tokens`` tokens.
-    ``seed`` makes a call reproducible (the loop derives one per step)."""
+    ``seed`` makes a call reproducible (the loop derives one per step); the call's samples must still
+    be independent draws: an engine that seeds each prompt's request on its own gives each prompt
+    ``derived_seed(seed, index)``, never ``seed`` itself."""
 
     n: int = 1
     max_new_tokens: int = 16
@@ -43,6 +46,15 @@ class SamplingParams:
     #: a completion ends once its text contains one of these strings: the token that completes it is
     #: kept (as vLLM keeps it) and the finish reason is "stop"
     stop: tuple[str, ...] = ()
+
+
+def derived_seed(seed: int, *keys: int | str) -> int:
+    """The seed of one part of a seeded call (a prompt's request, an engine's share of the prompts):
+    a hash of ``seed`` and ``keys``, so that the parts of one call, and calls whose seeds differ by a
+    little (the loop's next step, round or turn), draw unrelated streams. Below 2**62: vLLM seeds a
+    request's ``k``-th sample with its seed + ``k``."""
+    digest = hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass

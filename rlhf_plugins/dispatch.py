@@ -16,9 +16,11 @@ the marks, one with several (Ray) reads them with :func:`dispatch_mode`:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .backend_data import SamplingParams, derived_seed
 from .protocols import Samples
 
 MODES = ("split", "all", "prompts", "one")
@@ -92,6 +94,20 @@ def balance(loads: list[int], n: int) -> list[list[int]]:
         shares[k].append(i)
         totals[k] += loads[i]
     return [sorted(s) for s in shares]
+
+
+def share_arguments(args: tuple, kwargs: dict[str, Any], share: int) -> tuple[tuple, dict[str, Any]]:
+    """The arguments of one engine's call in a ``"prompts"`` dispatch (``args[0]``, the prompts, is
+    cut by the caller): seeded sampling parameters get the seed ``derived_seed(seed, "engine", share)``,
+    as every engine seeds its own call -- with the call's seed each would draw its first prompt's
+    samples from the stream of every other engine's first prompt."""
+
+    def own(value: Any) -> Any:
+        if isinstance(value, SamplingParams) and value.seed is not None:
+            return dataclasses.replace(value, seed=derived_seed(value.seed, "engine", share))
+        return value
+
+    return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
 
 
 def merge_results(results: list[Any]) -> Any:

@@ -278,6 +278,27 @@ def prompts(model_path: str) -> list[list[int]]:
             for a in range(4)]
 
 
+def draws_of_a_seeded_engine(engine: Any) -> dict[str, Any]:
+    """What an engine of the tiny model samples for one prompt in the ways the loop calls it: the prompt
+    six times in one call (a group's later turns, equal prompts of a rollout), one request of three
+    samples under two adjacent seeds (the loop's steps, rounds, parts and turns differ by a little), and
+    the first call again. The prompt is twelve token ids of no task, at temperature 2: the tiny model
+    answers its addition prompts in a token or two, but runs on here, so a draw repeats only when its
+    random stream does."""
+    import torch
+
+    from rlhf_plugins import SamplingParams
+
+    prompt = torch.randint(10, 300, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def draw(prompts: list[list[int]], n: int, seed: int) -> list[tuple[int, ...]]:
+        params = SamplingParams(n=n, max_new_tokens=8, temperature=2.0, seed=seed)
+        return [tuple(c) for c in engine.generate(prompts, params).completion_ids]
+
+    return {"repeated": draw([prompt] * 6, 1, 5), "seed5": draw([prompt], 3, 5), "seed6": draw([prompt], 3, 6),
+            "again": draw([prompt] * 6, 1, 5)}
+
+
 class Actor:
     """A learner stand-in for parity checks: a transformers model and its log-probs."""
 

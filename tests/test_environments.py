@@ -319,6 +319,8 @@ def test_an_agents_returned_sampling_params_set_its_next_turns(tokenizer, engine
     assert turn_calls[0] == (4, (), 0)  # the first turn: one request (n = 2 per prompt)
     for later_turn in (turn_calls[1:3], turn_calls[3:5]):  # then one call per set of settings
         assert sorted(later_turn) == [(2, (), 0), (2, ("1",), 5)]
+    # ... each with a seed of its own (an engine seeds a call's prompts by their place in it)
+    assert rec.calls[0][2].seed == 9 and len({p.seed for _, _, p in rec.calls}) == 5
     stopped = [c for _, completions, p in rec.calls if p.stop for c in completions]
     assert all("1" not in tokenizer.decode(c[:-1]) for c in stopped)  # cut at the token that completes "1"
     assert sum("1" in tokenizer.decode(c) for c in stopped) >= 2  # ... which the model did sample

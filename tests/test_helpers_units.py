@@ -1,12 +1,22 @@
 """Pure helpers on their own: weight buckets, name checks, batch sharding, prompt balancing,
-result merging, and the default model-worker view of an engine."""
+result merging, the seeds of an engine's share and of a prompt's request, and the default
+model-worker view of an engine."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf_plugins import Samples, on_model_workers
-from rlhf_plugins.dispatch import balance, dispatch, dispatch_mode, merge_results, merge_samples, shard_batch
+from rlhf_plugins import Samples, SamplingParams, on_model_workers
+from rlhf_plugins.backend_data import derived_seed
+from rlhf_plugins.dispatch import (
+    balance,
+    dispatch,
+    dispatch_mode,
+    merge_results,
+    merge_samples,
+    shard_batch,
+    share_arguments,
+)
 from rlhf_plugins.models.weights import WeightSyncError
 from rlhf_plugins.sync.broadcast import Bucket, buckets, check_names
 
@@ -97,6 +107,26 @@ def test_merge_samples_restores_prompt_order():
     assert merged.prompt_index == [0, 0, 1, 1, 2, 2, 3, 3]
     assert merged.completion_ids == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [3, 1]]
     assert merged.logprobs[6] == [-0.30000000000000004]
+
+
+def test_derived_seeds_are_fixed_distinct_and_leave_room_for_a_requests_samples():
+    seeds = [derived_seed(s, k) for s in range(50) for k in range(50)] + [derived_seed(7, "engine", k) for k in range(50)]
+    assert seeds[:3] == [derived_seed(0, 0), derived_seed(0, 1), derived_seed(0, 2)]
+    assert all(0 <= s < 2**62 for s in seeds)
+    # no two within 64 of each other: a request's k-th sample (vLLM: its seed + k) never takes another's stream
+    ordered = sorted(seeds)
+    assert len(ordered) == 2550 and min(b - a for a, b in zip(ordered, ordered[1:])) > 64
+
+
+def test_each_engines_share_gets_sampling_parameters_with_a_seed_of_its_own():
+    params = SamplingParams(n=4, max_new_tokens=9, temperature=0.7, seed=11)
+    calls = [share_arguments((["prompts"], params), {"extra": params, "flag": True}, k) for k in range(3)]
+    for k, (args, kwargs) in enumerate(calls):
+        want = SamplingParams(n=4, max_new_tokens=9, temperature=0.7, seed=derived_seed(11, "engine", k))
+        assert args == (["prompts"], want) and kwargs == {"extra": want, "flag": True}
+    assert len({args[1].seed for args, _ in calls} | {11}) == 4
+    unseeded = SamplingParams(n=2)
+    assert share_arguments(([], unseeded), {}, 1) == (([], unseeded), {})
 
 
 def test_dispatch_marks():

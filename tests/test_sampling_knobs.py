@@ -10,7 +10,7 @@ import torch
 
 from rlhf_plugins import SamplingParams
 from rlhf_plugins.engines.transformers_engine import filter_logits, sample_token
-from tests.helpers import sampling_logprobs, stopped_by_strings
+from tests.helpers import draws_of_a_seeded_engine, sampling_logprobs, stopped_by_strings
 
 
 def test_min_p_leaves_out_exactly_the_tokens_below_its_share_of_the_top_probability():
@@ -45,6 +45,15 @@ def engine_and_model(tiny_model):
     config, pm, _ = prepare({}, autoload=False)
     return TransformersEngine(backend_context(config, "generation", tiny_model, pm)), \
         AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+
+def test_equal_prompts_and_adjacent_seeds_are_independent_draws(engine_and_model):
+    """One generator of the call's seed for the whole batch: equal prompts of a call, and calls whose
+    seeds differ by one, draw different samples; the same seed the same ones."""
+    draws = draws_of_a_seeded_engine(engine_and_model[0])
+    assert len(set(draws["repeated"])) == 6
+    assert draws["seed6"][:2] != draws["seed5"][1:] and not set(draws["seed5"]) & set(draws["seed6"])
+    assert draws["again"] == draws["repeated"]
 
 
 def uneven_prompts(model_path: str) -> list[list[int]]:

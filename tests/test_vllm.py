@@ -20,6 +20,7 @@ from rlhf_plugins.sync import verify_parity  # noqa: E402
 from tests.helpers import (  # noqa: E402
     Actor,
     batch_of,
+    draws_of_a_seeded_engine,
     eval_rows_of,
     metrics_of,
     prompts,
@@ -172,6 +173,16 @@ class TestEngine:
         assert all(len(c) >= 1 for c in samples.completion_ids)
         again = engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, seed=5))
         assert again.completion_ids == samples.completion_ids  # seeded: the same samples
+
+
+    def test_every_prompt_and_every_adjacent_seed_draws_a_stream_of_its_own(self, engine):
+        """vLLM seeds a request's k-th sample with its seed + k: with the call's seed on every request, each
+        prompt's k-th sample came from one stream (a near-uniform model's prompts got the same tokens, equal
+        contexts the same continuation), and seed s + 1 drew seed s's samples shifted by one."""
+        draws = draws_of_a_seeded_engine(engine)
+        assert len(set(draws["repeated"])) == 6
+        assert draws["seed6"][:2] != draws["seed5"][1:] and not set(draws["seed5"]) & set(draws["seed6"])
+        assert draws["again"] == draws["repeated"]  # seeded: the same samples
 
 
 def test_engine_dtype_auto_runs_a_float32_model_in_vllms_dtype_and_takes_float32_weights(tiny_model):

@@ -16,6 +16,7 @@ temperature / top-k / top-p, as the learner computes them when top-k/top-p are o
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..backend_data import derived_seed
 from ..errors import UsageError
 from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
@@ -56,6 +58,21 @@ def _start_hint(exc: BaseException, adapter_sync: bool, cpu: bool) -> str:
         return ("; vLLM applies LoRA to this architecture (a mixture of experts) with Triton kernels, which its "
                 "CPU build lacks: drop --sync.method adapter (the merged weights sync instead)")
     return ""
+
+
+def seeded(sampling: Any, seed: int | None, prompts: int) -> Any:
+    """vLLM's sampling parameters of each prompt's request, each with a seed of its own
+    (``derived_seed(seed, i)``): vLLM seeds a request's ``k``-th sample with its seed + ``k``, so one seed
+    for every request would draw each prompt's ``k``-th sample from the same stream (the same tokens
+    wherever the prompts' distributions agree, and the same continuation for equal contexts)."""
+    if seed is None:
+        return sampling
+    requests = []
+    for i in range(prompts):
+        request = copy.copy(sampling)
+        request.seed = derived_seed(seed, i)
+        requests.append(request)
+    return requests
 
 
 class VLLMEngine:
@@ -114,15 +131,14 @@ class VLLMEngine:
             top_k=params.top_k,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            seed=params.seed,
             logprobs=0,
             stop=list(params.stop) or None,
             # the loop decodes what it needs; vLLM's incremental detokenizer runs only to match stop strings
             detokenize=bool(params.stop),
             structured_outputs=self._structured,
         )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling, use_tqdm=False,
-                                    lora_request=self._take_lora())
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], seeded(sampling, params.seed,
+                                    len(prompt_ids)), use_tqdm=False, lora_request=self._take_lora())
         samples = Samples()
         cached = [r.num_cached_tokens for r in outputs if getattr(r, "num_cached_tokens", None) is not None]
         samples.cached_prompt_tokens = sum(cached) if cached else None

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ..backend_data import derived_seed
 from ..errors import ConfigError
 from ..protocols import SamplingParams
 from .sessions import AgentSession, SessionContext, ToolSession, check_shape, is_agent, is_agent_class
@@ -235,7 +236,8 @@ class EnvRunner:
 def _by_settings(generate: Callable[..., Any], contexts: list[list[int]], params: SamplingParams,
                  overrides: list[dict[str, Any]]) -> Any:
     """``generate`` for every context, one call per distinct set of sampling overrides (one call when
-    none has any), the samples back in the order of ``contexts``."""
+    none has any), the samples back in the order of ``contexts``. Each call has a seed of its own (unless
+    the overrides set one): an engine seeds a call's prompts by their place in it."""
     keys = [tuple(sorted(o.items())) for o in overrides]
     if len(set(keys)) <= 1:
         return generate(contexts, dataclasses.replace(params, **overrides[0]) if overrides else params)
@@ -243,9 +245,10 @@ def _by_settings(generate: Callable[..., Any], contexts: list[list[int]], params
 
     merged = Samples(list(range(len(contexts))), [[]] * len(contexts), [[]] * len(contexts), [""] * len(contexts))
     cached: int | None = 0
-    for key in dict.fromkeys(keys):
+    for call, key in enumerate(dict.fromkeys(keys)):
         idx = [j for j, k in enumerate(keys) if k == key]
-        part = generate([contexts[j] for j in idx], dataclasses.replace(params, **dict(key)))
+        seed = {} if params.seed is None else {"seed": derived_seed(params.seed, "settings", call)}
+        part = generate([contexts[j] for j in idx], dataclasses.replace(params, **{**seed, **dict(key)}))
         for k, j in enumerate(idx):
             merged.completion_ids[j], merged.logprobs[j] = part.completion_ids[k], part.logprobs[k]
             merged.finish_reasons[j] = part.finish_reasons[k]

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from ..dispatch import balance, dispatch_mode, merge_results, merge_samples, shard_batch
+from ..dispatch import balance, dispatch_mode, merge_results, merge_samples, shard_batch, share_arguments
 from ..errors import RoleCallTimeout, RoleFailed, UsageError
 
 #: environment a worker inherits from the driver (local clusters would, remote ones do not)
@@ -256,8 +256,8 @@ class RoleGroup:
         prompts, rest = args[0], args[1:]
         shares = balance([len(p) for p in prompts], len(self.workers))
         busy = [(w, idx) for w, idx in zip(self.workers, shares) if idx]
-        parts = self._get([w.call.remote(name, ([prompts[i] for i in idx], *rest), kwargs, self.role)
-                           for w, idx in busy], name)
+        calls = [share_arguments(([prompts[i] for i in idx], *rest), kwargs, k) for k, (_, idx) in enumerate(busy)]
+        parts = self._get([w.call.remote(name, *call, self.role) for (w, _), call in zip(busy, calls)], name)
         return merge_samples([idx for _, idx in busy], parts)
 
     def endpoints(self) -> list[RayEndpoint]:
