@@ -12,6 +12,43 @@ import pytest
 from rlhf_plugins.evaluation.metrics import majority, pass_at_k, summarise
 from tests.helpers import all_rows_of, eval_rows_of, metrics_of, the_run, with_eval
 
+# --- sampling -------------------------------------------------------------------------------
+
+def test_each_batch_of_held_out_prompts_draws_its_own_samples(tiny_model):
+    """The same prompt in three batches of two (``--eval.batch_prompts 2``) through the transformers engine,
+    which draws a call's rows from one generator of the call's seed: each batch has a seed of its own (the
+    first the run's), so no batch repeats another's samples; greedy calls are unchanged."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.backend_data import derived_seed
+    from rlhf_plugins.data.prompts import PromptSet
+    from rlhf_plugins.engines.transformers_engine import TransformersEngine
+    from rlhf_plugins.evaluation.evaluator import EvalSettings, Evaluator
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({}, autoload=False)
+    engine, calls = TransformersEngine(backend_context(config, "generation", tiny_model, pm)), []
+
+    def generate(prompt_ids, params):
+        samples = engine.generate(prompt_ids, params)
+        calls.append((params, [tuple(c) for c in samples.completion_ids]))
+        return samples
+
+    from transformers import AutoTokenizer
+
+    recorded = type("Recorded", (), {"generate": staticmethod(generate)})()
+    prompt = list(range(40, 52))  # no task: the tiny model runs on for all 8 tokens
+    held_out = PromptSet(["p"] * 6, [prompt] * 6)
+    settings = EvalSettings(n_samples=2, temperature=2.0, max_new_tokens=8, batch_prompts=2, seed=3)
+    evaluate = Evaluator(held_out, AutoTokenizer.from_pretrained(tiny_model), recorded,
+                         lambda idx, samples, texts, step, extra: [0.0] * len(texts), lambda text, row: None, settings)
+    evaluate(step=0)
+    sampled = [(params, drawn) for params, drawn in calls if params.top_k == 0]
+    assert [params.seed for params, _ in sampled] == [3, derived_seed(3, "eval", 2), derived_seed(3, "eval", 4)]
+    drawn = [sample for _, samples in sampled for sample in samples]
+    assert len(drawn) == 12 and len(set(drawn)) == 12
+    assert [params.top_k for params, _ in calls].count(1) == 3  # one greedy call per batch
+
+
 # --- metrics --------------------------------------------------------------------------------
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:

@@ -30,7 +30,7 @@ class EvalConfig:
     reward_functions: list[str] = field(default_factory=list)
     #: a sample is correct when its score is at least this
     threshold: float = setting(1.0)
-    #: prompts per generation call
+    #: prompts per generation call (each call draws with a seed of its own, the first with --train.seed)
     batch_prompts: int = setting(64, ge=1)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..backend_data import derived_seed
 from ..data.prompts import PromptSet
 from ..protocols import Samples, SamplingParams
 from .metrics import summarise
@@ -76,7 +77,10 @@ class Evaluator:
         greedy_scores: list[float] = []
         for start in range(0, total, s.batch_prompts):
             idx = list(range(start, min(start + s.batch_prompts, total)))
-            rows, texts = self._scored(idx, sampled, step)
+            # each batch of prompts draws from a seed of its own (an engine seeds a call's prompts by their
+            # place in it); the first keeps the run's seed, so an evaluation of one batch samples as it did
+            seed = s.seed if start == 0 else derived_seed(s.seed, "eval", start)
+            rows, texts = self._scored(idx, dataclasses.replace(sampled, seed=seed), step)
             scores += rows
             answers += [[self.extract(t, self._row(i)) for t in ts] for i, ts in zip(idx, texts)]
             greedy_rows, _ = self._scored(idx, greedy, step)
