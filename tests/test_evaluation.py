@@ -18,6 +18,10 @@ def test_each_batch_of_held_out_prompts_draws_its_own_samples(tiny_model):
     """The same prompt in three batches of two (``--eval.batch_prompts 2``) through the transformers engine,
     which draws a call's rows from one generator of the call's seed: each batch has a seed of its own (the
     first the run's), so no batch repeats another's samples; greedy calls are unchanged."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
     from rlhf_plugins.api import prepare
     from rlhf_plugins.backend_data import derived_seed
     from rlhf_plugins.data.prompts import PromptSet
@@ -33,9 +37,7 @@ def test_each_batch_of_held_out_prompts_draws_its_own_samples(tiny_model):
         calls.append((params, [tuple(c) for c in samples.completion_ids]))
         return samples
 
-    from transformers import AutoTokenizer
-
-    recorded = type("Recorded", (), {"generate": staticmethod(generate)})()
+    recorded = SimpleNamespace(generate=generate)
     prompt = list(range(40, 52))  # no task: the tiny model runs on for all 8 tokens
     held_out = PromptSet(["p"] * 6, [prompt] * 6)
     settings = EvalSettings(n_samples=2, temperature=2.0, max_new_tokens=8, batch_prompts=2, seed=3)
