@@ -36,7 +36,8 @@ NOISY = r"(vllm|transformers|torch|deepspeed|ray|trl|peft|accelerate|datasets|tr
 def quiet_third_party() -> None:
     """Keep the known noise of the stack out of the user's terminal (``-v`` shows it): deprecation
     and future warnings raised inside the libraries, vLLM's info and warning lines, torch's C++
-    warnings. Environment variables carry it to engine processes and Ray workers started from here."""
+    warnings, datasets' per-pass bars (TRL's tokenizing of a stage's data: our bar is the run's).
+    Environment variables carry it to engine processes and Ray workers started from here."""
     import os
     import warnings
 
@@ -46,6 +47,9 @@ def quiet_third_party() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)  # some of vLLM warns before it configures its logging
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
+    if "datasets" in sys.modules:  # imported already (a caller's process): switched off in place
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def setup_logging(verbose: bool) -> None:
