@@ -9,13 +9,16 @@ import pytest
 
 from rlhf_plugins.cli import main
 
-#: the modules that take longest (minutes of Ray / vLLM / DeepSpeed runs in subprocesses), collected
-#: first: under the README's `pytest -n 2 --dist loadfile --no-loadscope-reorder` the two workers start on
-#: them and finish together instead of one worker running the longest module alone at the end
-LONGEST_FIRST = ("test_faults_and_resume_at_scale", "test_vllm", "test_trl_peft", "test_ray_training", "test_checkpoints",
-                 "test_fsdp", "test_pipeline", "test_algo_runs", "test_environments", "test_async",
-                 "test_third_party_backends", "test_real_shape", "test_trl_environments", "test_stages",
-                 "test_rough_edges", "test_train", "test_ray_multinode")
+#: the modules that take longest (minutes of Ray / vLLM / DeepSpeed runs in subprocesses; the order measured
+#: under the README's command, 2026-12-05), collected first: under `pytest -n 3 --dist loadfile
+#: --no-loadscope-reorder` the workers start on them and finish together instead of one worker running a
+#: long module alone at the end
+LONGEST_FIRST = ("test_vllm", "test_ray_training", "test_faults_and_resume_at_scale", "test_real_shape", "test_fsdp",
+                 "test_trl_peft", "test_memory", "test_third_party_backends", "test_pipeline", "test_ipc_sync",
+                 "test_checkpoints", "test_ray", "test_ray_multinode", "test_modeling", "test_muon",
+                 "test_environments", "test_trl_environments", "test_compile", "test_logits_chunks",
+                 "test_remote_reward", "test_reference_sync", "test_stages", "test_algo_runs", "test_async",
+                 "test_rough_edges", "test_train")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,8 +27,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # two workers on two cores: one intra-op thread each, in the worker and the runs it starts (two
-    # workers' 2-thread torch pools on 2 cores made a 16 s test take 145 s when they met)
+    # three workers on two cores (a worker often waits on a subprocess, a Ray actor or a server): one
+    # intra-op thread each, in the worker and the runs it starts (two workers' 2-thread torch pools on
+    # 2 cores made a 16 s test take 145 s when they met)
     import torch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
