@@ -403,6 +403,37 @@ def test_a_fused_modules_lora_adapter_is_split_into_the_parts_vllm_takes():
                     {"qkv_proj": ("q_proj", "k_proj", "v_proj")})
 
 
+def test_the_sync_probe_reads_an_adapters_log_probs_of_sequences_of_any_length(tiny_model):
+    """``--sync.verify`` under adapter sync: the engine's log-probs of the probe (prompt log-probs of six
+    sequences of 6 to 18 tokens) under the synced adapter are the learner's. vLLM maps the rows of prompt
+    log-probs to adapters one per request of the step: six requests against another number of rows each
+    failed in its CPU kernels (and passed only where a sequence's rows happened to equal the requests, as
+    eight sequences of 9 tokens do)."""
+    from rlhf_plugins.engines.vllm_engine import VLLMEngine
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({"generation": {"backend": "vllm"}, "lora": {"rank": 8}, "sync": {"method": "adapter"}},
+                            autoload=False)
+    learner, g = TorchLearner(backend_context(config, "actor", tiny_model, pm)), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    engine = VLLMEngine(backend_context(config, "generation", tiny_model, pm, adapter_sync=True))
+    try:
+        engine.load_adapter(*learner.adapter_state())
+        ids = [list(range(40, 40 + k)) for k in (5, 9, 12)]
+        batch = batch_of(ids, engine.generate(ids, SamplingParams(n=2, max_new_tokens=6, seed=1)), 2)
+        rows = [length - 1 for length in batch["attention_mask"].sum(1).tolist()]  # each request's log-prob rows
+        assert len(set(rows)) > 1 and any(r != len(rows) for r in rows)
+        assert verify_parity(Actor(learner.model), engine, batch) < 1e-4
+        with learner.model.disable_adapter():  # the adapter is what the engine's log-probs follow
+            assert verify_parity(Actor(learner.model), engine, batch, tol=1e3) > 1e-3
+    finally:
+        engine.shutdown()
+
+
 def test_a_lora_adapter_on_glm4s_fused_mlp_syncs_into_vllm():
     """A reduced GLM-4 with LoRA on every linear layer (its fused ``gate_up_proj`` among them), adapters
     trained away from zero: vLLM loads the adapter the learner hands over (it refused the fused name) and

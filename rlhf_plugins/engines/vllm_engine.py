@@ -164,12 +164,14 @@ class VLLMEngine:
         seq, mask, action = batch["sequences"], batch["attention_mask"], batch["action_mask"]
         T = action.shape[1]
         prompts = [seq[i][mask[i].bool()].tolist() for i in range(seq.shape[0])]
-        outs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            VSampling(max_tokens=1, prompt_logprobs=0, temperature=1.0),
-            use_tqdm=False,
-            lora_request=self._take_lora(),
-        )
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        sampling = VSampling(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        # under an adapter, vLLM maps the rows of prompt log-probs to adapters by the step's requests, one row
+        # each: with several requests in a step the mapping does not fit (its CPU kernels fail, "einsum():
+        # subscript b has size 8 ... 15"); a call of one request maps every row of its prompt to the adapter
+        outs: list[Any] = []
+        for part in [[r] for r in requests] if self.lora_request is not None else [requests]:
+            outs += self.llm.generate(part, sampling, use_tqdm=False, lora_request=self._take_lora())
         result = torch.zeros(action.shape)
         for i, out in enumerate(outs):
             n = int(action[i].sum())
