@@ -250,6 +250,37 @@ def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
     assert again["model"] == "runs/r/final" and again["settings"]["n_samples"] == 2
 
 
+def test_rlhf_eval_of_a_ray_run_reads_the_policy_not_the_runs_sync(local_ray, rlhf):
+    """A run trained on Ray saved ``sync.method broadcast``, under which an engine starts without weights
+    and waits for the learner's: ``rlhf eval`` of it (no learner) has its engine read the policy folder --
+    the figures of the same policy evaluated locally (before: a traceback from the empty transformers engine;
+    vLLM evaluated its placeholder weights, pass@1 0)."""
+    import yaml
+
+    code, _, err = rlhf("train", "--train.steps", "4", "--train.run_name", "r", "--eval.enabled", "false")
+    assert code == 0, err
+    code, _, err = rlhf("eval", "runs/r", "--output", "local.json")
+    assert code == 0, err
+    saved = yaml.safe_load(Path("runs/r/config.yaml").read_text())
+    saved["placement"]["strategy"], saved["sync"]["method"] = "ray", "broadcast"  # as a Ray run saves it
+    saved["ray"]["local_num_gpus"] = 1
+    Path("runs/r/config.yaml").write_text(yaml.safe_dump(saved))
+    # the module's cluster started in another directory: its workers get the run's absolute path
+    code, _, err = rlhf("eval", str(Path("runs/r").resolve()), "--output", "ray.json")
+    assert code == 0, err
+    local, ray = (json.loads(Path(f).read_text())["metrics"] for f in ("local.json", "ray.json"))
+    assert local["greedy"] > 0.5 and ray["greedy"] == local["greedy"]
+    assert abs(ray["pass@1"] - local["pass@1"]) < 0.1
+
+
+def test_rlhf_eval_refuses_an_engine_set_to_start_without_weights(rlhf):
+    pytest.importorskip("vllm")
+    code, _, err = rlhf("eval", "--generation.backend", "vllm", "--vllm.load_format", "dummy")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "starts without the checkpoint's weights" in err and "--vllm.load_format auto" in err
+    assert not Path("eval.json").exists()
+
+
 def test_rlhf_eval_of_a_run_trained_without_evaluations_uses_its_held_out_data(rlhf):
     code, _, err = rlhf("train", "--train.steps", "2", "--train.run_name", "quiet", "--eval.enabled", "false")
     assert code == 0, err

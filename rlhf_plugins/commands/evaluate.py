@@ -88,6 +88,20 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     return 0
 
 
+def reads_its_weights(config: Any, plan: Any) -> None:
+    """No learner syncs into an evaluation's engine: it reads the policy folder itself. A run's saved
+    ``sync.method`` (broadcast or ipc on Ray, under which engines start empty and wait for the learner's
+    weights) is dropped; an engine that would still start empty is refused in one line."""
+    from .._lazy import resolve
+
+    config.sync.method, config.sync.verify = None, False
+    empty = plan.engine.starts_empty
+    if empty is not None and resolve(empty)(config):
+        raise UsageError(f"{plan.engine.area} '{plan.engine.name}' starts without the checkpoint's weights under this "
+                         "config (--vllm.load_format dummy?) and an evaluation has no learner to sync them from; "
+                         "let the engine load the model (--vllm.load_format auto)")
+
+
 def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any]:
     """Place the generation and reward roles, evaluate once, return the report."""
     from transformers import AutoTokenizer
@@ -108,6 +122,7 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
         raise UsageError("no held-out prompts: give --data PATH (or --eval.path, or --eval.split to hold out part of "
                          "--data.path)")
     quiet_libraries()
+    reads_its_weights(config, plan)
     model_path = config.model.path or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     _, held = load_data(config, plan, tokenizer)
