@@ -281,6 +281,21 @@ def test_rlhf_eval_refuses_an_engine_set_to_start_without_weights(rlhf):
     assert not Path("eval.json").exists()
 
 
+def test_rlhf_eval_of_a_lora_run_takes_its_merged_model_or_says_how_to_make_one(rlhf):
+    lora = ("--lora.rank", "4", "--train.steps", "2", "--eval.enabled", "false")
+    code, _, err = rlhf("train", *lora, "--lora.save_merged", "true", "--train.run_name", "merged")
+    assert code == 0, err
+    code, _, err = rlhf("eval", "runs/merged", "--eval.n_samples", "2", "--output", "merged.json")
+    assert code == 0, err
+    assert json.loads(Path("merged.json").read_text())["model"] == "runs/merged/final-merged"
+    code, _, err = rlhf("train", *lora, "--train.run_name", "adapter")
+    assert code == 0, err
+    code, _, err = rlhf("eval", "runs/adapter", "--output", "adapter.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "'runs/adapter/final' holds a LoRA adapter alone" in err and "--lora.save_merged true" in err
+    assert not Path("adapter.json").exists()
+
+
 def test_rlhf_eval_of_a_run_trained_without_evaluations_uses_its_held_out_data(rlhf):
     code, _, err = rlhf("train", "--train.steps", "2", "--train.run_name", "quiet", "--eval.enabled", "false")
     assert code == 0, err

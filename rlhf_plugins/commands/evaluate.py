@@ -50,10 +50,23 @@ def model_and_config(model: str | None) -> tuple[str | None, dict[str, Any]]:
         if not final.is_dir():
             raise UsageError(f"run '{path}' has no final/ policy (it did not finish); evaluate a finished run or its "
                              "best/ folder")
-        return str(final), load_yaml(path / "config.yaml")
+        return whole_model(final), load_yaml(path / "config.yaml")
     if path.name in ("final", "best") and (path.parent / "config.yaml").is_file():
-        return str(path), load_yaml(path.parent / "config.yaml")
+        return whole_model(path), load_yaml(path.parent / "config.yaml")
     return str(path), {}
+
+
+def whole_model(policy: Path) -> str:
+    """A run's policy folder as a whole model: a LoRA run's ``final/`` holds the adapter alone, and its
+    ``final-merged/`` (``--lora.save_merged true``) the model with the adapter merged in."""
+    if not (policy / "adapter_config.json").is_file() or (policy / "config.json").is_file():
+        return str(policy)
+    merged = policy.with_name(policy.name + "-merged")
+    if (merged / "config.json").is_file():
+        return str(merged)
+    raise UsageError(f"'{policy}' holds a LoRA adapter alone; evaluate the model with it merged in: train with "
+                     "--lora.save_merged true (final-merged/ is then evaluated), or merge it with PEFT's "
+                     "merge_and_unload() into a folder and give --model FOLDER")
 
 
 def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
