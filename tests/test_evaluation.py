@@ -250,27 +250,34 @@ def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
     assert again["model"] == "runs/r/final" and again["settings"]["n_samples"] == 2
 
 
-def test_rlhf_eval_of_a_ray_run_reads_the_policy_not_the_runs_sync(local_ray, rlhf):
-    """A run trained on Ray saved ``sync.method broadcast``, under which an engine starts without weights
-    and waits for the learner's: ``rlhf eval`` of it (no learner) has its engine read the policy folder --
-    the figures of the same policy evaluated locally (before: a traceback from the empty transformers engine;
-    vLLM evaluated its placeholder weights, pass@1 0)."""
+def test_rlhf_eval_on_ray_reads_the_policy_whatever_sync_the_run_saved(local_ray, rlhf):
+    """An evaluation has no learner and no weight sync, whatever the run saved: a local run (``sync.method
+    inprocess``, which Ray placement refuses) evaluated with ``--placement.strategy ray``, and a run trained on
+    Ray (``broadcast``, under which an engine starts without weights and waits for the learner's) evaluated as
+    saved, give the figures of the same policy evaluated locally (before: the first was refused with "use
+    --sync.method broadcast", the second a traceback from the empty transformers engine, vLLM evaluating its
+    placeholder weights at pass@1 0)."""
     import yaml
 
     code, _, err = rlhf("train", "--train.steps", "4", "--train.run_name", "r", "--eval.enabled", "false")
     assert code == 0, err
     code, _, err = rlhf("eval", "runs/r", "--output", "local.json")
     assert code == 0, err
+    # the module's cluster started in another directory: its workers get the run's absolute path
+    run = str(Path("runs/r").resolve())
+    code, _, err = rlhf("eval", run, "--placement.strategy", "ray", "--output", "placed.json")
+    assert code == 0, err
     saved = yaml.safe_load(Path("runs/r/config.yaml").read_text())
+    assert saved["sync"]["method"] == "inprocess"
     saved["placement"]["strategy"], saved["sync"]["method"] = "ray", "broadcast"  # as a Ray run saves it
     saved["ray"]["local_num_gpus"] = 1
     Path("runs/r/config.yaml").write_text(yaml.safe_dump(saved))
-    # the module's cluster started in another directory: its workers get the run's absolute path
-    code, _, err = rlhf("eval", str(Path("runs/r").resolve()), "--output", "ray.json")
+    code, _, err = rlhf("eval", run, "--output", "ray.json")
     assert code == 0, err
-    local, ray = (json.loads(Path(f).read_text())["metrics"] for f in ("local.json", "ray.json"))
-    assert local["greedy"] > 0.5 and ray["greedy"] == local["greedy"]
-    assert abs(ray["pass@1"] - local["pass@1"]) < 0.1
+    local, placed, ray = (json.loads(Path(f).read_text())["metrics"] for f in ("local.json", "placed.json", "ray.json"))
+    assert local["greedy"] > 0.5
+    for other in (placed, ray):
+        assert other["greedy"] == local["greedy"] and abs(other["pass@1"] - local["pass@1"]) < 0.1
 
 
 def test_rlhf_eval_refuses_an_engine_set_to_start_without_weights(rlhf):
@@ -281,19 +288,54 @@ def test_rlhf_eval_refuses_an_engine_set_to_start_without_weights(rlhf):
     assert not Path("eval.json").exists()
 
 
-def test_rlhf_eval_of_a_lora_run_takes_its_merged_model_or_says_how_to_make_one(rlhf):
-    lora = ("--lora.rank", "4", "--train.steps", "2", "--eval.enabled", "false")
-    code, _, err = rlhf("train", *lora, "--lora.save_merged", "true", "--train.run_name", "merged")
+def test_rlhf_eval_of_a_lora_run_takes_its_merged_model_or_loads_its_adapter_onto_the_base(rlhf):
+    """A LoRA run's final/ holds the adapter alone: ``rlhf eval`` takes its final-merged/ when there, else the
+    engine loads the adapter onto the run's base model; a PEFT adapter folder outside a run goes onto the base
+    its adapter_config.json names. All three evaluate the same policy; the base model alone evaluates another
+    (before: a run without final-merged/ was refused, an adapter folder read as a model: 'no config.json')."""
+    import shutil
+
+    code, _, err = rlhf("train", "--lora.rank", "8", "--train.steps", "30", "--eval.enabled", "false",
+                        "--lora.save_merged", "true", "--train.run_name", "merged")
     assert code == 0, err
-    code, _, err = rlhf("eval", "runs/merged", "--eval.n_samples", "2", "--output", "merged.json")
+    Path("runs/adapter").mkdir()
+    shutil.copytree("runs/merged/final", "runs/adapter/final")
+    shutil.copy("runs/merged/config.yaml", "runs/adapter/config.yaml")
+    shutil.copytree("runs/merged/final", "peft-adapter")  # as PEFT's save_pretrained writes it, no run around it
+    reports = {}
+    for name, model in (("merged", "runs/merged"), ("adapter", "runs/adapter"), ("peft", "peft-adapter"),
+                        ("base", None)):
+        code, _, err = rlhf("eval", *(["--model", model] if model else []), "--eval.n_samples", "4",
+                            "--output", f"{name}.json")
+        assert code == 0, err
+        reports[name] = json.loads(Path(f"{name}.json").read_text())
+    assert reports["merged"]["model"] == "runs/merged/final-merged" and "adapter" not in reports["merged"]
+    assert reports["adapter"]["adapter"] == "runs/adapter/final" and reports["peft"]["adapter"] == "peft-adapter"
+    base = reports["base"]["model"]
+    assert reports["adapter"]["model"] == reports["peft"]["model"] == base
+    merged = reports["merged"]["metrics"]
+    for name in ("adapter", "peft"):  # the adapter applied by PEFT on the fly rounds apart from merged weights
+        assert all(abs(reports[name]["metrics"][k] - v) <= 0.05 for k, v in merged.items()), reports[name]
+    assert sum(abs(reports["base"]["metrics"][k] - v) for k, v in merged.items()) > 0.1, reports["base"]
+
+
+def test_rlhf_eval_of_an_adapter_naming_no_base_asks_for_one(rlhf):
+    code, _, err = rlhf("train", "--lora.rank", "4", "--train.steps", "1", "--eval.enabled", "false",
+                        "--train.run_name", "a")
     assert code == 0, err
-    assert json.loads(Path("merged.json").read_text())["model"] == "runs/merged/final-merged"
-    code, _, err = rlhf("train", *lora, "--train.run_name", "adapter")
-    assert code == 0, err
-    code, _, err = rlhf("eval", "runs/adapter", "--output", "adapter.json")
+    config = json.loads(Path("runs/a/final/adapter_config.json").read_text())
+    Path("lone").mkdir()
+    for file in Path("runs/a/final").iterdir():
+        Path("lone", file.name).write_bytes(file.read_bytes())
+    Path("lone/adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    code, _, err = rlhf("eval", "--model", "lone", "--output", "lone.json")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "'runs/adapter/final' holds a LoRA adapter alone" in err and "--lora.save_merged true" in err
-    assert not Path("adapter.json").exists()
+    assert "names no base model" in err and "--model.path FOLDER" in err
+    assert not Path("lone.json").exists()
+    code, _, err = rlhf("eval", "--model", "lone", "--model.path", config["base_model_name_or_path"],
+                        "--eval.n_samples", "2", "--output", "lone.json")
+    assert code == 0, err
+    assert json.loads(Path("lone.json").read_text())["adapter"] == "lone"
 
 
 def test_rlhf_eval_of_a_run_trained_without_evaluations_uses_its_held_out_data(rlhf):

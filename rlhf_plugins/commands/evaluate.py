@@ -36,12 +36,13 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
 
-def model_and_config(model: str | None) -> tuple[str | None, dict[str, Any]]:
-    """(policy folder, the run's saved config or {}) for what ``--model`` names."""
+def model_and_config(model: str | None) -> tuple[str | None, str | None, dict[str, Any]]:
+    """(policy folder, a LoRA adapter folder to load onto it or None, the run's saved config or {})
+    for what ``--model`` names."""
     from ..config.loading import load_yaml
 
     if model is None:
-        return None, {}
+        return None, None, {}
     path = Path(model).expanduser()
     if not path.is_dir():
         raise UsageError(f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
@@ -50,23 +51,30 @@ def model_and_config(model: str | None) -> tuple[str | None, dict[str, Any]]:
         if not final.is_dir():
             raise UsageError(f"run '{path}' has no final/ policy (it did not finish); evaluate a finished run or its "
                              "best/ folder")
-        return whole_model(final), load_yaml(path / "config.yaml")
-    if path.name in ("final", "best") and (path.parent / "config.yaml").is_file():
-        return whole_model(path), load_yaml(path.parent / "config.yaml")
-    return str(path), {}
+        path = final
+    saved = load_yaml(path.parent / "config.yaml") if path.name in ("final", "best") and \
+        (path.parent / "config.yaml").is_file() else {}
+    return (*whole_model(path, saved), saved)
 
 
-def whole_model(policy: Path) -> str:
-    """A run's policy folder as a whole model: a LoRA run's ``final/`` holds the adapter alone, and its
-    ``final-merged/`` (``--lora.save_merged true``) the model with the adapter merged in."""
+def whole_model(policy: Path, saved: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A policy folder as (model, adapter). A LoRA run's ``final/`` (or ``best/``) holds the adapter alone:
+    its ``final-merged/`` (``--lora.save_merged true``) is the model with the adapter merged in, taken when
+    there; else the engine loads the adapter onto its base model -- the run's ``model.path`` (None: the
+    default model), for a folder outside a run the base the adapter names, ``--model.path`` over either."""
     if not (policy / "adapter_config.json").is_file() or (policy / "config.json").is_file():
-        return str(policy)
+        return str(policy), None
     merged = policy.with_name(policy.name + "-merged")
     if (merged / "config.json").is_file():
-        return str(merged)
-    raise UsageError(f"'{policy}' holds a LoRA adapter alone; evaluate the model with it merged in: train with "
-                     "--lora.save_merged true (final-merged/ is then evaluated), or merge it with PEFT's "
-                     "merge_and_unload() into a folder and give --model FOLDER")
+        return str(merged), None
+    if saved:
+        return (saved.get("model") or {}).get("path"), str(policy)
+    try:
+        base = json.loads((policy / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UsageError(f"cannot read '{policy / 'adapter_config.json'}' ({exc}); give a PEFT adapter folder as "
+                         "save_pretrained writes it") from exc
+    return base or None, str(policy)
 
 
 def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
@@ -76,12 +84,15 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     offline_defaults()
     if args.model is None and rest and not rest[0].startswith("-"):  # rlhf eval RUN_DIR, as rlhf plot RUN_DIR
         args.model = rest.pop(0)
-    folder, saved = model_and_config(args.model)
-    raw = merge(saved, load_yaml(args.config) if args.config else {})
+    folder, adapter, saved = model_and_config(args.model)
+    raw = merge(without_sync(saved), load_yaml(args.config) if args.config else {})
     # asking for an evaluation turns it on: a run trained with --eval.enabled false keeps its held-out data
     raw = merge(merge(raw, parse_overrides(rest)), {"eval": {"enabled": True}})
-    if folder is not None:
-        raw = merge(raw, {"model": {"path": folder}})
+    if folder is not None:  # an adapter's base gives way to --model.path
+        raw = merge({"model": {"path": folder}}, raw) if adapter else merge(raw, {"model": {"path": folder}})
+    if adapter and not saved and not (raw.get("model") or {}).get("path"):
+        raise UsageError(f"LoRA adapter '{adapter}' names no base model (adapter_config.json has no "
+                         "base_model_name_or_path); give the base model's folder with --model.path FOLDER")
     if args.data:
         raw = merge(raw, {"eval": {"path": args.data}})
     config, pm, plan = prepare(raw, args.plugin)
@@ -90,7 +101,7 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
         raise UsageError(f"cannot write the report to '{out}': "
                          f"{'it is a folder' if out.is_dir() else 'no such folder'}; "
                          "choose another --output")
-    report = evaluate(config, pm, plan, console)
+    report = evaluate(config, pm, plan, console, adapter)
     try:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=2))
@@ -99,6 +110,14 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
         raise UsageError(f"cannot write the report to '{out}': {exc.strerror or exc}; choose another --output") from exc
     console.print(f"report written to {escape(str(out))}", highlight=False)
     return 0
+
+
+def without_sync(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config less its weight sync, which no evaluation has (see :func:`reads_its_weights`): a
+    local run's ``inprocess`` sync would refuse an evaluation placed on Ray, a Ray run's ``broadcast`` one
+    placed locally with vLLM's engine in its own process."""
+    sync = {k: v for k, v in (saved.get("sync") or {}).items() if k not in ("method", "verify")}
+    return {**saved, "sync": sync} if saved else saved
 
 
 def reads_its_weights(config: Any, plan: Any) -> None:
@@ -115,8 +134,9 @@ def reads_its_weights(config: Any, plan: Any) -> None:
                          "let the engine load the model (--vllm.load_format auto)")
 
 
-def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any]:
-    """Place the generation and reward roles, evaluate once, return the report."""
+def evaluate(config: Any, pm: Any, plan: Any, console: Console, adapter: str | None = None) -> dict[str, Any]:
+    """Place the generation and reward roles (the engine with ``adapter``, a LoRA adapter folder, loaded onto
+    the model), evaluate once, return the report."""
     from transformers import AutoTokenizer
 
     from .._lazy import resolve
@@ -146,7 +166,9 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
     runner = None
     try:
         engine = placement.create_role("generation", GenerationRole, config, spec, model_path, plan.engine,
-                                       plan.provider(plan.engine), False)
+                                       plan.provider(plan.engine), adapter is not None)
+        if adapter is not None:
+            load_saved_adapter(engine, adapter)
         reward = placement.create_role("reward", RewardRole, config, spec, plan.rewards, plan.weights)
         runner = make_env_runner(config, pm, held.columns, tokenizer)  # --env.name: multi-turn samples
         evaluator = make_evaluator(config, pm, tokenizer, engine, reward, held, runner)
@@ -156,21 +178,39 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console) -> dict[str, Any
         if runner is not None:
             runner.close()
         placement.shutdown()
-    console.print(f"held-out evaluation of {escape(model_path)} on {escape(str(source))} ({len(held)} prompts, "
+    what = model_path + (f" with the LoRA adapter {adapter}" if adapter else "")
+    console.print(f"held-out evaluation of {escape(what)} on {escape(str(source))} ({len(held)} prompts, "
                   f"{config.eval.n_samples} samples each)", highlight=False, soft_wrap=True)
     show_metrics(console, metrics)
+    return {"model": model_path, **({"adapter": adapter} if adapter else {}), **describe(config, plan, source, held),
+            "metrics": metrics}
+
+
+def describe(config: Any, plan: Any, source: str, held: Any) -> dict[str, Any]:
+    """The report's data and evaluation settings."""
     e = config.eval
     return {
-        "model": model_path,
         "data": source if source != "split" else f"{config.data.path} (held-out split {e.split})",
         "prompts": len(held),
-        "metrics": metrics,
         "settings": {"n_samples": e.n_samples, "temperature": e.temperature,
                      "max_new_tokens": e.max_new_tokens or config.generation.max_new_tokens,
                      "threshold": e.threshold, "reward": list(e.reward_functions) or
                      [*plan.rewards, *config.reward.models, *(["remote"] if config.reward.remote_urls else [])],
                      "seed": config.train.seed},
     }
+
+
+def load_saved_adapter(engine: Any, folder: str) -> None:
+    """Every engine of the generation role loads the PEFT adapter saved in ``folder``."""
+    from peft.utils import load_peft_weights
+
+    from ..sync.adapter import load_into
+
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise UsageError(f"'{folder}' holds a {config['peft_type']} adapter; evaluation loads LoRA adapters only "
+                         "(merge it into the model and give --model FOLDER)")
+    load_into(engine, load_peft_weights(folder, device="cpu"), config)
 
 
 def show_metrics(console: Console, metrics: dict[str, float]) -> None:

@@ -26,12 +26,17 @@ def _load_adapter(ctx: RankContext, weights: dict[str, Any], config: dict[str, A
     return load(weights, config)
 
 
+def load_into(engine: Any, weights: dict[str, Any], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every engine of a generation role loads this adapter (PEFT's saved names and config)."""
+    return engine.run(_load_adapter, weights, config)
+
+
 class AdapterSync:
     def __init__(self, config: Any) -> None:
         self.config = config
 
     def sync(self, actor: Any, engine: Any, step: int) -> dict[str, Any]:
         weights, cfg = actor.run(_adapter_state)[0]
-        infos = engine.run(_load_adapter, weights, cfg)
+        infos = load_into(engine, weights, cfg)
         return {"tensors": infos[0].get("tensors", len(weights)), "rpcs": 1 + len(infos),
                 "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
