@@ -225,24 +225,30 @@ def test_ppo_matches_loop(dual):
         assert 0 < dual_bound and float(m["loss/dual_clip_frac"]) == pytest.approx(dual_bound / tokens, abs=1e-6)
 
 
-def test_trls_two_sided_delta_clip_is_the_dual_clip_above_one_plus_epsilon_high():
-    """TRL's ``delta`` (INTELLECT-2): ``-min(min(r, delta) A, clip(r) A)``, written as TRL does, equals
-    our dual clip with c = delta, in value and gradient, for every delta above 1 + epsilon_high."""
+def test_trls_two_sided_delta_clip_converts_to_the_same_loss_for_every_delta_above_one():
+    """TRL's ``delta`` (INTELLECT-2): ``-min(min(r, delta) A, clip(r) A)``, written as TRL does, equals our
+    PPO loss under the clip settings its conversion gives, in value and gradient -- the dual clip c = delta
+    above 1 + epsilon_high, a tighter clip_high with the dual clip at 1 + epsilon_high from 1 up to there."""
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
     r = ragged(seed=9)
     lp = torch.randn(r.B, r.T, generator=r.g) * 0.5
     old = lp.detach() + torch.randn(r.B, r.T, generator=r.g) * 1.5
     adv = torch.randn(r.B, r.T, generator=r.g) * 2
-    for delta in (1.3, 2.0, 4.0):
+    for delta in (1.05, 1.2, 1.28, 1.3, 2.0, 4.0):
+        clip = from_grpo_fields({"delta": delta, "epsilon": 0.2, "epsilon_high": 0.28})[0]["algo"]["policy_loss"]
         ours_lp, theirs_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
-        ours, _ = L.ppo(L.PolicyLossInputs(ours_lp, old, adv, r.mask), opts(dual_clip=delta))
+        o = opts(clip_high=clip["clip_high"], dual_clip=clip["dual_clip"])
+        ours, _ = L.ppo(L.PolicyLossInputs(ours_lp, old, adv, r.mask), o)
         ratio = torch.exp(theirs_lp - old)
         theirs = -torch.min(torch.clamp(ratio, max=delta) * adv, torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * adv)
         mask = r.mask.bool()
-        assert torch.allclose(ours[mask], theirs[mask], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(ours[mask], theirs[mask], rtol=1e-5, atol=1e-6), delta
         (ours * r.mask).sum().backward()
         (theirs * r.mask).sum().backward()
-        assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-6), delta
         assert (ratio[mask] > delta).any()  # the bound acted
+        assert ((ratio[mask] > delta) & (adv[mask] > 0)).any() and ((ratio[mask] > 1.28) & (adv[mask] < 0)).any()
 
 
 def test_clipping_bounds_the_ratio_and_dual_clip_only_on_negative_advantages():

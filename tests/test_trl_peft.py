@@ -70,7 +70,10 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
         from_grpo_fields({"pad_to_multiple_of": 0})
     raw, _ = from_grpo_fields({"delta": 1.5, "epsilon_high": 0.28})
     assert raw["algo"]["policy_loss"]["dual_clip"] == 1.5 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
-    for field, value, message in (("delta", 1.2, "TRL delta 1.2 must exceed 1 + epsilon_high (1.2)"),
+    raw, notes = from_grpo_fields({"delta": 1.5, "loss_type": "sapo"})  # TRL ignores delta there
+    assert "dual_clip" not in raw["algo"]["policy_loss"] and any("'delta' is ignored under loss_type 'sapo'" in n
+                                                                  for n in notes)
+    for field, value, message in (("delta", 0.9, "TRL delta 0.9 caps the ratio of every positive advantage below 1"),
                                   ("optim", "adafactor", "TRL optim 'adafactor' has no equivalent"),
                                   ("lr_scheduler_type", "polynomial", "TRL lr_scheduler_type 'polynomial'"),
                                   ("neftune_noise_alpha", 5.0, "TRL field 'neftune_noise_alpha' (5.0) changes training")):

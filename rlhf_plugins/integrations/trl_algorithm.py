@@ -13,17 +13,13 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     """Clipping, KL estimator, loss aggregation, sequence-level ratios, reward scaling, sampling correction."""
     high = float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"])
     _set(raw, "algo.policy_loss.clip_high", high)
-    if f.get("delta") is not None:  # INTELLECT-2's two-sided clip: above 1 + epsilon_high it is the dual clip
-        if float(f["delta"]) <= 1 + high:
-            raise ConfigError(f"TRL delta {f['delta']} must exceed 1 + epsilon_high ({1 + high:g}), as TRL "
-                              "recommends: rlhf-plugins runs it as the dual clip (--algo.policy_loss.dual_clip), "
-                              "which it equals there")
-        _set(raw, "algo.policy_loss.dual_clip", float(f["delta"]))
     _set(raw, "algo.kl.estimator", "k3")
     loss = f["loss_type"]
     if loss not in LOSS_TYPES:
         raise ConfigError(f"TRL loss_type '{loss}' has no equivalent; choose one of: {', '.join(LOSS_TYPES)}")
     _set(raw, "algo.policy_loss.aggregation", LOSS_TYPES[loss])
+    if f.get("delta") is not None:
+        _two_sided(float(f["delta"]), loss, high, raw, notes)
     if loss in LOSS_NAMES:
         _loss_of_its_own(f, raw, loss, high)
     elif f["importance_sampling_level"] == "sequence":
@@ -33,6 +29,25 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     _advantages(f, raw, notes)
     if f["use_vllm"] and f["vllm_importance_sampling_correction"]:
         _sampling_correction(f, raw)
+
+
+def _two_sided(delta: float, loss: str, high: float, raw: dict[str, Any], notes: list[str]) -> None:
+    """TRL's ``delta`` (INTELLECT-2's two-sided clip: ``-min(min(r, delta) A, clip(r) A)``), which TRL applies
+    to its clipped losses only. Above 1 + epsilon_high it is our dual clip with c = delta; from 1 up to there
+    it caps a positive advantage's ratio at delta and a negative one's at 1 + epsilon_high: clip_high
+    delta - 1 with the dual clip c = 1 + epsilon_high (value and gradient equal: tests/test_algorithms.py)."""
+    if loss in LOSS_NAMES:
+        notes.append(f"TRL field 'delta' is ignored under loss_type '{loss}', as TRL ignores it: it bounds the "
+                     "clipped surrogate of the other loss types")
+        return
+    if delta <= 1:
+        raise ConfigError(f"TRL delta {delta:g} caps the ratio of every positive advantage below 1 (TRL recommends "
+                          "delta > 1 + epsilon); set delta above 1, or drop it")
+    if delta > 1 + high:
+        _set(raw, "algo.policy_loss.dual_clip", delta)
+    else:
+        _set(raw, "algo.policy_loss.clip_high", delta - 1)
+        _set(raw, "algo.policy_loss.dual_clip", 1 + high)
 
 
 def _sampling_correction(f: dict[str, Any], raw: dict[str, Any]) -> None:
