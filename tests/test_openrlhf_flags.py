@@ -291,3 +291,79 @@ def test_a_reward_func_file_given_as_remote_rm_url_becomes_the_runs_reward(tmp_p
     both = convert(["--remote_rm_url", "http://127.0.0.1:5000/get_reward,reward_func.py"])
     assert both.raw["reward"]["remote_urls"] == ["http://127.0.0.1:5000/get_reward"]
     assert both.raw["plugins"] == ["reward_func.py"]
+
+
+def _their_weights(ratio, scheme, low, high):
+    """OpenRLHF's token weights of its off-policy correction, written from its loss (0.9: tis clamps into
+    the band, icepop zeroes outside it; later releases: token clip / trunc / mask)."""
+    if scheme == "clamp":
+        return ratio.clamp(min=low, max=high)
+    if scheme == "trunc":
+        return ratio.clamp(max=high)
+    return ratio * ((ratio >= low) & (ratio <= high))
+
+
+@pytest.mark.parametrize("flags, scheme, low, high", [
+    ("--enable_vllm_is_correction", "clamp", 0.5, 5.0),
+    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 0.8 1.25", "clamp", 0.8, 1.25),
+    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 2", "trunc", 0.0, 2.0),
+    ("--enable_vllm_is_correction --vllm_is_correction_type icepop --vllm_is_truncated_threshold 0.5 2", "mask", 0.5, 2.0),
+    ("--enable_vllm_is_correction --use_icepop", "mask", 0.5, 5.0),
+    ("--algo.advantage.is_correction_level token", "mask", 0.5, 5.0),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip "
+     "--algo.advantage.is_correction_threshold 0.9 1.1", "clamp", 0.9, 1.1),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode trunc "
+     "--algo.advantage.is_correction_threshold 3", "trunc", 0.0, 3.0),
+])
+def test_openrlhfs_off_policy_correction_converts_to_the_same_token_weights(flags, scheme, low, high):
+    """Both generations of OpenRLHF's correction flags give our mismatch correction the weights OpenRLHF's loss
+    computes, on ratios from 0.05 to 20 (before: 0.9's two-value band was read as one bound and refused, its
+    TIS had no floor, and the dotted level/mode became 'clip' or 'mask', which no config accepts)."""
+    import torch
+
+    from rlhf_plugins.algorithms.mismatch import importance_weights
+
+    p = convert(["--pretrain", "m", *flags.split()]).raw["algo"]["policy_loss"]
+    ratio = torch.logspace(-3, 3, 61, base=2.718281828459045).reshape(1, -1)  # e^-3 .. e^3
+    rollout, mask = torch.zeros_like(ratio), torch.ones_like(ratio)
+    ours, _ = importance_weights(ratio.log(), rollout, mask, p["mismatch"], p["mismatch_low"], p["mismatch_high"],
+                                 p["tis_floor"])
+    theirs = _their_weights(ratio, scheme, low, high)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert (ratio > high).any() and (ratio < max(low, 0.06)).any()  # both ends of the band acted
+
+
+@pytest.mark.parametrize("flags, skipped, why", [
+    ("--algo.advantage.is_correction_level seq", "--algo.advantage.is_correction_level", "level 'seq' with mode 'mask'"),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv",
+     "--algo.advantage.is_correction_gating", "'tv' has no equivalent here"),
+    ("--vllm_is_correction_type icepop", "--vllm_is_correction_type", "no effect without --enable_vllm_is_correction"),
+])
+def test_an_off_policy_correction_with_no_equivalent_is_listed_not_converted(flags, skipped, why):
+    conv = convert(["--pretrain", "m", *flags.split()])
+    assert "mismatch" not in conv.raw.get("algo", {}).get("policy_loss", {})
+    assert any(flag == skipped and why in reason for flag, reason in conv.skipped), conv.skipped
+
+
+def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_there(tmp_path):
+    """``--async_train`` alone converts with a correction (tis); with the correction level set to off, as
+    OpenRLHF then trains on stale samples uncorrected, and the config is one rlhf accepts."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.testing import tiny_model_path
+
+    argv = ["--pretrain", tiny_model_path(), "--async_train", "--reward_pretrain", "RM", "--n_samples_per_prompt", "4"]
+    assert convert(argv).raw["algo"]["policy_loss"]["mismatch"] == "tis"
+    raw = convert([*argv, "--algo.advantage.is_correction_level", "off"]).raw
+    assert raw["algo"]["policy_loss"]["mismatch"] == "none" and raw["train"]["allow_uncorrected_staleness"] is True
+    raw["reward"] = {"functions": ["exact_match"]}
+    config, _, _ = prepare(raw, autoload=False)
+    assert config.train.max_staleness == 1 and config.algo.policy_loss.mismatch == "none"
+
+
+def test_a_geometric_mask_converts_to_seq_mask_tis_with_its_difference_said():
+    conv = convert(["--pretrain", "m", "--algo.advantage.is_correction_level", "geo",
+                    "--algo.advantage.is_correction_threshold", "0.9", "1.1"])
+    p = conv.raw["algo"]["policy_loss"]
+    assert (p["mismatch"], p["mismatch_low"], p["mismatch_high"]) == ("seq_mask_tis", 0.9, 1.1)
+    assert any("keeps the raw ratio" in how for _, how in conv.partial)
+    assert not conv.skipped

@@ -15,6 +15,8 @@ import yaml
 from ..config.loading import set_dotted
 from ..config.openrlhf_flags import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
 from ..errors import UsageError
+from .convert_correction import FLAGS as CORRECTION_FLAGS
+from .convert_correction import convert_correction
 from .convert_stages import BY_HAND, STAGES, convert_stage, stage_key
 
 
@@ -118,7 +120,8 @@ def convert(argv: list[str]) -> Converted:
         elif flag.role:
             role, what = flag.role.split(".")
             roles.setdefault(role, {})[what] = int(vals[0])
-        elif command in STAGES and flag.flags[0] in BY_HAND:
+        elif (command in STAGES and flag.flags[0] in BY_HAND) or (command == "ppo" and
+                                                                    flag.flags[0] in CORRECTION_FLAGS):
             by_hand[flag.flags[0]] = vals
         else:
             _apply(out, flag, name, vals)
@@ -128,6 +131,7 @@ def convert(argv: list[str]) -> Converted:
         convert_stage(out, by_hand)
     if command == "ppo":
         _reward_file(out)
+        convert_correction(out, {k: v for k, v in by_hand.items() if k in CORRECTION_FLAGS})
         if out.raw.get("vllm", {}).get("num_engines") == 0:
             out.raw["vllm"].pop("num_engines")
             out.put("generation.backend", "transformers")
