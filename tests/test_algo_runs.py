@@ -204,3 +204,19 @@ def test_a_run_trains_only_its_highest_entropy_tokens(rlhf):
     assert code == 0, err
     kept = [r["loss/entropy_kept_frac"] for r in metrics_of(Path("runs/forks"))]
     assert len(kept) == 2 and all(0.15 < k < 0.45 for k in kept), kept  # about a quarter of each micro batch
+
+
+def test_advantages_whitened_over_the_batch_or_centred_alone(rlhf):
+    """REINFORCE++-baseline whitens its advantages over the batch (std 1 per step); with
+    ``--algo.advantage.std_norm false`` (OpenRLHF's --no_advantage_std_norm) it subtracts the batch mean
+    alone, so the advantages keep the spread of the scores (here within [-1, 1])."""
+    stds = {}
+    for norm in ("true", "false"):
+        code, _, err = rlhf("train", "--algo.advantage.estimator", "reinforce_baseline", "--algo.advantage.std_norm",
+                            norm, *short_run("--train.run_name", f"norm-{norm}"))
+        assert code == 0, err
+        rows = metrics_of(Path("runs") / f"norm-{norm}")
+        assert all(abs(r["advantage/mean"]) < 1e-5 for r in rows), rows
+        stds[norm] = [r["advantage/std"] for r in rows if r["reward/std"] > 0]
+    assert stds["true"] and all(abs(s - 1) < 0.02 for s in stds["true"]), stds
+    assert stds["false"] and all(0 < s < 0.9 for s in stds["false"]), stds

@@ -38,6 +38,13 @@ def whiten_loop(rows):
     return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
 
 
+def centre_loop(rows):
+    """The batch mean subtracted alone (OpenRLHF's --no_advantage_std_norm)."""
+    flat = [x for row in rows for x in row]
+    mean = sum(flat) / len(flat)
+    return [[x - mean for x in row] for row in rows]
+
+
 def check_rows(tensor, rows, lengths, tol=1e-5):
     for i, row in enumerate(rows):
         assert tensor[i, : lengths[i]].tolist() == pytest.approx(row, abs=tol)
@@ -72,6 +79,8 @@ def test_gae_matches_loop(seed):
         raw_ret.append([out[t] + v[t] for t in range(n)])
     check_rows(ret, raw_ret, r.lengths)
     check_rows(adv, whiten_loop(raw_adv), r.lengths)
+    centred, _ = A.gae(inputs(r, gamma=gamma, lam=lam, values=r.values, kl_penalty=r.kl, std_norm=False))
+    check_rows(centred, centre_loop(raw_adv), r.lengths)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -88,6 +97,8 @@ def test_reinforce_matches_loop(seed):
         rows.append(out)
     check_rows(ret, rows, r.lengths)
     check_rows(adv, whiten_loop(rows), r.lengths)
+    centred, _ = A.reinforce(inputs(r, gamma=0.95, kl_penalty=r.kl, std_norm=False))
+    check_rows(centred, centre_loop(rows), r.lengths)
 
 
 def test_reinforce_baseline_matches_loop():
@@ -102,6 +113,8 @@ def test_reinforce_baseline_matches_loop():
         rew[-1] += float(r.scores[i]) - base
         rows.append([sum(rew[t:]) for t in range(n)])
     check_rows(adv, whiten_loop(rows), r.lengths)
+    centred, _ = A.reinforce_baseline(inputs(r, kl_penalty=r.kl, std_norm=False))
+    check_rows(centred, centre_loop(rows), r.lengths)
 
 
 def _group(r, i):

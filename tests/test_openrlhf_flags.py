@@ -345,6 +345,17 @@ def test_an_off_policy_correction_with_no_equivalent_is_listed_not_converted(fla
     assert any(flag == skipped and why in reason for flag, reason in conv.skipped), conv.skipped
 
 
+def test_no_advantage_std_norm_keeps_the_estimator_and_drops_the_batch_std():
+    """OpenRLHF's --no_advantage_std_norm leaves gae / reinforce / reinforce_baseline in place and whitens
+    their advantages by the batch mean alone (before: it turned any estimator into dr_grpo -- a GAE run
+    lost its critic)."""
+    for estimator in ("gae", "reinforce_baseline"):
+        for order in ((0, 1), (1, 0)):
+            parts = [["--advantage_estimator", estimator], ["--no_advantage_std_norm"]]
+            raw = convert(["--pretrain", "m", *parts[order[0]], *parts[order[1]]]).raw
+            assert raw["algo"]["advantage"]["estimator"] == estimator and raw["algo"]["advantage"]["std_norm"] is False
+
+
 def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_there(tmp_path):
     """``--async_train`` alone converts with a correction (tis); with the correction level set to off, as
     OpenRLHF then trains on stale samples uncorrected, and the config is one rlhf accepts."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import masked_whiten
+from .numerics import masked_mean, masked_whiten
 
 
 @dataclass
@@ -34,6 +34,14 @@ class AdvantageInputs:
     kl_penalty: torch.Tensor | None = None
     #: group estimators: subtract the summed KL from the scores before the group baseline
     kl_in_baseline: bool = False
+    #: gae / reinforce / reinforce_baseline: divide by the batch std after subtracting the batch mean
+    std_norm: bool = True
+
+    def whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Advantages over the batch: zero mean and unit variance, or zero mean alone without ``std_norm``."""
+        if self.std_norm:
+            return masked_whiten(advantages, mask)
+        return (advantages - masked_mean(advantages, mask)) * mask
 
     def token_rewards(self) -> torch.Tensor:
         """The sequence score on each completion's last token, minus the KL penalty."""
@@ -109,7 +117,7 @@ def gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     mask = x.action_mask.to(x.values.dtype)
     advantages, returns = on_actions(lambda m, r, v: _gae(r, v, m, x.gamma, x.lam), mask, x.token_rewards(),
                                      x.values * mask)
-    return masked_whiten(advantages, mask), returns
+    return x.whiten(advantages, mask), returns
 
 
 def _gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -129,14 +137,15 @@ def reinforce(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: token-level discounted returns (KL in the reward), globally whitened."""
     mask = x.action_mask.to(x.scores.dtype)
     returns = discounted_returns(x.token_rewards(), mask, x.gamma)
-    return masked_whiten(returns, mask), returns
+    return x.whiten(returns, mask), returns
 
 
 def reinforce_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: subtract the group-mean score, then as REINFORCE++."""
     scores = x.grouped(x.scores)
     centred = (scores - scores.mean(-1, keepdim=True)).reshape(-1)
-    inputs = AdvantageInputs(centred, x.action_mask, x.group_size, x.gamma, x.lam, None, x.kl_penalty)
+    inputs = AdvantageInputs(centred, x.action_mask, x.group_size, x.gamma, x.lam, None, x.kl_penalty,
+                             std_norm=x.std_norm)
     return reinforce(inputs)
 
 

@@ -16,6 +16,9 @@ class AdvantageConfig:
     gamma: float = setting(1.0, ge=0, le=1)
     #: GAE lambda: 1 is Monte-Carlo returns, 0 one-step TD
     lam: float = setting(0.95, ge=0, le=1)
+    #: gae, reinforce and reinforce_baseline whiten advantages over the batch; false: subtract the batch
+    #: mean alone (OpenRLHF's --no_advantage_std_norm); the group estimators normalise within groups
+    std_norm: bool = True
 
 
 @dataclass

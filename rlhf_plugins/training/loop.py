@@ -227,14 +227,14 @@ class Trainer:
 
     def advantages(self, batch: dict[str, torch.Tensor], rollout: Rollout, kl_coef: float) -> torch.Tensor | None:
         """Advantages and returns into ``batch``; returns the per-token KL penalty (KL in the reward)."""
-        c = self.config
+        c, a = self.config, self.config.algo.advantage
         kl_penalty = None
         if c.algo.kl.in_reward and self.reference is not None:
             kl_penalty = kl_coef * self.kl_estimator(batch["old_logprobs"], batch["ref_logprobs"])
         batch["advantages"], batch["returns"] = self.estimator(AdvantageInputs(
-            scores=batch["scores"], action_mask=batch["action_mask"], group_size=rollout.group_size,
-            gamma=c.algo.advantage.gamma, lam=c.algo.advantage.lam, values=batch.get("values"),
-            kl_penalty=kl_penalty, kl_in_baseline=c.algo.kl.penalty_in_baseline))
+            scores=batch["scores"], action_mask=batch["action_mask"], group_size=rollout.group_size, gamma=a.gamma,
+            lam=a.lam, values=batch.get("values"), kl_penalty=kl_penalty, kl_in_baseline=c.algo.kl.penalty_in_baseline,
+            std_norm=a.std_norm))
         return kl_penalty
 
     def sync_engine(self, step: int) -> None:

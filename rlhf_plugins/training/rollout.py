@@ -188,6 +188,8 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
         "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
         "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
         "advantage/mean": float(masked_mean(batch["advantages"], mask)),
+        "advantage/std": float(masked_mean((batch["advantages"] - masked_mean(batch["advantages"], mask)) ** 2,
+                                           mask).sqrt()),
     }
     if rollout.scores != rollout.raw_scores:
         out["reward/shaped_mean"] = float(scores.mean())
