@@ -394,7 +394,8 @@ def test_adaptive_kl_controller_hand_computed():
 
 
 def shaping(**kw):
-    base = dict(stop_penalty=0.0, overlong_buffer=0, overlong_penalty=1.0, normalize=False, clip=None)
+    base = dict(stop_penalty=0.0, overlong_buffer=0, overlong_penalty=1.0, normalize=False, clip=None,
+                truncated_scale=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -404,6 +405,28 @@ def test_overlong_and_stop_penalties_hand_computed():
     # start of the buffer = 6: lengths 6 -> 0, 8 -> (6 - 8) / 4 * 0.5 = -0.25, 10 -> -0.5 (and not stopped: -0.25)
     out = s([1.0, 1.0, 1.0], [6, 8, 10], ["stop", "stop", "length"])
     assert out == pytest.approx([1.0, 0.75, 0.25])
+
+
+def openrlhf_shaped(score, length, truncated, max_new_tokens, buffer, factor, coef):
+    """OpenRLHF's DAPO overlong penalty, then its ProRL stop-properly penalty, as its experience maker
+    applies them: the excess over ``max_new_tokens - buffer`` (capped at the buffer) costs up to
+    ``factor``; a truncated sample's reward is then scaled by ``coef`` (or replaced by it when negative)."""
+    exceed = min(length - (max_new_tokens - buffer), buffer)
+    if exceed > 0:
+        score += -exceed / buffer * factor
+    if truncated:
+        score = score * coef if coef >= 0 else coef
+    return score
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5, 1.0, -0.5])
+def test_truncated_scale_is_openrlhfs_stop_properly_penalty(coef):
+    s = RewardShaper(shaping(overlong_buffer=4, overlong_penalty=0.5, truncated_scale=coef), max_new_tokens=10)
+    scores, lengths = [1.0, 0.8, 0.3, 1.0], [5, 8, 10, 10]
+    reasons = ["stop", "stop", "length", "stop"]
+    want = [openrlhf_shaped(x, n, r == "length", 10, 4, 0.5, coef) for x, n, r in zip(scores, lengths, reasons)]
+    assert s(scores, lengths, reasons) == pytest.approx(want)
+    assert s([1.0], [10], ["length"]) == pytest.approx([{0.0: 0.0, 0.5: 0.25, 1.0: 0.5, -0.5: -0.5}[coef]])
 
 
 def test_normalisation_and_clip():

@@ -356,6 +356,13 @@ def test_no_advantage_std_norm_keeps_the_estimator_and_drops_the_batch_std():
             assert raw["algo"]["advantage"]["estimator"] == estimator and raw["algo"]["advantage"]["std_norm"] is False
 
 
+def test_stop_properly_penalty_scales_truncated_scores_as_there():
+    """ProRL's --stop_properly_penalty_coef 0.0 (OpenRLHF's recipes) zeroes a truncated sample's reward
+    (before: it became a penalty of 0 subtracted -- no penalty at all)."""
+    reward = convert(["--pretrain", "m", "--stop_properly_penalty_coef", "0.0"]).raw["reward"]
+    assert reward["truncated_scale"] == 0.0 and "stop_penalty" not in reward
+
+
 def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_there(tmp_path):
     """``--async_train`` alone converts with a correction (tis); with the correction level set to off, as
     OpenRLHF then trains on stale samples uncorrected, and the config is one rlhf accepts."""

@@ -56,12 +56,19 @@ class RewardShaper:
             return (start - length) / buffer * self.cfg.overlong_penalty
         return -self.cfg.overlong_penalty
 
+    def truncated(self, score: float) -> float:
+        """A completion that did not stop: the stop penalty, then the scale (OpenRLHF's ProRL penalty:
+        the score times it, or replaced by it when it is negative)."""
+        score -= self.cfg.stop_penalty or 0.0
+        scale = self.cfg.truncated_scale
+        if scale is None:
+            return score
+        return score * scale if scale >= 0 else scale
+
     def __call__(self, scores: list[float], lengths: list[int], finish_reasons: list[str]) -> list[float]:
         c = self.cfg
-        out = [
-            s + self.overlong(n) - ((c.stop_penalty or 0.0) if reason != "stop" else 0.0)
-            for s, n, reason in zip(scores, lengths, finish_reasons)
-        ]
+        out = [s + self.overlong(n) for s, n in zip(scores, lengths)]
+        out = [s if reason == "stop" else self.truncated(s) for s, reason in zip(out, finish_reasons)]
         if c.normalize:
             self.moments.update(out)
             std = self.moments.std or 1.0

@@ -136,6 +136,10 @@ class RewardConfig:
     #: subtracted from the score of a completion that hit max_new_tokens without stopping (unset: 1 on
     #: the embedded model's own task, 0 otherwise)
     stop_penalty: float | None = None
+    #: a completion that hit max_new_tokens without stopping: its score (after the penalties above and
+    #: below) times this, 0 zeroing it; a negative value replaces the score (OpenRLHF's
+    #: --stop_properly_penalty_coef, ProRL); unset: scores are not scaled
+    truncated_scale: float | None = setting(None, le=1)
     #: DAPO soft overlong penalty: the last N tokens before max_new_tokens cost up to ``overlong_penalty``
     overlong_buffer: int = setting(0, ge=0)
     #: the largest overlong penalty (reached at max_new_tokens)
