@@ -12,7 +12,8 @@ import pytest
 from tests.helpers import ROOT, metrics_of, short_run, the_run
 
 
-@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"])
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "group_mean_batch_std", "reinforce",
+                                       "reinforce_baseline", "gae"])
 def test_every_estimator_runs(rlhf, estimator):
     code, _, err = rlhf("train", "--algo.advantage.estimator", estimator, *short_run())
     assert code == 0, err

@@ -121,6 +121,26 @@ def _group(r, i):
     return [float(r.scores[j]) for j in range((i // r.group) * r.group, (i // r.group + 1) * r.group)]
 
 
+@pytest.mark.parametrize("seed", [0, 4])
+def test_group_mean_batch_std_is_trls_batch_scaling(seed):
+    """TRL's scale_rewards="batch", as its GRPOTrainer computes it (with TRL's own nanstd): the group mean
+    subtracted, divided by the std of every score of the batch plus 1e-4; the same on every token."""
+    from trl.trainer.utils import nanstd
+
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    assert from_grpo_fields({"scale_rewards": "batch"})[0]["algo"]["advantage"]["estimator"] == "group_mean_batch_std"
+    r = ragged(seed=seed)
+    adv, ret = A.group_mean_batch_std(inputs(r))
+    rewards = r.scores.double()
+    mean_grouped = rewards.view(-1, r.group).mean(dim=1).repeat_interleave(r.group)
+    theirs = (rewards - mean_grouped) / (nanstd(rewards) + 1e-4)
+    check_rows(adv, [[float(theirs[i])] * r.lengths[i] for i in range(r.B)], r.lengths)
+    assert torch.equal(adv, ret)
+    group_std = rewards.view(-1, r.group).std(dim=1).repeat_interleave(r.group)
+    assert not torch.allclose(theirs, (rewards - mean_grouped) / (group_std + 1e-4))  # not the group's std
+
+
 @pytest.mark.parametrize("seed", [0, 7])
 def test_group_estimators_match_loops(seed):
     r = ragged(prompts=5, group=4, seed=seed)
@@ -502,7 +522,7 @@ def test_empty_completions_do_not_count_in_sequence_means():
     assert float(aggregate(x, torch.zeros_like(mask), "seq-mean-token-mean")) == 0.0
 
 
-@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "group_mean_batch_std"])
 def test_equal_scores_with_kl_in_the_reward_get_advantages_bounded_by_the_kl(estimator):
     """Binary rewards often give a group equal scores: its advantages must come from the KL
     penalty alone (reward-to-go), not from KL noise divided by a tiny std."""

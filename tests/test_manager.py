@@ -23,7 +23,8 @@ def test_builtins_register_every_area(rlhf_pm):
     names = {name for name, _ in rlhf_pm.list_name_plugin()}
     assert {m.rsplit(".", 1)[-1] for m in DEFAULT_PLUGINS} <= names
     reg = rlhf_pm.components
-    assert reg.names(AdvantageEstimator) == ["dr_grpo", "gae", "group_norm", "reinforce", "reinforce_baseline", "rloo"]
+    assert reg.names(AdvantageEstimator) == ["dr_grpo", "gae", "group_mean_batch_std", "group_norm", "reinforce",
+                                             "reinforce_baseline", "rloo"]
     assert reg.provider(AdvantageEstimator, "group_norm") == "advantages"
     assert all(info.source == "builtin" for info in rlhf_pm.infos.values())
 

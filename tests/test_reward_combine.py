@@ -89,7 +89,7 @@ def test_trls_field_maps_to_the_combination():
 
     raw, notes = from_grpo_fields({"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "group"})
     assert raw["reward"]["combine"] == "normalize_then_sum"
-    assert raw["algo"]["advantage"]["estimator"] == "reinforce_baseline"
+    assert raw["algo"]["advantage"]["estimator"] == "group_mean_batch_std"
     assert any("GDPO" in n for n in notes)
     raw, _ = from_grpo_fields({})
     assert "combine" not in raw.get("reward", {}) and raw["algo"]["advantage"]["estimator"] == "group_norm"

@@ -166,6 +166,15 @@ def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return _group_done(x, scores - scores.mean(-1, keepdim=True))
 
 
+def group_mean_batch_std(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score minus its group's mean, over the std of the batch's scores (unbiased, + 1e-4): TRL's
+    ``scale_rewards="batch"`` (Lite PPO's group-level mean, batch-level std)."""
+    flat = x.sequence_scores()
+    scores = x.grouped(flat)
+    std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
+    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (std + 1e-4))
+
+
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean of the *other* samples of the same prompt."""
     scores = x.grouped(x.sequence_scores())

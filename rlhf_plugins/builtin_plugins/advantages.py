@@ -22,5 +22,8 @@ def rlhf_advantage_estimators() -> Iterable[AdvantageEstimator]:
                              description="GRPO: score normalised by its group's mean and std")
     yield AdvantageEstimator("dr_grpo", Lazy(f"{_M}:dr_grpo"), needs_groups=True,
                              description="Dr. GRPO: score minus group mean, no std division")
+    yield AdvantageEstimator("group_mean_batch_std", Lazy(f"{_M}:group_mean_batch_std"), needs_groups=True,
+                             description="score minus group mean over the batch's score std (TRL's "
+                                         "scale_rewards='batch')")
     yield AdvantageEstimator("rloo", Lazy(f"{_M}:rloo"), needs_groups=True,
                              description="RLOO: leave-one-out group baseline")

@@ -71,20 +71,19 @@ def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
     --reward.combine, whose sum TRL then normalises over the batch whatever scale_rewards says."""
     if f["multi_objective_aggregation"] == "normalize_then_sum":
         _set(raw, "reward.combine", "normalize_then_sum")
-        _set(raw, "algo.advantage.estimator", "reinforce_baseline")
+        _set(raw, "algo.advantage.estimator", "group_mean_batch_std")
         notes.append("multi_objective_aggregation 'normalize_then_sum' (GDPO): each reward normalised in its group, "
-                     "summed by weight, then normalised over the batch (reinforce_baseline); scale_rewards is unused")
+                     "summed by weight, then divided by the batch's std (group_mean_batch_std: the sum's group "
+                     "mean, which is TRL's batch mean unless a reward abstains); scale_rewards is unused")
         return
     if f["multi_objective_aggregation"] != "sum_then_normalize":
         raise ConfigError(f"TRL multi_objective_aggregation '{f['multi_objective_aggregation']}' has no "
                           "equivalent; use sum_then_normalize or normalize_then_sum")
     scale = f["scale_rewards"]
     scale = {True: "group", False: "none"}.get(scale, scale)
-    estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "reinforce_baseline"}.get(str(scale))
+    estimator = {"group": "group_norm", "none": "dr_grpo", "batch": "group_mean_batch_std"}.get(str(scale))
     if estimator is None:
         raise ConfigError(f"TRL scale_rewards '{scale}' has no equivalent; use group, batch or none")
-    if scale == "batch":
-        notes.append("scale_rewards 'batch' maps to reinforce_baseline (group-mean baseline, batch normalisation)")
     _set(raw, "algo.advantage.estimator", estimator)
 
 
