@@ -33,7 +33,8 @@ def test_unknown_component_lists_choices(rlhf_pm):
     with pytest.raises(ConfigError) as exc:
         rlhf_pm.components.get(AdvantageEstimator, "x")
     assert str(exc.value) == (
-        "unknown advantage estimator 'x'; choose one of: dr_grpo, gae, group_norm, reinforce, reinforce_baseline, rloo"
+        "unknown advantage estimator 'x'; choose one of: dr_grpo, gae, group_mean_batch_std, group_norm, reinforce, "
+        "reinforce_baseline, rloo"
     )
 
 
