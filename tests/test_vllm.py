@@ -378,6 +378,23 @@ def test_structured_outputs_make_every_completion_match_the_regex(tiny_model):
     assert not all(re.fullmatch("[0-9]{3}", t) for t in texts[None]), texts[None]
 
 
+def test_the_engines_lora_rank_bound_covers_the_runs_adapter_in_a_rank_vllm_takes():
+    """vLLM starts LoRA engines for a fixed set of ranks: ``--vllm.max_lora_rank`` is raised to the run's own
+    ``--lora.rank`` and rounded up into that set (before: a run with --lora.rank 100 failed at its first
+    sync with "set --vllm.max_lora_rank 100", a value vLLM refuses to start with)."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from rlhf_plugins.engines.vllm_lora import LORA_RANKS, lora_rank_bound
+
+    assert LORA_RANKS == typing.get_args(MaxLoRARanks)
+    for flags, bound in (({}, 64), ({"lora": {"rank": 100}}, 128), ({"lora": {"rank": 8}}, 64),
+                         ({"vllm": {"max_lora_rank": 48}}, 64), ({"lora": {"rank": 300}}, 320)):
+        config, _, _ = prepare({"generation": {"backend": "vllm"}, **flags}, autoload=False)
+        assert lora_rank_bound(config) == bound, flags
+
+
 def test_a_fused_modules_lora_adapter_is_split_into_the_parts_vllm_takes():
     """GLM-4's MLP is one ``gate_up_proj`` in transformers and two adapter targets in vLLM: each part keeps
     lora_A and takes its rows of lora_B, so each part's update B_part A is the fused update's rows; other

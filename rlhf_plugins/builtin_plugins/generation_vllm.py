@@ -49,7 +49,8 @@ class VLLMOptions:
     block_size: int | None = setting(None, ge=1)
     #: release weights and KV cache while the learner trains (GPU only; said once and skipped on CPU)
     sleep: bool = False
-    #: with --sync.method adapter: the largest LoRA rank the engine accepts (vLLM allocates for it)
+    #: with --sync.method adapter: the largest LoRA rank the engine accepts (vLLM allocates for it); raised
+    #: to the run's own --lora.rank, and up to a rank vLLM takes (1, 8, 16, 32, 64, 128, 256, 320, 512)
     max_lora_rank: int = setting(64, ge=1)
     #: where the engine's first weights come from: ``checkpoint`` (it reads the model folder), ``dummy``
     #: (vLLM's placeholder weights; the learner's arrive by weight sync before anything is generated, so

@@ -56,3 +56,18 @@ def split_fused(weights: dict[str, torch.Tensor], config: dict[str, Any],
         targets = sorted({p for t in targets for p in (parts[t] if t in split else (t,))})
         config = {**config, "target_modules": targets}
     return out, config
+
+
+#: the LoRA ranks a vLLM engine can be started for (vLLM's ``MaxLoRARanks``)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_bound(config: Any) -> int:
+    """The engine's ``max_lora_rank``: ``--vllm.max_lora_rank`` raised to the run's own adapter rank (as
+    OpenRLHF starts its engines with the run's ``--lora_rank``), rounded up to a rank vLLM accepts."""
+    from ..builtin_plugins.lora import enabled, lora_config
+
+    want = int(config.section("vllm").max_lora_rank)
+    if enabled(config):
+        want = max(want, int(lora_config(config).r))
+    return next((rank for rank in LORA_RANKS if rank >= want), want)
