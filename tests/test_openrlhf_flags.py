@@ -50,7 +50,7 @@ def test_the_docs_table_is_the_flag_table():
     (["--actor.adam.lr", "5e-7"], "--actor.adam.lr is OpenRLHF's; here it is --learner.lr;"),
     (["--colocate_all_models"], "--colocate_all_models is OpenRLHF's; here it is --ray.colocate all;"),
     (["--pretrain", "x"], "--pretrain is OpenRLHF's; here it is --model.path"),
-    (["--normalize_reward"], "--normalize_reward is OpenRLHF's; here it is --reward.normalize true"),
+    (["--normalize_reward"], "--normalize_reward is OpenRLHF's; here it is --reward.model_normalize true"),
     (["--rollout_batch_size", "8"], "--rollout_batch_size is OpenRLHF's; here it is --train.prompts_per_step;"),
     (["--seed", "3"], "--seed is OpenRLHF's; here it is --train.seed;"),
     (["--use_kl_loss"], "--use_kl_loss is OpenRLHF's; here it is --algo.kl.in_reward false;"),

@@ -143,3 +143,20 @@ def test_ppo_with_the_critic_from_the_reward_model(rlhf, models):
     assert code == 0, err
     rows = metrics_of(the_run())
     assert all("critic/loss" in r for r in rows) and rows[0]["critic/values"] != 0.0  # not a zero head
+
+
+def test_model_normalize_applies_a_reward_models_stored_stats_alone(rlhf, models):
+    """OpenRLHF's --normalize_reward (``--reward.model_normalize``) applies the model's stored mean / std to its
+    scores and nothing else; ``--reward.normalize`` also normalises the scores by running statistics."""
+    firsts = {}
+    for name, flags in (("raw", ()), ("model", ("--reward.model_normalize", "true")),
+                        ("running", ("--reward.normalize", "true"))):
+        code, _, err = rlhf("train", "--reward.models", str(models["openrlhf"]), *flags,
+                            *short_run("--train.run_name", name))
+        assert code == 0, err
+        firsts[name] = metrics_of(Path("runs") / name)[0]  # step 0: the same samples in every run
+    raw, model, running = firsts["raw"], firsts["model"], firsts["running"]
+    assert model["reward/mean"] == pytest.approx((raw["reward/mean"] - 0.5) / 2.0, abs=1e-4)
+    assert "reward/shaped_mean" not in model  # the scores the advantages see are the model's own
+    assert running["reward/mean"] == pytest.approx(model["reward/mean"], abs=1e-4)
+    assert abs(running["reward/shaped_mean"]) < 1e-4  # running statistics of the first batch centre it

@@ -159,7 +159,8 @@ line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --l
   (0.9, 0.95) are carried as TRL's `lr_scheduler_type` / `warmup_steps` / `adam_beta1` / `adam_beta2`;
   DPO's `--nll_loss_coef` is TRL's loss list `[sigmoid, sft]` weighted `[1, coef]`.
 - **Reward normalization.** A reward model's stored mean/std (OpenRLHF's `normalize_reward` config)
-  is applied when the run asks for it with `--reward.normalize` (OpenRLHF: `--normalize_reward`).
+  is applied when the run asks for it with `--reward.model_normalize` (OpenRLHF: `--normalize_reward`);
+  `--reward.normalize` also normalises every score by running statistics.
 - **Models and data** are local folders and files (no hub names): download them first.
 
 ## Every flag

@@ -144,8 +144,12 @@ class RewardConfig:
     overlong_buffer: int = setting(0, ge=0)
     #: the largest overlong penalty (reached at max_new_tokens)
     overlong_penalty: float = setting(1.0, ge=0)
-    #: normalise scores by running mean and std (state kept in checkpoints)
+    #: normalise scores by running mean and std (state kept in checkpoints); a reward model's stored
+    #: mean / std (OpenRLHF's normalize_reward config) is applied too
     normalize: bool = False
+    #: apply a reward model's stored mean / std alone, without the running normalisation (OpenRLHF's
+    #: --normalize_reward; the critic built from the reward model folds them into its head, as there)
+    model_normalize: bool = False
     #: clip (shaped) scores to [-clip, clip]
     clip: float | None = setting(None, gt=0)
     #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts;

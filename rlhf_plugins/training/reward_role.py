@@ -153,7 +153,7 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
         use_chat_template(policy, config.data)  # the policy's prompts as rendered (to compare with the model's)
         for path, weight in zip(r.models, model_weights):
             scorer = RewardModelScorer(path, config.model.dtype, r.model_batch_size, r.value_head_prefix,
-                                       policy_tokenizer=policy, normalize=r.normalize,
+                                       policy_tokenizer=policy, normalize=r.normalize or r.model_normalize,
                                        template_kwargs=config.data.chat_template_kwargs)
             sources.append(Source(scorer.name, "reward model", _model_source(scorer), weight))
     if r.remote_urls:
