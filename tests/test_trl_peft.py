@@ -70,6 +70,9 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
         from_grpo_fields({"pad_to_multiple_of": 0})
     raw, _ = from_grpo_fields({"delta": 1.5, "epsilon_high": 0.28})
     assert raw["algo"]["policy_loss"]["dual_clip"] == 1.5 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
+    raw, notes = from_grpo_fields({"optim": "paged_adamw_8bit"})  # AdamW's update, its states stored otherwise
+    assert raw["learner"]["optimizer"] == "adamw" and any("'paged_adamw_8bit' runs as torch's AdamW" in n
+                                                           for n in notes)
     raw, notes = from_grpo_fields({"delta": 1.5, "loss_type": "sapo"})  # TRL ignores delta there
     assert "dual_clip" not in raw["algo"]["policy_loss"] and any("'delta' is ignored under loss_type 'sapo'" in n
                                                                   for n in notes)

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
 from .trl_fields import (
+    ADAMW_STORED_OTHERWISE,
     BOOKKEEPING_PREFIXES,
     DERIVED,
     DIRECT,
@@ -73,7 +74,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     reference_sync(f, raw, notes, updates_per_rollout)
     adaptive_entropy(f, raw, notes, updates_per_rollout)
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
-    _run_settings(f, raw)
+    _run_settings(f, raw, notes)
     _compile(f, raw, notes)
     _generation_kwargs(f, raw)
     notes += _leftovers(f, changed)
@@ -129,7 +130,7 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
     return updates_per_rollout
 
 
-def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
+def _run_settings(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     """Precision, output folder and name, prompt order, optimizer and schedule, tool rounds, the vLLM
     engine."""
     if f.get("bf16"):
@@ -145,7 +146,7 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any]) -> None:
         raise ConfigError(f"TRL train_sampling_strategy '{strategy}' has no equivalent; use random or sequential")
     if strategy == "sequential":
         _set(raw, "data.shuffle", False)
-    _optimizer(f, raw)
+    _optimizer(f, raw, notes)
     if f.get("max_tool_calling_iterations") is not None:  # rounds of tool calls: one more model turn
         _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
     if f["use_vllm"]:
@@ -232,10 +233,14 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     return notes
 
 
-def _optimizer(f: dict[str, Any], raw: dict[str, Any]) -> None:
+def _optimizer(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     """Optimizer and schedule, as TRL's Trainer would run them (its default decays linearly)."""
     # a GRPOConfig object holds enums (SchedulerType.CONSTANT); YAML holds their values
     optim, schedule = (str(getattr(f[k], "value", f[k])) for k in ("optim", "lr_scheduler_type"))
+    if optim in ADAMW_STORED_OTHERWISE:
+        notes.append(f"TRL optim '{optim}' runs as torch's AdamW with float32 states: the same update up to the "
+                     f"rounding of the states '{optim}' {ADAMW_STORED_OTHERWISE[optim]} (memory differs)")
+        optim = "adamw_torch"
     if optim not in OPTIMIZERS:
         raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
     if schedule not in SCHEDULERS:

@@ -155,6 +155,14 @@ INIT_IGNORED = {"attn_implementation": "this package's attention (SDPA with its 
                 "low_cpu_mem_usage": "models of 50M+ parameters load empty and fill from their files"}
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adam": "adam", "sgd": "sgd"}
+#: transformers' AdamW variants whose update is AdamW's, their states kept another way (-> how)
+ADAMW_STORED_OTHERWISE = {
+    "adamw_8bit": "keeps in 8 bits (bitsandbytes)", "adamw_bnb_8bit": "keeps in 8 bits (bitsandbytes)",
+    "paged_adamw_8bit": "keeps in 8 bits, paged (bitsandbytes)", "paged_adamw_32bit": "pages (bitsandbytes)",
+    "adamw_torch_8bit": "keeps in 8 bits (torchao)", "adamw_torch_4bit": "keeps in 4 bits (torchao)",
+    "adamw_apex_fused": "fuses (apex)", "adamw_torch_npu_fused": "fuses (Ascend NPUs)",
+    "adamw_torch_xla": "keeps on XLA devices",
+}
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
               "cosine_with_min_lr": "cosine"}
 #: TRL loss_type -> the aggregation its normaliser is (TRL's "dapo" and "cispo" divide by the tokens of
