@@ -46,7 +46,7 @@ def _two_sided(delta: float, loss: str, high: float, raw: dict[str, Any], notes:
     if delta > 1 + high:
         _set(raw, "algo.policy_loss.dual_clip", delta)
     else:
-        _set(raw, "algo.policy_loss.clip_high", delta - 1)
+        _set(raw, "algo.policy_loss.clip_high", round(delta - 1, 12))  # 1.2 - 1 prints as 0.19999999999999996
         _set(raw, "algo.policy_loss.dual_clip", 1 + high)
 
 
