@@ -100,6 +100,9 @@ FLAGS = [
     ("kl-unknown", ["--algo.kl.estimator", "k9"], "unknown kl estimator 'k9'; choose one of: k1, k2, k3 (--algo.kl.estimator)"),
     ("loss-unknown", ["--algo.policy_loss.name", "opo"],
      "unknown policy loss 'opo'; choose one of: cispo, gspo, ppo, sapo, vespo (--algo.policy_loss.name)"),
+    ("ratio-level-of-ppo", ["--algo.policy_loss.ratio_level", "sequence"],
+     "algo.policy_loss.ratio_level sequence applies to cispo and sapo; 'ppo' has none (PPO's sequence-level ratio is "
+     "--algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level"),
     ("dual-clip-without-a-clip", ["--algo.policy_loss.name", "cispo", "--algo.policy_loss.dual_clip", "3"],
      "algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; 'cispo' has no clip to bound: remove "
      "--algo.policy_loss.dual_clip"),

@@ -92,6 +92,41 @@ def test_sapo_is_trls_soft_gate(seed):
     torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
 
 
+def trl_sequence(logprobs, old, advantages, mask, loss_type: str, epsilon_high=5.0, pos=1.0, neg=1.05):
+    """TRL 1.16 with importance_sampling_level "sequence": ``coef_1 = exp(mean_t(logp - old))`` per sequence
+    ([B, 1]), then cispo's capped weight or sapo's gate on it; cispo's token-mean normaliser, sapo's mean of
+    per-sequence token means. Advantages one per sequence, as TRL's."""
+    lp = logprobs.clone().requires_grad_(True)
+    adv = advantages[:, :1]
+    coef_1 = torch.exp(((lp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * lp
+        return token_mean(per_token, lp, mask)
+    tau = torch.where(adv > 0, pos, neg)
+    per_token = (-torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv).expand_as(lp)
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    (grad,) = torch.autograd.grad(loss, lp)
+    return float(loss.detach()), grad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sequence_level_cispo_and_sapo_are_trls(seed):
+    """One ratio per sequence (``--algo.policy_loss.ratio_level sequence``; TRL's importance_sampling_level
+    sequence): loss and gradient equal TRL's for cispo (token-mean) and sapo (seq-mean-token-mean), and differ
+    from the token-level losses."""
+    logprobs, old, _, advantages, mask = inputs(seed)
+    loss, grad, _ = ours("cispo", logprobs, old, advantages, mask, clip_high=0.3, ratio_level="sequence")
+    their_loss, their_grad = trl_sequence(logprobs, old, advantages, mask, "cispo", epsilon_high=1.3)
+    assert loss == pytest.approx(their_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(grad, ours("cispo", logprobs, old, advantages, mask, clip_high=0.3)[1])
+    loss, grad, _ = ours("sapo", logprobs, old, advantages, mask, sapo_temperature_pos=0.8,
+                         sapo_temperature_neg=1.3, ratio_level="sequence", aggregation="seq-mean-token-mean")
+    their_loss, their_grad = trl_sequence(logprobs, old, advantages, mask, "sapo", pos=0.8, neg=1.3)
+    assert loss == pytest.approx(their_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
+
+
 def test_on_policy_cispo_and_sapo_are_the_plain_policy_gradient():
     """At ratio 1 both losses' gradient is -A / N per token, as PPO's."""
     logprobs, _, _, advantages, mask = inputs(5)
@@ -142,6 +177,10 @@ def test_the_off_policy_mask_is_trls(seed):
      {"name": "gspo", "aggregation": "seq-mean-token-sum"}),
     ({"loss_type": "luspo"}, {"aggregation": "seq-mean-token-sum"}),
     ({"off_policy_mask_threshold": 0.5}, {"off_policy_mask": 0.5}),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, {"name": "sapo", "ratio_level": "sequence"}),
+    ({"loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence"},
+     {"name": "cispo", "ratio_level": "sequence", "clip_high": 4.0}),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, {"name": "vespo", "ratio_level": None}),
     ({"loss_type": "vespo", "use_vllm": True, "vllm_importance_sampling_mode": "token_truncate", "vespo_k_pos": 1.5},
      {"name": "vespo", "aggregation": "token-mean", "vespo_k_pos": 1.5, "mismatch": "tis"}),
 ])
@@ -157,8 +196,7 @@ def test_trl_fields_map_to_the_losses(fields, expected):
 
 @pytest.mark.parametrize("fields, message", [
     ({"loss_type": "cispo"}, "caps the ratio at epsilon_high, here 0.2, below 1"),
-    ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, "set it to 'token'"),
-    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "set it to 'token'"),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, "set it to 'token'"),
     ({"loss_type": "opo"}, "TRL loss_type 'opo' has no equivalent"),
 ])
 def test_trl_losses_without_an_equivalent_are_refused(fields, message):

@@ -70,11 +70,22 @@ def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     return loss, metrics
 
 
+def _log_ratio(x: PolicyLossInputs, o: Any, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clamped log-ratio per token, or with ``ratio_level sequence`` each sequence's mean log-ratio on
+    every one of its tokens (the gradient, where ``logprobs`` carries one, reaches every token through the
+    mean); and where the clamp acted."""
+    log_ratio = logprobs - x.old_logprobs
+    if getattr(o, "ratio_level", "token") == "sequence":
+        log_ratio = masked_mean(log_ratio, x.action_mask, dim=-1)[:, None].expand_as(log_ratio)
+    return _clamp(log_ratio)
+
+
 def cispo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     """CISPO (MiniMax-M1): ``-sg(min(r, 1 + clip_high)) * A * log pi``. The ratio is capped as a
     constant weight instead of clipping the token out of the gradient, so every token keeps its
-    REINFORCE gradient (a token above the cap with the cap's weight); ``clip_low`` is not used."""
-    log_ratio, clamped = _clamp(x.logprobs.detach() - x.old_logprobs)
+    REINFORCE gradient (a token above the cap with the cap's weight); ``clip_low`` is not used.
+    ``ratio_level sequence``: ``r`` is the sequence's (TRL's importance_sampling_level sequence)."""
+    log_ratio, clamped = _log_ratio(x, o, x.logprobs.detach())
     ratio = torch.exp(log_ratio)
     cap = 1 + o.clip_high
     loss = -ratio.clamp(max=cap) * x.advantages * x.logprobs
@@ -88,8 +99,9 @@ def sapo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     """SAPO (soft adaptive policy optimization): a smooth gate instead of the hard clip,
     ``-sigmoid(tau (r - 1)) * 4 / tau * A`` with ``tau = sapo_temperature_pos`` where ``A > 0`` and
     ``sapo_temperature_neg`` elsewhere. At ``r = 1`` it is the plain policy gradient; the gradient
-    fades as the ratio leaves 1, faster for the larger temperature."""
-    log_ratio, clamped = _clamp(x.logprobs - x.old_logprobs)
+    fades as the ratio leaves 1, faster for the larger temperature. ``ratio_level sequence``: one gate per
+    sequence on its ratio, whose gradient reaches every token through the mean log-ratio (as TRL's)."""
+    log_ratio, clamped = _log_ratio(x, o, x.logprobs)
     ratio = torch.exp(log_ratio)
     tau = torch.where(x.advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg).to(ratio.dtype)
     loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * x.advantages

@@ -33,6 +33,9 @@ class PolicyLossConfig:
     clip_high: float = setting(0.2, ge=0)
     #: dual-clip bound c > 1 for negative advantages; empty disables it
     dual_clip: float | None = setting(None, gt=1)
+    #: cispo and sapo: an importance ratio per token, or one per sequence, the geometric mean of its token
+    #: ratios (TRL's importance_sampling_level sequence); ppo's sequence form is the gspo loss
+    ratio_level: Literal["token", "sequence"] = "token"
     #: sapo's gate temperature for tokens of positive advantage (TRL's sapo_temperature_pos)
     sapo_temperature_pos: float = setting(1.0, gt=0)
     #: sapo's gate temperature for the other tokens (TRL's sapo_temperature_neg)

@@ -169,6 +169,9 @@ def _check_policy_loss(p: Any) -> None:
     _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
              f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
              f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
+    _require(p.ratio_level == "token" or p.name in ("cispo", "sapo"),
+             f"algo.policy_loss.ratio_level sequence applies to cispo and sapo; '{p.name}' has none (PPO's "
+             "sequence-level ratio is --algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level")
     _require(p.dual_clip is None or p.name not in ("cispo", "sapo", "vespo"),
              f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
              "bound: remove --algo.policy_loss.dual_clip")

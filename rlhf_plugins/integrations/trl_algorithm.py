@@ -88,9 +88,12 @@ def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
 
 
 def _loss_of_its_own(f: dict[str, Any], raw: dict[str, Any], loss: str, high: float) -> None:
-    """cispo, sapo and vespo: token-level ratios only; cispo's weight cap is epsilon_high itself (ScaleRL's
-    eps_max, 5.0 recommended), our cap 1 + clip_high."""
-    if f["importance_sampling_level"] != "token":
+    """cispo, sapo and vespo: their ratios per token or per sequence (vespo's weight is its sequence's either
+    way, as in TRL); cispo's weight cap is epsilon_high itself (ScaleRL's eps_max, 5.0 recommended), our cap
+    1 + clip_high."""
+    if f["importance_sampling_level"] == "sequence" and loss in ("cispo", "sapo"):
+        _set(raw, "algo.policy_loss.ratio_level", "sequence")
+    elif f["importance_sampling_level"] not in ("token", "sequence"):
         raise ConfigError(f"TRL loss_type '{loss}' with importance_sampling_level "
                           f"'{f['importance_sampling_level']}' has no equivalent here: set it to 'token'")
     if loss == "cispo":
