@@ -338,6 +338,7 @@ def test_openrlhfs_off_policy_correction_converts_to_the_same_token_weights(flag
     ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv",
      "--algo.advantage.is_correction_gating", "'tv' has no equivalent here"),
     ("--vllm_is_correction_type icepop", "--vllm_is_correction_type", "no effect without --enable_vllm_is_correction"),
+    ("--policy_loss_type gspo --enable_vllm_is_correction", "--enable_vllm_is_correction", "the ppo loss only"),
 ])
 def test_an_off_policy_correction_with_no_equivalent_is_listed_not_converted(flags, skipped, why):
     conv = convert(["--pretrain", "m", *flags.split()])

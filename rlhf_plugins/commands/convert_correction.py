@@ -36,6 +36,10 @@ def convert_correction(out: Any, given: dict[str, list[str]]) -> None:
     band = _band(out, given.get(THRESHOLD))
     if any(flag in given for flag in (LEVEL, MODE, GATING)):
         scheme = _scheme(out, given)
+    elif ENABLE in given and out.raw.get("algo", {}).get("policy_loss", {}).get("name", "ppo") != "ppo":
+        out.skipped.append((ENABLE, "OpenRLHF 0.9 applies it to the ppo loss only: under another --policy_loss_type "
+                                    "it corrects nothing, and nothing is converted"))
+        return
     elif ENABLE in given:
         kind = "icepop" if ICEPOP in given else given.get(TYPE, ["tis"])[0]
         scheme = TYPES.get(kind)
