@@ -415,7 +415,7 @@ def test_adaptive_kl_controller_hand_computed():
 
 def shaping(**kw):
     base = dict(stop_penalty=0.0, overlong_buffer=0, overlong_penalty=1.0, normalize=False, clip=None,
-                truncated_scale=None)
+                truncated_scale=None, clip_low=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -447,6 +447,19 @@ def test_truncated_scale_is_openrlhfs_stop_properly_penalty(coef):
     want = [openrlhf_shaped(x, n, r == "length", 10, 4, 0.5, coef) for x, n, r in zip(scores, lengths, reasons)]
     assert s(scores, lengths, reasons) == pytest.approx(want)
     assert s([1.0], [10], ["length"]) == pytest.approx([{0.0: 0.0, 0.5: 0.25, 1.0: 0.5, -0.5: -0.5}[coef]])
+
+
+def test_an_asymmetric_clip_is_openrlhfs_reward_clip_range():
+    """OpenRLHF clamps rewards to --reward_clip_range LOW HIGH: ``--reward.clip_low LOW --reward.clip HIGH``."""
+    from rlhf_plugins.commands.convert import convert
+
+    reward = convert(["--pretrain", "m", "--reward_clip_range", "0", "1"]).raw["reward"]
+    assert (reward["clip_low"], reward["clip"]) == (0, 1)
+    s = RewardShaper(shaping(clip=reward["clip"], clip_low=reward["clip_low"]), max_new_tokens=4)
+    scores = [-2.0, -0.5, 0.3, 0.9, 4.0]
+    assert s(scores, [1] * 5, ["stop"] * 5) == [0.0, 0.0, 0.3, 0.9, 1.0]
+    symmetric = RewardShaper(shaping(clip=1.0), max_new_tokens=4)
+    assert symmetric(scores, [1] * 5, ["stop"] * 5) == [-1.0, -0.5, 0.3, 0.9, 1.0]
 
 
 def test_normalisation_and_clip():

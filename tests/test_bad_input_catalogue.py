@@ -51,6 +51,8 @@ FLAGS = [
     ("aggregation", ["--algo.policy_loss.aggregation", "foo"],
      "unknown loss aggregation 'foo'; choose one of: token-mean, seq-mean-token-sum, seq-mean-token-mean, "
      "seq-mean-token-sum-norm (--algo.policy_loss.aggregation)"),
+    ("clip-low-alone", ["--reward.clip_low", "0"],
+     "reward.clip_low (0.0) is the lower bound of a clip: give --reward.clip above it (none given)"),
     ("overlong-buffer", ["--reward.overlong_buffer", "40", "--generation.max_new_tokens", "8"],
      "reward.overlong_buffer (40) must not exceed generation.max_new_tokens (8)"),
     ("filtering-one-sample", ["--reward.dynamic_filtering", "true", "--generation.n_samples_per_prompt", "1"],

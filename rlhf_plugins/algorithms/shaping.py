@@ -74,7 +74,8 @@ class RewardShaper:
             std = self.moments.std or 1.0
             out = [(s - self.moments.mean) / (std + 1e-8) for s in out]
         if c.clip is not None:
-            out = [min(max(s, -c.clip), c.clip) for s in out]
+            low = -c.clip if getattr(c, "clip_low", None) is None else c.clip_low
+            out = [min(max(s, low), c.clip) for s in out]
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -91,8 +91,6 @@ def _value(flag: Flag, vals: list[str]) -> Any:
     if flag.nargs == "*":
         return [x for v in parsed for x in (str(v).split(",") if isinstance(v, str) else [v]) if x != ""]
     if flag.nargs == 2:
-        if flag.ours == ("reward.clip",):
-            return max(abs(float(v)) for v in parsed)
         return parsed
     return parsed[0] if parsed else None
 

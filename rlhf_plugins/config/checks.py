@@ -32,6 +32,9 @@ def check_ranges(c: Config) -> None:
         r.overlong_buffer <= g.max_new_tokens,
         f"reward.overlong_buffer ({r.overlong_buffer}) must not exceed generation.max_new_tokens ({g.max_new_tokens})",
     )
+    _require(r.clip_low is None or (r.clip is not None and r.clip_low < r.clip),
+             f"reward.clip_low ({r.clip_low}) is the lower bound of a clip: give --reward.clip above it "
+             f"({'none given' if r.clip is None else r.clip})")
     for url in r.remote_urls:
         _require(not url.endswith(".py"), f"reward.remote_urls entry '{url}' is a Python file, not a server; load it "
                                           f"with --plugin {url} and name its function in --reward.functions")

@@ -152,6 +152,8 @@ class RewardConfig:
     model_normalize: bool = False
     #: clip (shaped) scores to [-clip, clip]
     clip: float | None = setting(None, gt=0)
+    #: with clip: the lower bound instead of -clip (OpenRLHF's --reward_clip_range LOW HIGH)
+    clip_low: float | None = None
     #: drop prompt groups whose scores all agree (no learning signal) and refill from further prompts;
     #: the scores compared are the shaped rewards, or OpenRLHF's ``scores`` where a source returns them
     dynamic_filtering: bool = False
