@@ -357,6 +357,14 @@ def test_no_advantage_std_norm_keeps_the_estimator_and_drops_the_batch_std():
             assert raw["algo"]["advantage"]["estimator"] == estimator and raw["algo"]["advantage"]["std_norm"] is False
 
 
+def test_freezing_the_actor_without_a_critic_is_listed_not_converted():
+    conv = convert(["--pretrain", "m", "--advantage_estimator", "group_norm", "--freezing_actor_steps", "5",
+                    "--n_samples_per_prompt", "4"])
+    assert "freezing_steps" not in conv.raw.get("critic", {})
+    assert any(flag == "--freezing_actor_steps" and "no critic" in why for flag, why in conv.skipped)
+    assert convert(["--pretrain", "m", "--freezing_actor_steps", "5"]).raw["critic"]["freezing_steps"] == 5  # gae
+
+
 def test_stop_properly_penalty_scales_truncated_scores_as_there():
     """ProRL's --stop_properly_penalty_coef 0.0 (OpenRLHF's recipes) zeroes a truncated sample's reward
     (before: it became a penalty of 0 subtracted -- no penalty at all)."""

@@ -137,7 +137,19 @@ def convert(argv: list[str]) -> Converted:
             if key not in out.set_keys:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
+        _frozen_without_critic(out)
     return out
+
+
+def _frozen_without_critic(out: Converted) -> None:
+    """``--freezing_actor_steps`` trains the critic alone for a while; without a critic (a group estimator)
+    OpenRLHF skips the actor's updates with nothing else training, which rlhf refuses: not converted."""
+    critic = out.raw.get("critic", {})
+    if critic.get("freezing_steps") and out.raw["algo"]["advantage"]["estimator"] != "gae":
+        del critic["freezing_steps"]
+        out.skipped.append(("--freezing_actor_steps", f"no critic to train alone under estimator "
+                                                      f"'{out.raw['algo']['advantage']['estimator']}' (OpenRLHF would "
+                                                      "skip the actor's updates with nothing training)"))
 
 
 def _reward_file(out: Converted) -> None:
