@@ -10,15 +10,15 @@ import pytest
 from rlhf_plugins.cli import main
 
 #: the modules that take longest (minutes of Ray / vLLM / DeepSpeed runs in subprocesses; the order measured
-#: under the README's command, 2026-12-05), collected first: under `pytest -n 3 --dist loadfile
+#: under the README's command, 2026-12-06), collected first: under `pytest -n 3 --dist loadfile
 #: --no-loadscope-reorder` the workers start on them and finish together instead of one worker running a
 #: long module alone at the end
-LONGEST_FIRST = ("test_vllm", "test_ray_training", "test_faults_and_resume_at_scale", "test_real_shape", "test_fsdp",
-                 "test_trl_peft", "test_memory", "test_third_party_backends", "test_pipeline", "test_ipc_sync",
-                 "test_checkpoints", "test_ray", "test_ray_multinode", "test_modeling", "test_muon",
-                 "test_environments", "test_trl_environments", "test_compile", "test_logits_chunks",
-                 "test_remote_reward", "test_reference_sync", "test_stages", "test_algo_runs", "test_async",
-                 "test_rough_edges", "test_train")
+LONGEST_FIRST = ("test_vllm", "test_faults_and_resume_at_scale", "test_ray_training", "test_real_shape", "test_fsdp",
+                 "test_trl_peft", "test_ray", "test_memory", "test_third_party_backends", "test_checkpoints",
+                 "test_pipeline", "test_modeling", "test_ray_multinode", "test_reference_sync", "test_environments",
+                 "test_ipc_sync", "test_stages", "test_compile", "test_evaluation", "test_trl_environments",
+                 "test_logits_chunks", "test_remote_reward", "test_muon", "test_ema", "test_train",
+                 "test_rough_edges", "test_algo_runs", "test_model_families", "test_deepspeed_learner")
 
 
 def pytest_collection_modifyitems(config, items):
