@@ -74,7 +74,7 @@ class RewardShaper:
             std = self.moments.std or 1.0
             out = [(s - self.moments.mean) / (std + 1e-8) for s in out]
         if c.clip is not None:
-            low = -c.clip if getattr(c, "clip_low", None) is None else c.clip_low
+            low = -c.clip if c.clip_low is None else c.clip_low
             out = [min(max(s, low), c.clip) for s in out]
         return out
 

@@ -13,11 +13,6 @@ from .._markers import hookimpl
 from ..errors import ConfigError
 
 
-def stored_stats(config: Any) -> bool:
-    """Whether a reward model's stored mean / std apply (``--reward.normalize`` or ``--reward.model_normalize``)."""
-    return bool(config.reward.normalize or config.reward.model_normalize)
-
-
 @hookimpl(trylast=True)
 def rlhf_load_model(role: str, path: str, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
@@ -27,9 +22,11 @@ def rlhf_load_model(role: str, path: str, config: Any) -> Any:
 
     try:
         if role == "critic":
+            from ..models.reward_model import applies_stored_stats
             from ..models.value_model import ValueModel
 
-            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype], normalize=stored_stats(config),
+            return ValueModel.from_pretrained(path, dtype=DTYPES[config.model.dtype],
+                                              normalize=applies_stored_stats(config.reward),
                                               empty=empty_init.wanted())
         # built empty, then filled tensor by tensor -- or left empty for a sharded learner, which reads
         # each rank's shard itself, and an engine whose weights come by sync

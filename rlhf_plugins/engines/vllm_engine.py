@@ -31,7 +31,7 @@ from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
 from .vllm_arguments import engine_arguments
 from .vllm_classes import vllm_class_patches_confined
-from .vllm_lora import LORA_RANKS, lora_rank_bound, split_fused, split_parts
+from .vllm_lora import lora_rank_bound, split_fused, split_parts, vllm_rank
 from .vllm_worker import VLLMModelWorker, load, on_worker, reclass_model
 
 logger = logging.getLogger("rlhf_plugins")
@@ -237,9 +237,8 @@ class VLLMEngine:
                              "--sync.method adapter from the start")
         rank = int(config.get("r", 0))
         if rank > lora.max_lora_rank:
-            bound = next((r for r in LORA_RANKS if r >= rank), rank)
             raise UsageError(f"the LoRA adapter has rank {rank} but the vLLM engine was started with "
-                             f"max_lora_rank {lora.max_lora_rank}; set --vllm.max_lora_rank {bound}")
+                             f"max_lora_rank {lora.max_lora_rank}; set --vllm.max_lora_rank {vllm_rank(rank)}")
         if self.lora_parts is None:
             self.lora_parts = split_parts(self.llm.llm_engine.vllm_config.model_config)
         weights, config = split_fused(weights, config, self.lora_parts)

@@ -62,6 +62,11 @@ def split_fused(weights: dict[str, torch.Tensor], config: dict[str, Any],
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def vllm_rank(want: int) -> int:
+    """The smallest rank vLLM starts a LoRA engine for that holds ``want``."""
+    return next((rank for rank in LORA_RANKS if rank >= want), want)
+
+
 def lora_rank_bound(config: Any) -> int:
     """The engine's ``max_lora_rank``: ``--vllm.max_lora_rank`` raised to the run's own adapter rank (as
     OpenRLHF starts its engines with the run's ``--lora_rank``), rounded up to a rank vLLM accepts."""
@@ -70,4 +75,4 @@ def lora_rank_bound(config: Any) -> int:
     want = int(config.section("vllm").max_lora_rank)
     if enabled(config):
         want = max(want, int(lora_config(config).r))
-    return next((rank for rank in LORA_RANKS if rank >= want), want)
+    return vllm_rank(want)

@@ -29,6 +29,12 @@ from ..errors import ConfigError
 HEAD_PREFIXES = ("score", "value_head")
 
 
+
+def applies_stored_stats(reward: Any) -> bool:
+    """Whether a reward model's stored mean / std apply, to its scores and to a critic built from it
+    (``--reward.normalize`` or ``--reward.model_normalize``; ``reward`` is the config's reward section)."""
+    return bool(reward.normalize or reward.model_normalize)
+
 @dataclass
 class RewardModelInfo:
     path: Path

@@ -145,7 +145,7 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
         from transformers import AutoTokenizer
 
         from ..data.prompts import use_chat_template
-        from ..models.reward_model import RewardModelScorer
+        from ..models.reward_model import RewardModelScorer, applies_stored_stats
         from ..models.tiny_model import default_model_path
 
         policy = AutoTokenizer.from_pretrained(config.model.path or default_model_path(quiet=True),
@@ -153,7 +153,7 @@ def build_sources(config: Any, pm: Any, names: list[str], weights: list[float]) 
         use_chat_template(policy, config.data)  # the policy's prompts as rendered (to compare with the model's)
         for path, weight in zip(r.models, model_weights):
             scorer = RewardModelScorer(path, config.model.dtype, r.model_batch_size, r.value_head_prefix,
-                                       policy_tokenizer=policy, normalize=r.normalize or r.model_normalize,
+                                       policy_tokenizer=policy, normalize=applies_stored_stats(r),
                                        template_kwargs=config.data.chat_template_kwargs)
             sources.append(Source(scorer.name, "reward model", _model_source(scorer), weight))
     if r.remote_urls:

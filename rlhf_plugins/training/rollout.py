@@ -183,13 +183,13 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
 
     mask = batch["action_mask"]
     scores = batch["scores"]
+    adv_mean = masked_mean(batch["advantages"], mask)
     out = {
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
         "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
-        "advantage/mean": float(masked_mean(batch["advantages"], mask)),
-        "advantage/std": float(masked_mean((batch["advantages"] - masked_mean(batch["advantages"], mask)) ** 2,
-                                           mask).sqrt()),
+        "advantage/mean": float(adv_mean),
+        "advantage/std": float(masked_mean((batch["advantages"] - adv_mean) ** 2, mask).sqrt()),
     }
     if rollout.scores != rollout.raw_scores:
         out["reward/shaped_mean"] = float(scores.mean())
