@@ -73,9 +73,11 @@ def test_kl_in_reward_with_adaptive_controller(rlhf):
     assert all(r["loss/total"] == pytest.approx(r["loss/policy"], abs=1e-7) for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis", "seq_icepop binary_kl"])
 def test_mismatch_correction_runs_and_sees_matching_policies(rlhf, mode):
-    code, _, err = rlhf("train", "--algo.policy_loss.mismatch", mode, *short_run())
+    mode, *gate = mode.split()
+    gating = ["--algo.policy_loss.mismatch_gate", *gate] if gate else []
+    code, _, err = rlhf("train", "--algo.policy_loss.mismatch", mode, *gating, *short_run())
     assert code == 0, err
     for row in metrics_of(the_run()):
         # the transformers engine holds the learner's exact weights: ratios are ~1, nothing dropped

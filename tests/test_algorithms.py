@@ -359,7 +359,7 @@ from rlhf_plugins.algorithms.shaping import RewardShaper, RunningMoments, keep_g
 from rlhf_plugins.algorithms.value import clipped_value_loss  # noqa: E402
 
 
-@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_icepop", "seq_mask_tis"])
 def test_mismatch_weights_match_loop(mode):
     r = ragged(seed=21)
     old = torch.randn(r.B, r.T, generator=r.g) * 0.3
@@ -376,13 +376,44 @@ def test_mismatch_weights_match_loop(mode):
         else:
             seq = math.exp(sum(float(old[i, t] - roll[i, t]) for t in range(n)) / n)
             keep = low <= seq <= high
-            expect = [min(x, high) if keep else 0.0 for x in ratios]
+            expect = [(min(x, high) if mode == "seq_mask_tis" else x) if keep else 0.0 for x in ratios]
         assert w[i, :n].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-6)
         assert float(w[i, n:].abs().sum()) == 0.0
     assert 0.0 <= float(m["mismatch/dropped_frac"]) <= 1.0
     # identical policies: every weight is 1
     same, _ = importance_weights(old, old, r.mask, mode, low, high)
     assert torch.equal(same, r.mask)
+
+
+@pytest.mark.parametrize("mode", ["icepop", "seq_icepop"])
+@pytest.mark.parametrize("gate", ["binary_kl", "tv"])
+def test_mismatch_divergence_gates_match_loop(mode, gate):
+    """icepop / seq_icepop gated on the sampled token's binary KL or total variation between the engine's
+    probability p and the learner's q: kept tokens (or every token of a kept sequence) weigh their raw ratio."""
+    r = ragged(seed=22)
+    old = torch.rand(r.B, r.T, generator=r.g).clamp(0.05, 0.95).log()
+    spread = torch.rand(r.B, 1, generator=r.g) * 0.4  # some sequences close to the learner, some far
+    roll = (old + torch.randn(r.B, r.T, generator=r.g) * spread).clamp(max=0.0)
+    limit = 0.01 if gate == "binary_kl" else 0.05
+    w, m = importance_weights(old, roll, r.mask, mode, 0.5, 2.0, gate=gate, max_divergence=limit)
+
+    def divergence(i, t):
+        p = min(max(math.exp(float(roll[i, t])), 1e-6), 1 - 1e-6)
+        q = min(max(math.exp(float(old[i, t])), 1e-6), 1 - 1e-6)
+        if gate == "tv":
+            return abs(p - q)
+        return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+    dropped = 0
+    for i in range(r.B):
+        n = r.lengths[i]
+        per_token = [divergence(i, t) for t in range(n)]
+        kept = [d <= limit for d in per_token] if mode == "icepop" else [sum(per_token) / n <= limit] * n
+        expect = [math.exp(float(old[i, t] - roll[i, t])) if kept[t] else 0.0 for t in range(n)]
+        assert w[i, :n].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-6)
+        dropped += n - sum(kept)
+    assert 0 < dropped < sum(r.lengths)  # the gate acted, and not on everything
+    assert float(m["mismatch/dropped_frac"]) == pytest.approx(dropped / sum(r.lengths))
 
 
 def test_value_loss_matches_loop():

@@ -102,6 +102,10 @@ FLAGS = [
     ("kl-unknown", ["--algo.kl.estimator", "k9"], "unknown kl estimator 'k9'; choose one of: k1, k2, k3 (--algo.kl.estimator)"),
     ("loss-unknown", ["--algo.policy_loss.name", "opo"],
      "unknown policy loss 'opo'; choose one of: cispo, gspo, ppo, sapo, vespo (--algo.policy_loss.name)"),
+    ("divergence-gate-without-a-mask", ["--algo.policy_loss.mismatch", "tis", "--algo.policy_loss.mismatch_gate",
+                                        "binary_kl"],
+     "algo.policy_loss.mismatch_gate binary_kl gates the tokens or sequences that icepop and seq_icepop keep; mismatch "
+     "tis keeps no such choice: use --algo.policy_loss.mismatch icepop (per token) or seq_icepop (per sequence)"),
     ("ratio-level-of-ppo", ["--algo.policy_loss.ratio_level", "sequence"],
      "algo.policy_loss.ratio_level sequence applies to cispo and sapo; 'ppo' has none (PPO's sequence-level ratio is "
      "--algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level"),

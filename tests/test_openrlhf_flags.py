@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from rlhf_plugins.commands.convert import convert, render
@@ -293,52 +294,97 @@ def test_a_reward_func_file_given_as_remote_rm_url_becomes_the_runs_reward(tmp_p
     assert both.raw["plugins"] == ["reward_func.py"]
 
 
-def _their_weights(ratio, scheme, low, high):
-    """OpenRLHF's token weights of its off-policy correction, written from its loss (0.9: tis clamps into
-    the band, icepop zeroes outside it; later releases: token clip / trunc / mask)."""
-    if scheme == "clamp":
-        return ratio.clamp(min=low, max=high)
-    if scheme == "trunc":
-        return ratio.clamp(max=high)
-    return ratio * ((ratio >= low) & (ratio <= high))
+def _their_weights(old, rollout, mask, level, mode, gating, low, high):
+    """OpenRLHF's token weights of its off-policy correction, written from its loss: a statistic per unit (the
+    ratio pi_old / pi_rollout, or the sampled token's binary KL / total variation; at seq level the ratio's
+    geometric mean or the divergence's mean), clamped into [low, high] (clip) or gating the raw token ratio (mask).
+    0.9's tis is token clip, icepop token mask, seq-mask-tis seq mask."""
+    log_ratio = old - rollout
+    seq = level == "seq"
+
+    def seq_mean(x):
+        return ((x * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1)
+
+    if gating == "ratio":
+        stat = (seq_mean(log_ratio) if seq else log_ratio).exp()
+    else:
+        p, q = rollout.exp().clamp(1e-6, 1 - 1e-6), old.exp().clamp(1e-6, 1 - 1e-6)
+        if gating == "binary_kl":
+            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:
+            stat = (p - q).abs()
+        stat = seq_mean(stat) if seq else stat
+    if mode == "clip":
+        return stat.clamp(min=low, max=high).expand_as(old) * mask
+    keep = (stat >= low) & (stat <= high)
+    return torch.where(keep, log_ratio.exp(), 0.0) * mask
 
 
-@pytest.mark.parametrize("flags, scheme, low, high", [
-    ("--enable_vllm_is_correction", "clamp", 0.5, 5.0),
-    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 0.8 1.25", "clamp", 0.8, 1.25),
-    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 2", "trunc", 0.0, 2.0),
-    ("--enable_vllm_is_correction --vllm_is_correction_type icepop --vllm_is_truncated_threshold 0.5 2", "mask", 0.5, 2.0),
-    ("--enable_vllm_is_correction --use_icepop", "mask", 0.5, 5.0),
-    ("--algo.advantage.is_correction_level token", "mask", 0.5, 5.0),
+@pytest.mark.parametrize("flags, scheme", [
+    ("--enable_vllm_is_correction", ("token", "clip", "ratio", 0.5, 5.0)),
+    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 0.8 1.25", ("token", "clip", "ratio", 0.8, 1.25)),
+    ("--enable_vllm_is_correction --vllm_is_truncated_threshold 2", ("token", "clip", "ratio", 0.0, 2.0)),
+    ("--enable_vllm_is_correction --vllm_is_correction_type icepop --vllm_is_truncated_threshold 0.5 2",
+     ("token", "mask", "ratio", 0.5, 2.0)),
+    ("--enable_vllm_is_correction --use_icepop", ("token", "mask", "ratio", 0.5, 5.0)),
+    ("--enable_vllm_is_correction --vllm_is_correction_type seq-mask-tis --vllm_is_truncated_threshold 0.8 1.2",
+     ("seq", "mask", "ratio", 0.8, 1.2)),
+    ("--algo.advantage.is_correction_level token", ("token", "mask", "ratio", 0.5, 5.0)),
     ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip "
-     "--algo.advantage.is_correction_threshold 0.9 1.1", "clamp", 0.9, 1.1),
-    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode trunc "
-     "--algo.advantage.is_correction_threshold 3", "trunc", 0.0, 3.0),
+     "--algo.advantage.is_correction_threshold 0.9 1.1", ("token", "clip", "ratio", 0.9, 1.1)),
+    ("--algo.advantage.is_correction_level seq --algo.advantage.is_correction_threshold 0.8 1.2",
+     ("seq", "mask", "ratio", 0.8, 1.2)),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating binary_kl "
+     "--algo.advantage.is_correction_threshold 0.02", ("token", "mask", "binary_kl", 0.0, 0.02)),
+    ("--algo.advantage.is_correction_level seq --algo.advantage.is_correction_gating binary_kl "
+     "--algo.advantage.is_correction_threshold 5e-3", ("seq", "mask", "binary_kl", 0.0, 5e-3)),
+    ("--algo.advantage.is_correction_level seq --algo.advantage.is_correction_gating tv "
+     "--algo.advantage.is_correction_threshold 0 0.05", ("seq", "mask", "tv", 0.0, 0.05)),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv "
+     "--algo.advantage.is_correction_threshold 0.05", ("token", "mask", "tv", 0.0, 0.05)),
 ])
-def test_openrlhfs_off_policy_correction_converts_to_the_same_token_weights(flags, scheme, low, high):
+def test_openrlhfs_off_policy_correction_converts_to_the_same_token_weights(flags, scheme):
     """Both generations of OpenRLHF's correction flags give our mismatch correction the weights OpenRLHF's loss
-    computes, on ratios from 0.05 to 20 (before: 0.9's two-value band was read as one bound and refused, its
-    TIS had no floor, and the dotted level/mode became 'clip' or 'mask', which no config accepts)."""
-    import torch
+    computes, on random engine / learner log-probs whose ratios span e^-1.5 .. e^1.5 (before: 0.9's two-value
+    band was read as one bound, its TIS had no floor, seq-mask-tis capped the kept ratios, the dotted seq level
+    and the binary_kl / tv gates were not converted)."""
+    from types import SimpleNamespace
 
-    from rlhf_plugins.algorithms.mismatch import importance_weights
+    from rlhf_plugins.algorithms.mismatch import weights_for
+    from rlhf_plugins.config.algo_schema import PolicyLossConfig
 
-    p = convert(["--pretrain", "m", *flags.split()]).raw["algo"]["policy_loss"]
-    ratio = torch.logspace(-3, 3, 61, base=2.718281828459045).reshape(1, -1)  # e^-3 .. e^3
-    rollout, mask = torch.zeros_like(ratio), torch.ones_like(ratio)
-    ours, _ = importance_weights(ratio.log(), rollout, mask, p["mismatch"], p["mismatch_low"], p["mismatch_high"],
-                                 p["tis_floor"])
-    theirs = _their_weights(ratio, scheme, low, high)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-    assert (ratio > high).any() and (ratio < max(low, 0.06)).any()  # both ends of the band acted
+    options = SimpleNamespace(**{**vars(PolicyLossConfig()),
+                                 **convert(["--pretrain", "m", *flags.split()]).raw["algo"]["policy_loss"]})
+    g = torch.Generator().manual_seed(7)
+    old = torch.rand(64, 12, generator=g, dtype=torch.float64).clamp(0.02, 0.98).log()
+    rollout = old + torch.randn(64, 12, generator=g, dtype=torch.float64) * torch.rand(64, 1, generator=g) * 0.5
+    rollout = rollout.clamp(max=0.0)
+    lengths = torch.randint(3, 13, (64, 1), generator=g)
+    mask = (torch.arange(12) < lengths).to(torch.float64)
+    ours, metrics = weights_for(options, old, rollout, mask)
+    theirs = _their_weights(old, rollout, mask, *scheme)
+    torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12)
+    real = mask > 0
+    if scheme[1] == "mask":  # the gate dropped some tokens, not all, and the metric counts them
+        dropped = float((theirs[real] == 0).double().mean())
+        assert 0.0 < dropped < 1.0 and float(metrics["mismatch/dropped_frac"]) == pytest.approx(dropped)
+    else:  # the band clamped some weights
+        assert (theirs[real] != (old - rollout).exp()[real]).any()
 
 
 @pytest.mark.parametrize("flags, skipped, why", [
-    ("--algo.advantage.is_correction_level seq", "--algo.advantage.is_correction_level", "level 'seq' with mode 'mask'"),
+    ("--algo.advantage.is_correction_level geo", "--algo.advantage.is_correction_level",
+     "'geo' is not one of OpenRLHF's off, token, seq"),
+    ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode trunc",
+     "--algo.advantage.is_correction_mode", "'trunc' is not one of OpenRLHF's mask, clip"),
+    ("--algo.advantage.is_correction_level seq --algo.advantage.is_correction_mode clip",
+     "--algo.advantage.is_correction_mode", "OpenRLHF refuses this combination too"),
     ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv",
-     "--algo.advantage.is_correction_gating", "'tv' has no equivalent here"),
+     "--algo.advantage.is_correction_gating", "OpenRLHF refuses the band 0.5 5.0 too"),
     ("--vllm_is_correction_type icepop", "--vllm_is_correction_type", "no effect without --enable_vllm_is_correction"),
     ("--policy_loss_type gspo --enable_vllm_is_correction", "--enable_vllm_is_correction", "the ppo loss only"),
+    ("--policy_loss_type gspo --algo.advantage.is_correction_level token", "--algo.advantage.is_correction_level",
+     "the ppo loss only"),
 ])
 def test_an_off_policy_correction_with_no_equivalent_is_listed_not_converted(flags, skipped, why):
     conv = convert(["--pretrain", "m", *flags.split()])
@@ -385,12 +431,3 @@ def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_the
     raw["reward"] = {"functions": ["exact_match"]}
     config, _, _ = prepare(raw, autoload=False)
     assert config.train.max_staleness == 1 and config.algo.policy_loss.mismatch == "none"
-
-
-def test_a_geometric_mask_converts_to_seq_mask_tis_with_its_difference_said():
-    conv = convert(["--pretrain", "m", "--algo.advantage.is_correction_level", "geo",
-                    "--algo.advantage.is_correction_threshold", "0.9", "1.1"])
-    p = conv.raw["algo"]["policy_loss"]
-    assert (p["mismatch"], p["mismatch_low"], p["mismatch_high"]) == ("seq_mask_tis", 0.9, 1.1)
-    assert any("keeps the raw ratio" in how for _, how in conv.partial)
-    assert not conv.skipped

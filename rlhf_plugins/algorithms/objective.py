@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .kl import ratio_weights
-from .mismatch import importance_weights
+from .mismatch import weights_for
 from .numerics import aggregate, high_entropy_mask, masked_mean, micro_batch_weight
 from .policy_losses import PolicyLossInputs, off_policy_mask
 
@@ -114,11 +114,7 @@ class Objective:
             metrics["loss/off_policy_masked_frac"] = masked_mean(1 - kept, mask)
         own = getattr(self.policy_loss, "corrects_mismatch", False)  # VESPO: inside its sequence weight
         if self.options.mismatch != "none" and inputs.rollout_logprobs is not None and not own:
-            weights, extra = importance_weights(
-                inputs.old_logprobs, inputs.rollout_logprobs, mask,
-                self.options.mismatch, self.options.mismatch_low, self.options.mismatch_high,
-                self.options.tis_floor,
-            )
+            weights, extra = weights_for(self.options, inputs.old_logprobs, inputs.rollout_logprobs, mask)
             per_token = per_token * weights
             metrics.update(extra)
         elif inputs.rollout_logprobs is not None:  # the train/inference gap, measured even when not corrected

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .mismatch import importance_weights
+from .mismatch import weights_for
 from .numerics import masked_mean
 
 #: the policy's log ratio is clamped to +-this before ``exp`` (as OpenRLHF): one wild token cannot
@@ -120,8 +120,7 @@ def vespo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     floor = math.log(1e-8)
     log_w = ((x.logprobs.detach() - x.old_logprobs).clamp(-20, 20) * mask).sum(-1, keepdim=True)
     if o.mismatch != "none" and x.rollout_logprobs is not None:
-        weights, _ = importance_weights(x.old_logprobs, x.rollout_logprobs, mask, o.mismatch, o.mismatch_low,
-                                        o.mismatch_high, o.tis_floor)
+        weights, _ = weights_for(o, x.old_logprobs, x.rollout_logprobs, mask)
         log_w = log_w + (weights.clamp(min=1e-30).log().clamp(floor, 20) * mask).sum(-1, keepdim=True)
     log_w = log_w.clamp(floor, 20)
     positive = x.advantages >= 0

@@ -3,11 +3,13 @@ correction (``--algo.policy_loss.mismatch``, its band and ``tis_floor``).
 
 0.9's flags: ``--enable_vllm_is_correction`` with ``--vllm_is_correction_type`` (tis, icepop, seq-mask-tis)
 and ``--vllm_is_truncated_threshold LOW HIGH``; its TIS clamps a token's weight into the band from both
-sides. Later releases (dotted flags) say it as a granularity and a treatment:
-``--algo.advantage.is_correction_level`` (off, token, seq, geo; off by default) with
-``--algo.advantage.is_correction_mode`` (mask, clip, trunc; mask by default) and a gate
-(``--algo.advantage.is_correction_gating``, the ratio by default). One threshold value is the upper bound
-alone. The flags are read together, as OpenRLHF's loss reads them."""
+sides; its seq-mask-tis drops the sequences whose geometric-mean ratio leaves the band and keeps the raw
+token ratios of the others (our seq_icepop). Later releases (dotted flags) say it as a granularity, a
+treatment and a gate: ``--algo.advantage.is_correction_level`` (off, token, seq; off by default),
+``--algo.advantage.is_correction_mode`` (mask, clip; mask by default; clip only per token on the ratio) and
+``--algo.advantage.is_correction_gating`` (ratio, binary_kl, tv; a divergence gate takes an upper bound
+alone). One threshold value is the upper bound alone. The flags are read together, as OpenRLHF's loss reads
+them, and a combination its loss refuses is listed as not converted."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,10 +23,12 @@ FLAGS = (ENABLE, TYPE, THRESHOLD, ICEPOP, LEVEL, MODE, GATING)
 #: OpenRLHF's band when no threshold is given
 BAND = (0.5, 5.0)
 #: 0.9's correction types: (ours, whether the band's low end is a floor of the weights)
-TYPES = {"tis": ("tis", True), "icepop": ("icepop", False), "seq-mask-tis": ("seq_mask_tis", False)}
+TYPES = {"tis": ("tis", True), "icepop": ("icepop", False), "seq-mask-tis": ("seq_icepop", False)}
 #: later releases' (level, mode): the same
-SCHEMES = {("token", "mask"): ("icepop", False), ("token", "clip"): ("tis", True), ("token", "trunc"): ("tis", False),
-           ("geo", "mask"): ("seq_mask_tis", False)}
+SCHEMES = {("token", "mask"): ("icepop", False), ("token", "clip"): ("tis", True),
+           ("seq", "mask"): ("seq_icepop", False)}
+#: later releases' levels, modes and gates
+LEVELS, MODES, GATES = ("off", "token", "seq"), ("mask", "clip"), ("ratio", "binary_kl", "tv")
 
 
 def convert_correction(out: Any, given: dict[str, list[str]]) -> None:
@@ -34,12 +38,16 @@ def convert_correction(out: Any, given: dict[str, list[str]]) -> None:
     if not given:
         return
     band = _band(out, given.get(THRESHOLD))
-    if any(flag in given for flag in (LEVEL, MODE, GATING)):
-        scheme = _scheme(out, given)
-    elif ENABLE in given and out.raw.get("algo", {}).get("policy_loss", {}).get("name", "ppo") != "ppo":
-        out.skipped.append((ENABLE, "OpenRLHF 0.9 applies it to the ppo loss only: under another --policy_loss_type "
-                                    "it corrects nothing, and nothing is converted"))
+    dotted = any(flag in given for flag in (LEVEL, MODE, GATING))
+    loss = out.raw.get("algo", {}).get("policy_loss", {}).get("name", "ppo")
+    if (ENABLE in given or dotted and given.get(LEVEL, ["off"])[0] != "off") and loss != "ppo":
+        out.skipped.append((LEVEL if dotted else ENABLE,
+                            "OpenRLHF corrects the ppo loss only (under gspo its later releases measure the "
+                            "sequence ratio against the engine's log-probs instead, which rlhf does not): nothing "
+                            "is converted"))
         return
+    if dotted:
+        scheme = _scheme(out, given, band)
     elif ENABLE in given:
         kind = "icepop" if ICEPOP in given else given.get(TYPE, ["tis"])[0]
         scheme = TYPES.get(kind)
@@ -54,11 +62,8 @@ def convert_correction(out: Any, given: dict[str, list[str]]) -> None:
     out.put("algo.policy_loss.mismatch", name)
     if name == "none" and "train.max_staleness" in out.set_keys:  # --async_train with the correction off
         out.put("train.allow_uncorrected_staleness", True)  # OpenRLHF trains on stale samples uncorrected
-    if name == "seq_mask_tis":
-        flag = LEVEL if LEVEL in given else TYPE
-        out.partial.append((flag, "seq_mask_tis here caps a kept sequence's token weights at the band's high end, "
-                                  "where OpenRLHF keeps the raw ratio"))
-    if name != "none":
+    gated = out.raw.get("algo", {}).get("policy_loss", {}).get("mismatch_gate", "ratio") != "ratio"
+    if name != "none" and not gated:  # a divergence gate has its own bound (mismatch_max_divergence)
         out.put("algo.policy_loss.mismatch_low", band[0])
         out.put("algo.policy_loss.mismatch_high", band[1])
         out.put("algo.policy_loss.tis_floor", band[0] if floored else 0.0)
@@ -80,16 +85,26 @@ def _band(out: Any, values: list[str] | None) -> tuple[float, float]:
     return BAND
 
 
-def _scheme(out: Any, given: dict[str, list[str]]) -> tuple[str, bool] | None:
+def _scheme(out: Any, given: dict[str, list[str]], band: tuple[float, float]) -> tuple[str, bool] | None:
     level, mode = given.get(LEVEL, ["off"])[0], given.get(MODE, ["mask"])[0]
     gating = given.get(GATING, ["ratio"])[0]
+    for flag, value, choices in ((LEVEL, level, LEVELS), (MODE, mode, MODES), (GATING, gating, GATES)):
+        if value not in choices:
+            out.skipped.append((flag, f"'{value}' is not one of OpenRLHF's {', '.join(choices)}"))
+            return None
     if level == "off":
         return "none", False
-    if gating != "ratio":
-        out.skipped.append((GATING, f"'{gating}' has no equivalent here: the gate is the importance ratio"))
+    if mode == "clip" and (level != "token" or gating != "ratio"):
+        out.skipped.append((MODE, "clip needs --algo.advantage.is_correction_level token and the ratio gate; "
+                                  "OpenRLHF refuses this combination too"))
         return None
-    scheme = SCHEMES.get((level, mode))
-    if scheme is None:
-        out.skipped.append((LEVEL, f"level '{level}' with mode '{mode}' has no equivalent here (token mask, clip or "
-                                   "trunc, and geo mask, do: icepop, tis, seq_mask_tis)"))
-    return scheme
+    if gating != "ratio":
+        if band[0] > 0:
+            out.skipped.append((GATING, f"a {gating} gate takes an upper bound alone (one "
+                                        "--algo.advantage.is_correction_threshold value); OpenRLHF refuses the band "
+                                        f"{band[0]} {band[1]} too"))
+            return None
+        out.put("algo.policy_loss.mismatch_gate", gating)
+        out.put("algo.policy_loss.mismatch_max_divergence", band[1])
+        return SCHEMES[(level, mode)][0], False
+    return SCHEMES[(level, mode)]

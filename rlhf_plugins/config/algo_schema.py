@@ -77,15 +77,21 @@ class PolicyLossConfig:
     #: masking; TRL's off_policy_mask_threshold); empty: none
     off_policy_mask: float | None = setting(None, ge=0)
     #: correct the generation engine / learner mismatch with the engine's log-probs:
-    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_mask_tis |
+    #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_icepop (mask
+    #: sequences whose geometric-mean ratio leaves the band) | seq_mask_tis (the same, kept weights capped) |
     #: seq_tis (truncated sequence weight) | seq_mask (sequence weight, zero outside the band)
-    mismatch: Literal["none", "tis", "icepop", "seq_mask_tis", "seq_tis", "seq_mask"] = "none"
+    mismatch: Literal["none", "tis", "icepop", "seq_icepop", "seq_mask_tis", "seq_tis", "seq_mask"] = "none"
     #: TIS truncation and upper band of icepop / seq_mask_tis / seq_mask
     mismatch_high: float = setting(2.0, ge=1)
     #: lower band of icepop / seq_mask_tis / seq_mask (0: none)
     mismatch_low: float = setting(0.5, ge=0, le=1)
     #: TIS (and seq_tis) also clamp weights from below at this value (0: truncate from above only)
     tis_floor: float = setting(0.0, ge=0, le=1)
+    #: what icepop / seq_icepop gate on: ratio (the band) | binary_kl | tv (the sampled token's divergence
+    #: between engine and learner, per token or its sequence mean, up to mismatch_max_divergence)
+    mismatch_gate: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    #: the largest divergence a binary_kl / tv gate keeps (FlashREINFORCE's delta: 5e-3)
+    mismatch_max_divergence: float = setting(0.005, gt=0)
 
 
 @dataclass

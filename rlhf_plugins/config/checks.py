@@ -172,6 +172,10 @@ def _check_policy_loss(p: Any) -> None:
     _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
              f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
              f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
+    _require(p.mismatch_gate == "ratio" or p.mismatch in ("icepop", "seq_icepop"),
+             f"algo.policy_loss.mismatch_gate {p.mismatch_gate} gates the tokens or sequences that icepop and "
+             f"seq_icepop keep; mismatch {p.mismatch} keeps no such choice: use --algo.policy_loss.mismatch icepop "
+             "(per token) or seq_icepop (per sequence)")
     _require(p.ratio_level == "token" or p.name in ("cispo", "sapo"),
              f"algo.policy_loss.ratio_level sequence applies to cispo and sapo; '{p.name}' has none (PPO's "
              "sequence-level ratio is --algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level")
