@@ -141,6 +141,34 @@ def test_group_mean_batch_std_is_trls_batch_scaling(seed):
     assert not torch.allclose(theirs, (rewards - mean_grouped) / (group_std + 1e-4))  # not the group's std
 
 
+@pytest.mark.parametrize("framework", ["openrlhf", "trl"])
+def test_group_norm_adds_the_converted_frameworks_eps_to_the_std(framework):
+    """Groups of nearly equal scores (group std ~1e-5, a reward model's rounding): the eps added to the std
+    decides the advantages' scale. A converted OpenRLHF command divides by std + 1e-9 and a TRL config by
+    std + 1e-4, as each computes it (TRL with its own nanstd); our default is 1e-6."""
+    from rlhf_plugins.commands.convert import convert
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    if framework == "trl":
+        from trl.trainer.utils import nanstd
+
+        advantage = from_grpo_fields({"scale_rewards": "group"})[0]["algo"]["advantage"]
+        eps, std = 1e-4, lambda x: nanstd(x, dim=1)
+    else:
+        advantage = convert(["--pretrain", "m", "--advantage_estimator", "group_norm"]).raw["algo"]["advantage"]
+        eps, std = 1e-9, lambda x: x.std(-1)
+    assert advantage == {**advantage, "estimator": "group_norm", "std_eps": eps}
+    g = torch.Generator().manual_seed(3)
+    scores = (0.5 + torch.randn(4, 4, generator=g, dtype=torch.float64) * 1e-5).reshape(-1)
+    mask = torch.ones(16, 3, dtype=torch.float64)
+    ours, _ = A.group_norm(A.AdvantageInputs(scores, mask, 4, std_eps=advantage["std_eps"]))
+    grouped = scores.view(4, 4)
+    theirs = ((grouped - grouped.mean(-1, keepdim=True)) / (std(grouped)[:, None] + eps)).reshape(-1)
+    torch.testing.assert_close(ours[:, 0], theirs, rtol=1e-7, atol=0)
+    default, _ = A.group_norm(A.AdvantageInputs(scores, mask, 4))
+    assert (default[:, 0] - theirs).abs().max() > 0.05  # the default eps gives other advantages here
+
+
 @pytest.mark.parametrize("seed", [0, 7])
 def test_group_estimators_match_loops(seed):
     r = ragged(prompts=5, group=4, seed=seed)

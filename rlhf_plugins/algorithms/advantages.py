@@ -36,6 +36,8 @@ class AdvantageInputs:
     kl_in_baseline: bool = False
     #: gae / reinforce / reinforce_baseline: divide by the batch std after subtracting the batch mean
     std_norm: bool = True
+    #: group_norm / group_mean_batch_std: added to the std they divide by (``None``: the estimator's own)
+    std_eps: float | None = None
 
     def whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantages over the batch: zero mean and unit variance, or zero mean alone without ``std_norm``."""
@@ -145,7 +147,7 @@ def reinforce_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     scores = x.grouped(x.scores)
     centred = (scores - scores.mean(-1, keepdim=True)).reshape(-1)
     inputs = AdvantageInputs(centred, x.action_mask, x.group_size, x.gamma, x.lam, None, x.kl_penalty,
-                             std_norm=x.std_norm)
+                             std_norm=x.std_norm, std_eps=x.std_eps)
     return reinforce(inputs)
 
 
@@ -155,9 +157,11 @@ def _group_done(x: AdvantageInputs, per_sequence: torch.Tensor) -> tuple[torch.T
 
 
 def group_norm(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: (score - group mean) / (group std + eps), the same for every token."""
+    """GRPO: (score - group mean) / (group std + eps), the same for every token (eps 1e-6 unless
+    ``std_eps`` says)."""
     scores = x.grouped(x.sequence_scores())
-    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6))
+    eps = 1e-6 if x.std_eps is None else x.std_eps
+    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + eps))
 
 
 def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +171,13 @@ def dr_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_mean_batch_std(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score minus its group's mean, over the std of the batch's scores (unbiased, + 1e-4): TRL's
-    ``scale_rewards="batch"`` (Lite PPO's group-level mean, batch-level std)."""
+    """Score minus its group's mean, over the std of the batch's scores (unbiased, + 1e-4 unless
+    ``std_eps`` says): TRL's ``scale_rewards="batch"`` (Lite PPO's group-level mean, batch-level std)."""
     flat = x.sequence_scores()
     scores = x.grouped(flat)
     std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
-    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (std + 1e-4))
+    eps = 1e-4 if x.std_eps is None else x.std_eps
+    return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (std + eps))
 
 
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

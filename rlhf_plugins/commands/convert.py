@@ -138,6 +138,9 @@ def convert(argv: list[str]) -> Converted:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
         _frozen_without_critic(out)
+        if out.raw["algo"]["advantage"]["estimator"] == "group_norm":  # OpenRLHF divides by std + 1e-9
+            out.put("algo.advantage.std_eps", 1e-9)
+            out.carried.append("algo.advantage.std_eps: 1e-09 (group_norm: std + 1e-9)")
     return out
 
 

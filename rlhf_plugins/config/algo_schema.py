@@ -20,6 +20,9 @@ class AdvantageConfig:
     #: gae, reinforce and reinforce_baseline whiten advantages over the batch; false: subtract the batch
     #: mean alone (OpenRLHF's --no_advantage_std_norm); the group estimators normalise within groups
     std_norm: bool = True
+    #: what group_norm and group_mean_batch_std add to the std they divide by; empty: 1e-6 and 1e-4
+    #: (OpenRLHF's group_norm adds 1e-9, TRL 1e-4: the converters set it)
+    std_eps: float | None = setting(None, ge=0)
 
 
 @dataclass

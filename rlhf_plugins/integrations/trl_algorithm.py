@@ -85,6 +85,8 @@ def _advantages(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
     if estimator is None:
         raise ConfigError(f"TRL scale_rewards '{scale}' has no equivalent; use group, batch or none")
     _set(raw, "algo.advantage.estimator", estimator)
+    if estimator != "dr_grpo":
+        _set(raw, "algo.advantage.std_eps", 1e-4)  # TRL divides by std + 1e-4
 
 
 def _loss_of_its_own(f: dict[str, Any], raw: dict[str, Any], loss: str, high: float) -> None:
