@@ -122,6 +122,7 @@ def main(out: str) -> None:
             "soft_cap_zero2": lambda: one_update_each(gemma2, {"logits_memory_mb": TWO_TOKENS_MB}, 2),
             "soft_cap_zero3": lambda: one_update_each(gemma2, {"logits_memory_mb": TWO_TOKENS_MB}, 3),
             "router_loss": lambda: one_update_each(moe, {"router_aux_loss_coef": 0.5}, 2),
+            "weight_decay": lambda: one_update_each(gemma2, {"weight_decay": 0.5}, 3),
             "checkpointing": lambda: checkpointing_case(tiny),
             "packed": lambda: dict(zip(("update", "shapes"), embedding_calls(
                 lambda: one_update_each(tiny, {"max_tokens_per_micro_batch": 48}, 3)))),

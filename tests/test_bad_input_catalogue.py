@@ -140,6 +140,10 @@ FLAGS = [
                              "reduce-overhead"],
      "learner.compile_mode reduce-overhead replays CUDA graphs, which the 'fsdp' learner does not allow (its weights "
      "move between steps); use --learner.compile_mode default (or max-autotune-no-cudagraphs) or --learner.backend torch"),
+    ("muon-decay-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
+                                 "--learner.weight_decay", "0.1"],
+     "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add --learner.weight_decay_all "
+     "true to accept that, or use --learner.weight_decay 0 or another backend"),
     ("muon-steps-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
                                  "--learner.muon_ns_steps", "6"],
      "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "

@@ -63,6 +63,12 @@ def test_the_load_balancing_loss_reaches_the_deepspeed_update(cases):
     _same_update(case)
 
 
+def test_weight_decay_leaves_norms_and_biases_alone_through_the_engine(cases):
+    """ZeRO-3 with --learner.weight_decay 0.5: the engine's optimizer decays what the torch learner decays
+    (not the Gemma 2's many norms: decaying them moves each gain by lr x 0.5, ten times the tolerance)."""
+    _same_update(_case(cases, "weight_decay"))
+
+
 def test_zero3_under_gradient_checkpointing_runs_each_prompt_once(cases):
     """With checkpointing, the prompts' shared forward needs this package's prompt cache (transformers
     drops a checkpointed layer's cache): through the engine it is made from the model's config, the

@@ -62,9 +62,9 @@ def reference_update(tiny_model):
 
 @pytest.mark.parametrize("options", [{}, {"logits_memory_mb": 0.02}, {"max_tokens_per_micro_batch": 48},
                                      {"compile": True}, {"compile": True, "compile_scope": "layers"},
-                                     {"gradient_checkpointing": True}],
+                                     {"gradient_checkpointing": True}, {"weight_decay": 0.5}],
                          ids=["whole-logits", "logits-in-chunks", "packed-micro-batches", "compiled", "compiled-layers",
-                              "checkpointed"])
+                              "checkpointed", "weight-decay"])
 def test_one_rank_matches_the_torch_learner(tiny_model, options, monkeypatch):
     """Loss, gradient norm (after clipping's reduction over shards) and weights after one AdamW step;
     also with the output head applied over chunks of tokens outside the model's own forward (what a

@@ -159,6 +159,9 @@ def _check_muon(c: Config) -> None:
     backend = learner.backend
     if backend in ("torch", "fsdp"):
         check_torch_muon()
+    _require(backend != "deepspeed" or not learner.weight_decay or learner.weight_decay_all,
+             "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add "
+             "--learner.weight_decay_all true to accept that, or use --learner.weight_decay 0 or another backend")
     _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
              "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
              "learner.muon_nesterov at their defaults with --learner.backend deepspeed")

@@ -19,6 +19,9 @@ class LearnerConfig:
     lr: float = setting(5e-4, gt=0)
     #: decoupled weight decay (AdamW) or L2 (Adam, SGD)
     weight_decay: float = setting(0.0, ge=0)
+    #: decay biases and normalisation weights too (by default they are left alone, as in transformers'
+    #: Trainer, TRL and OpenRLHF)
+    weight_decay_all: bool = False
     #: clip the global gradient norm to this (0: no clipping)
     max_grad_norm: float = setting(1.0, ge=0)
     #: passes over each rollout

@@ -35,25 +35,6 @@ def weighted_metrics(done: list[tuple[dict[str, Any], float]]) -> dict[str, floa
     return totals
 
 
-def make_optimizer(params: list[Any], cfg: Any, lr: float, names: list[str] | None = None) -> torch.optim.Optimizer:
-    """``learner.optimizer`` with its settings (betas, eps, momentum, weight decay). Adam(W) runs
-    torch's fused implementation where every parameter is a plain CPU or CUDA tensor (not an FSDP2
-    shard): one pass over each tensor and no temporaries, where the per-tensor one allocates float32
-    temporaries the size of the largest parameter (0.8 GB more at the peak for a 0.5B model's
-    embedding, measured)."""
-    if cfg.optimizer == "muon":  # ``names``: the parameters' names, which choose Muon or AdamW
-        from .muon import MuonWithAdamW
-
-        return MuonWithAdamW(list(zip(names or [""] * len(params), params)), cfg, lr)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
-                                 and p.is_floating_point() for p in params)
-    return cls(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-               **({"fused": True} if fused else {}))
-
-
 def updates_per_run(config: Any) -> int:
     """Optimizer updates of the whole run (the schedule's length): epochs x mini batches per rollout."""
     batch = config.train.prompts_per_step * config.generation.n_samples_per_prompt

@@ -1,11 +1,10 @@
 """The DeepSpeed learner: ZeRO stages 1-3, optimizer / parameter offload, bf16.
 
-One instance per data-parallel rank (a Ray actor of the role group), or a single
-process under local placement. The process group comes from the environment (MASTER_ADDR, MASTER_PORT,
-RANK, WORLD_SIZE, LOCAL_RANK): NCCL on GPU, gloo on CPU. Gradient accumulation is
-ours (``managed_gradient_accumulation: false``): one ``backward`` per micro batch,
-one ``step`` per mini batch, the micro-batch weights of the objective keep the
-mini-batch mean exact.
+One instance per data-parallel rank (a Ray actor of the role group), or a single process under local
+placement. The process group comes from the environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK): NCCL on GPU, gloo on CPU. Gradient accumulation is ours (``managed_gradient_accumulation:
+false``): one ``backward`` per micro batch, one ``step`` per mini batch, the micro-batch weights of the
+objective keep the mini-batch mean exact.
 
 ZeRO-3 loads through ``HfDeepSpeedConfig`` (alive during the load) so
 ``from_pretrained`` partitions weights as it loads; full weights are gathered per
@@ -23,7 +22,8 @@ import torch
 
 from ..errors import UsageError
 from ..protocols import BackendContext
-from .base import Learner, make_optimizer, make_scheduler
+from .base import Learner, make_scheduler
+from .optimizer import make_optimizer, undecayed
 
 logger = logging.getLogger("rlhf_plugins")
 #: DeepSpeed checkpoint tag inside a learner's checkpoint folder
@@ -170,8 +170,8 @@ class DeepSpeedLearner(Learner):
         self.stage = config.section("deepspeed").zero_stage
         from ..models.memory import ModelShape
 
-        shape = ModelShape.of_folder(ctx.model_path, config.model.trust_remote_code)
-        ds_config = deepspeed_config(config, role, self.world_size, shape)
+        ds_config = deepspeed_config(config, role, self.world_size,
+                                     ModelShape.of_folder(ctx.model_path, config.model.trust_remote_code))
         hf_ds_config = None
         if self.stage == 3:
             from transformers.integrations import HfDeepSpeedConfig
@@ -184,15 +184,15 @@ class DeepSpeedLearner(Learner):
             _refuse_expert_lora(model)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = None
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        params, optimizer = [p for _, p in named], None
         if self.cfg.optimizer == "muon":  # DeepSpeed's own Muon: ZeRO gathers each matrix to orthogonalise it
             from .muon import deepspeed_muon
 
             ds_config["optimizer"] = deepspeed_muon(self.cfg, self.lr)
             ds_config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon reduces by all-reduce
         else:
-            optimizer = make_optimizer(params, self.cfg, self.lr)
+            optimizer = make_optimizer(params, self.cfg, self.lr, [name for name, _ in named], undecayed(model))
         self.engine, self.optimizer, _, self.scheduler = import_deepspeed().initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None, config=ds_config,
             lr_scheduler=lambda opt: make_scheduler(opt, config))

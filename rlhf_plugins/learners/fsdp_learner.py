@@ -25,7 +25,8 @@ from ..models.compiled import decoder_layers
 from ..models.empty_init import Source, empty_weights, load_shards, source_of
 from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
-from .base import Learner, make_optimizer, make_scheduler
+from .base import Learner, make_scheduler
+from .optimizer import make_optimizer, undecayed
 
 
 class LearnerForward(torch.nn.Module):
@@ -117,7 +118,8 @@ class FSDPLearner(Learner):
         if frozen:
             return
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = make_optimizer([p for _, p in named], self.cfg, self.lr, [name for name, _ in named])
+        self.optimizer = make_optimizer([p for _, p in named], self.cfg, self.lr, [name for name, _ in named],
+                                        undecayed(self.model))
         self.scheduler = make_scheduler(self.optimizer, config)
         self._keep_average()
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..models.model_shape import uses_muon
+from .decay import decay_groups
 
 
 def check_torch_muon() -> None:
@@ -32,12 +33,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``torch.optim.Muon`` over the hidden matrices and ``torch.optim.AdamW`` over the rest; the two
     step the groups they were built with, which stay shared with this optimizer."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], cfg: Any, lr: float) -> None:
+    def __init__(self, named: list[tuple[str, torch.Tensor]], cfg: Any, lr: float,
+                 skip_decay: set[str] | None = None) -> None:
         hidden = [p for name, p in named if uses_muon(name, p)]
-        rest = [p for name, p in named if not uses_muon(name, p)]
+        rest = [(name, p) for name, p in named if not uses_muon(name, p)]
         self.parts: list[torch.optim.Optimizer] = []  # AdamW first: the logged lr is learner.lr's
-        if rest:
-            self.parts.append(torch.optim.AdamW(rest, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        if rest:  # biases and norms (skip_decay) undecayed, as everywhere
+            groups = decay_groups([p for _, p in rest], cfg, [name for name, _ in rest], skip_decay or set())
+            self.parts.append(torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                                 weight_decay=cfg.weight_decay))
         if hidden:
             self.parts.append(torch.optim.Muon(hidden, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,

@@ -18,7 +18,8 @@ import torch
 from ..models.compiled import keep_grads_allocated, replays_graphs
 from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
-from .base import Learner, make_optimizer, make_scheduler
+from .base import Learner, make_scheduler
+from .optimizer import make_optimizer, undecayed
 
 
 class TorchLearner(Learner):
@@ -54,7 +55,7 @@ class TorchLearner(Learner):
         if self.grads_kept:
             keep_grads_allocated(params)
         names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, self.cfg, self.lr, names)
+        self.optimizer = make_optimizer(params, self.cfg, self.lr, names, undecayed(model))
         self.scheduler = make_scheduler(self.optimizer, ctx.config)
         self._keep_average(None if self.masters is None else list(self.masters.params))
 
