@@ -431,3 +431,11 @@ def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_the
     raw["reward"] = {"functions": ["exact_match"]}
     config, _, _ = prepare(raw, autoload=False)
     assert config.train.max_staleness == 1 and config.algo.policy_loss.mismatch == "none"
+
+
+def test_notes_name_the_spelling_the_command_line_used():
+    """A note about a flag read by hand names it as typed: the dotted spelling of later releases, not 0.9's."""
+    conv = convert(["--pretrain", "m", "--reward.remote_url", "reward.py", "--actor.policy_loss_type", "gspo",
+                    "--algo.advantage.is_correction_enable"])
+    assert "--reward.remote_url" in [flag for flag, _ in conv.partial]
+    assert [flag for flag, _ in conv.skipped] == ["--algo.advantage.is_correction_enable"]

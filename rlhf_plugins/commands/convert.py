@@ -33,6 +33,8 @@ class Converted:
     set_keys: set[str] = field(default_factory=set)
     #: serve_rm: the arguments of the equivalent ``rlhf serve-reward`` command line
     serve: list[str] = field(default_factory=list)
+    #: a flag's first spelling -> the spelling on the command line (notes name the one the user wrote)
+    typed: dict[str, str] = field(default_factory=dict)
 
     def put(self, key: str, value: Any) -> None:
         set_dotted(self.raw, key, value)
@@ -110,6 +112,8 @@ def convert(argv: list[str]) -> Converted:
         name, _, inline = token.partition("=")
         flag = lookup(name)
         vals, i = _values(flag, flags, i, inline if "=" in token else None)
+        if flag is not None:
+            out.typed[flag.flags[0]] = name
         if flag is None:
             out.skipped.append((name, "not a flag of OpenRLHF's train_ppo_ray / train_sft / train_rm / train_dpo / "
                                       "serve_rm (0.9-0.11)"))
@@ -141,6 +145,8 @@ def convert(argv: list[str]) -> Converted:
         if out.raw["algo"]["advantage"]["estimator"] == "group_norm":  # OpenRLHF divides by std + 1e-9
             out.put("algo.advantage.std_eps", 1e-9)
             out.carried.append("algo.advantage.std_eps: 1e-09 (group_norm: std + 1e-9)")
+    out.skipped = [(out.typed.get(flag, flag), why) for flag, why in out.skipped]
+    out.partial = [(out.typed.get(flag, flag), how) for flag, how in out.partial]
     return out
 
 
