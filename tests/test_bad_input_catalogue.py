@@ -83,7 +83,7 @@ FLAGS = [
     ("betas", ["--learner.betas", "[0.9, 1.5]"],
      "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
     ("optimizer", ["--learner.optimizer", "lion"],
-     "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd' | 'muon'; got 'lion'"),
+     "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd' | 'muon' | 'adafactor'; got 'lion'"),
     ("scheduler", ["--learner.lr_scheduler", "poly"],
      "config key 'learner.lr_scheduler' must be one of 'constant' | 'linear' | 'cosine'; got 'poly'"),
     ("weights-count", ["--reward.weights", "1,2"],
@@ -140,6 +140,9 @@ FLAGS = [
                              "reduce-overhead"],
      "learner.compile_mode reduce-overhead replays CUDA graphs, which the 'fsdp' learner does not allow (its weights "
      "move between steps); use --learner.compile_mode default (or max-autotune-no-cudagraphs) or --learner.backend torch"),
+    ("adafactor-on-fsdp", ["--learner.optimizer", "adafactor", "--learner.backend", "fsdp"],
+     "learner.optimizer adafactor factors each weight matrix's second moment by its rows and columns, which the "
+     "fsdp learner's flattened or sharded parameters do not keep: use --learner.backend torch, or another optimizer"),
     ("muon-decay-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
                                  "--learner.weight_decay", "0.1"],
      "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add --learner.weight_decay_all "

@@ -77,7 +77,7 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
     assert "dual_clip" not in raw["algo"]["policy_loss"] and any("'delta' is ignored under loss_type 'sapo'" in n
                                                                   for n in notes)
     for field, value, message in (("delta", 0.9, "TRL delta 0.9 caps the ratio of every positive advantage below 1"),
-                                  ("optim", "adafactor", "TRL optim 'adafactor' has no equivalent"),
+                                  ("optim", "lion_32bit", "TRL optim 'lion_32bit' has no equivalent"),
                                   ("lr_scheduler_type", "polynomial", "TRL lr_scheduler_type 'polynomial'"),
                                   ("neftune_noise_alpha", 5.0, "TRL field 'neftune_noise_alpha' (5.0) changes training")):
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -49,7 +49,7 @@ def check_ranges(c: Config) -> None:
         "reward.dynamic_filtering compares samples of one prompt and needs generation.n_samples_per_prompt >= 2",
     )
     _check_policy_loss(p)
-    _check_muon(c)
+    _check_optimizer(c)
     _check_generation(c)
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
@@ -149,9 +149,14 @@ def _check_generation(c: Config) -> None:
                                                  "partial rollout generates in chunks; drop one of them")
 
 
-def _check_muon(c: Config) -> None:
-    """Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own on DeepSpeed."""
+def _check_optimizer(c: Config) -> None:
+    """Adafactor on the torch learner only; Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own
+    on DeepSpeed."""
     learner = c.learner
+    _require(learner.optimizer != "adafactor" or learner.backend == "torch",
+             f"learner.optimizer adafactor factors each weight matrix's second moment by its rows and columns, "
+             f"which the {learner.backend} learner's flattened or sharded parameters do not keep: use "
+             "--learner.backend torch, or another optimizer")
     if learner.optimizer != "muon":
         return
     from ..learners.muon import check_torch_muon

@@ -59,8 +59,9 @@ class LearnerConfig:
     #: carries its default, false): a model whose config keeps dropout (Seed-OSS, OPT, GPT-2) would otherwise
     #: train a perturbed policy whose log-probs are not the engine's. LoRA's own dropout (--lora.dropout) stays
     disable_dropout: bool = True
-    #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr)
-    optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
+    #: adamw | adam | sgd | muon (Muon for the hidden matrices at muon_lr, AdamW for the rest at lr) |
+    #: adafactor (transformers' Adafactor at lr, its second moments factored: TRL's optim adafactor)
+    optimizer: Literal["adamw", "adam", "sgd", "muon", "adafactor"] = "adamw"
     #: Muon's learning rate (the hidden matrices; OpenRLHF's --muon.lr)
     muon_lr: float = setting(0.02, gt=0)
     #: Muon's momentum

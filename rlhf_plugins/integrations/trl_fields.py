@@ -154,7 +154,7 @@ INIT_IGNORED = {"attn_implementation": "this package's attention (SDPA with its 
                 "device_map": "each role places its model on its own device", "use_cache": IGNORED_WHY["use_cache"],
                 "low_cpu_mem_usage": "models of 50M+ parameters load empty and fill from their files"}
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              "adam": "adam", "sgd": "sgd"}
+              "adam": "adam", "sgd": "sgd", "adafactor": "adafactor"}
 #: transformers' AdamW variants whose update is AdamW's, their states kept another way (-> how)
 ADAMW_STORED_OTHERWISE = {
     "adamw_8bit": "keeps in 8 bits (bitsandbytes)", "adamw_bnb_8bit": "keeps in 8 bits (bitsandbytes)",

@@ -24,6 +24,10 @@ def make_optimizer(params: list[Any], cfg: Any, lr: float, names: list[str] | No
 
         return MuonWithAdamW(list(zip(names or [""] * len(params), params)), cfg, lr, skip)
     groups = decay_groups(params, cfg, names, skip)
+    if cfg.optimizer == "adafactor":  # as transformers' Trainer makes it for optim="adafactor" (TRL's)
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam

@@ -69,11 +69,14 @@ def activations(m: MemoryInputs) -> int:
 
 
 def optimizer_states(m: MemoryInputs) -> int:
-    """Optimizer state elements of the trainable parameters, unsharded: Adam(W)'s two, SGD's momentum, or
-    Muon's momentum on the hidden matrices (all of LoRA's adapters) beside AdamW's two on the rest."""
+    """Optimizer state elements of the trainable parameters, unsharded: Adam(W)'s two, SGD's momentum,
+    Muon's momentum on the hidden matrices (all of LoRA's adapters) beside AdamW's two on the rest, or
+    Adafactor's factored second moments (a LoRA adapter's rows and columns: left out, a few thousand)."""
     c, T = m.config.learner, m.trainable
     if c.optimizer == "sgd":
         return T if c.momentum else 0
+    if c.optimizer == "adafactor":
+        return m.shape.factored_states if T == m.shape.parameters else 0
     if c.optimizer != "muon":
         return T * ADAM_STATES
     matrices = m.shape.matrix_parameters if T == m.shape.parameters else T

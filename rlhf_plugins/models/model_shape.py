@@ -4,6 +4,7 @@ scale defaults and the benchmarks read it."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ class ModelShape:
     expert_intermediate: int = 0
     #: elements of the hidden weight matrices (what ``--learner.optimizer muon`` steps with Muon)
     matrix_parameters: int = 0
+    #: elements of Adafactor's second-moment statistics (a row and a column vector per matrix, the whole of
+    #: every vector: ``--learner.optimizer adafactor``)
+    factored_states: int = 0
     #: the model can return its routers' load-balancing loss (its config has ``output_router_logits``)
     router_loss: bool = False
     #: the soft cap of the model's logits (Gemma 2's ``final_logit_softcapping``), ``None`` if uncapped
@@ -95,6 +99,7 @@ class ModelShape:
             tied=out is not None and out.weight is model.get_input_embeddings().weight,
             max_positions=getattr(config, "max_position_embeddings", None),
             matrix_parameters=sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p)),
+            factored_states=sum(_factored(p.shape) for p in params),
             router_loss=hasattr(config, "output_router_logits"),
             logit_softcap=logit_softcap(config),
             **_experts(config),
@@ -128,3 +133,11 @@ def _decoder_layers(model: Any) -> list[Any]:
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     return list(max(lists, key=len)) if lists else []
+
+
+def _factored(shape: Any) -> int:
+    """Adafactor's second-moment elements for a tensor of ``shape``: its rows' and its columns' means for two
+    or more dimensions, every element for one."""
+    if len(shape) < 2:
+        return int(math.prod(shape))
+    return int(math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
