@@ -13,7 +13,7 @@ from tests.helpers import ROOT, metrics_of, short_run, the_run
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "group_mean_batch_std", "reinforce",
-                                       "reinforce_baseline", "gae"])
+                                       "reinforce_baseline", "gae", "batch_mean"])
 def test_every_estimator_runs(rlhf, estimator):
     code, _, err = rlhf("train", "--algo.advantage.estimator", estimator, *short_run())
     assert code == 0, err
@@ -23,6 +23,22 @@ def test_every_estimator_runs(rlhf, estimator):
     if estimator == "gae":  # the critic trains: its value head starts at zero and moves with each update
         values = [r["critic/values"] for r in rows]
         assert values[0] == 0.0 and values[1] != 0.0 and values[2] != values[1], values
+
+
+def test_the_flash_reinforce_recipe_trains_with_one_sample_per_prompt(rlhf):
+    """docs/algorithms.md's FlashREINFORCE line: the batch's baseline, the binary-KL sequence trust region (the
+    transformers engine holds the learner's weights: every trajectory admitted, ratio 1), sample-mean
+    aggregation, no reference; the policy moves on every step whose rewards differ."""
+    code, _, err = rlhf("train", "--generation.n_samples_per_prompt", "1", "--algo.advantage.estimator", "batch_mean",
+                        "--algo.kl.coef", "0", "--algo.policy_loss.mismatch", "seq_icepop",
+                        "--algo.policy_loss.mismatch_gate", "binary_kl", "--algo.policy_loss.aggregation",
+                        "seq-mean-token-mean", *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert all(r["mismatch/dropped_frac"] == 0.0 and r["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+               and "kl" not in r for r in rows)  # all admitted, no KL term
+    spread = [r for r in rows if r["reward/std"] > 0]
+    assert spread and all(r["grad_norm"] > 0 and r["advantage/std"] > 0 for r in spread)
 
 
 def test_reinforce_with_one_sample_per_prompt(rlhf, tiny_model):

@@ -188,6 +188,23 @@ def test_group_estimators_match_loops(seed):
         assert float(gn[i, n:].abs().sum()) == 0.0
 
 
+def test_batch_mean_is_flash_reinforces_baseline():
+    """FlashREINFORCE's advantage (TRL's FlashREINFORCETrainer: rewards - rewards.mean() over the batch; verl's and
+    OpenRLHF's flash_reinforce): one sample per prompt, the batch's mean subtracted, no std; with KL in the reward
+    the KL still to come is subtracted per token, as for the group estimators."""
+    r = ragged(prompts=12, group=1, seed=8)
+    adv, ret = A.batch_mean(inputs(r))
+    mean = sum(float(s) for s in r.scores) / r.B
+    check_rows(adv, [[float(r.scores[i]) - mean] * r.lengths[i] for i in range(r.B)], r.lengths)
+    assert torch.equal(adv, ret)
+    shaped, _ = A.batch_mean(inputs(r, kl_penalty=r.kl))
+    rows = []
+    for i in range(r.B):
+        n = r.lengths[i]
+        rows.append([float(r.scores[i]) - mean - sum(float(r.kl[i, u]) for u in range(t, n)) for t in range(n)])
+    check_rows(shaped, rows, r.lengths)
+
+
 def test_group_properties():
     r = ragged(prompts=6, group=5, seed=11)
     gn, _ = A.group_norm(inputs(r))

@@ -23,8 +23,8 @@ def test_builtins_register_every_area(rlhf_pm):
     names = {name for name, _ in rlhf_pm.list_name_plugin()}
     assert {m.rsplit(".", 1)[-1] for m in DEFAULT_PLUGINS} <= names
     reg = rlhf_pm.components
-    assert reg.names(AdvantageEstimator) == ["dr_grpo", "gae", "group_mean_batch_std", "group_norm", "reinforce",
-                                             "reinforce_baseline", "rloo"]
+    assert reg.names(AdvantageEstimator) == ["batch_mean", "dr_grpo", "gae", "group_mean_batch_std", "group_norm",
+                                             "reinforce", "reinforce_baseline", "rloo"]
     assert reg.provider(AdvantageEstimator, "group_norm") == "advantages"
     assert all(info.source == "builtin" for info in rlhf_pm.infos.values())
 
@@ -33,8 +33,8 @@ def test_unknown_component_lists_choices(rlhf_pm):
     with pytest.raises(ConfigError) as exc:
         rlhf_pm.components.get(AdvantageEstimator, "x")
     assert str(exc.value) == (
-        "unknown advantage estimator 'x'; choose one of: dr_grpo, gae, group_mean_batch_std, group_norm, reinforce, "
-        "reinforce_baseline, rloo"
+        "unknown advantage estimator 'x'; choose one of: batch_mean, dr_grpo, gae, group_mean_batch_std, group_norm, "
+        "reinforce, reinforce_baseline, rloo"
     )
 
 

@@ -439,3 +439,20 @@ def test_notes_name_the_spelling_the_command_line_used():
                     "--algo.advantage.is_correction_enable"])
     assert "--reward.remote_url" in [flag for flag, _ in conv.partial]
     assert [flag for flag, _ in conv.skipped] == ["--algo.advantage.is_correction_enable"]
+
+
+def test_openrlhfs_flash_reinforce_recipe_converts_to_ours():
+    """OpenRLHF's FlashREINFORCE line (one rollout per prompt, the batch's baseline, the binary-KL sequence trust
+    region at 5e-3, sample-mean aggregation, no KL) converts to docs/algorithms.md's recipe, every flag used."""
+    conv = convert(["--pretrain", "m", "--rollout.n_samples_per_prompt", "1", "--algo.advantage.estimator",
+                    "flash_reinforce", "--algo.advantage.is_correction_level", "seq",
+                    "--algo.advantage.is_correction_gating", "binary_kl", "--algo.advantage.is_correction_threshold",
+                    "5e-3", "--actor.loss_agg_mode", "seq-mean-token-mean", "--algo.kl.init_coef", "0"])
+    algo = conv.raw["algo"]
+    assert algo["advantage"]["estimator"] == "batch_mean" and "std_eps" not in algo["advantage"]
+    assert {k: algo["policy_loss"][k] for k in ("mismatch", "mismatch_gate", "mismatch_max_divergence",
+                                                "aggregation")} == {
+        "mismatch": "seq_icepop", "mismatch_gate": "binary_kl", "mismatch_max_divergence": 5e-3,
+        "aggregation": "seq-mean-token-mean"}
+    assert algo["kl"]["coef"] == 0 and conv.raw["generation"]["n_samples_per_prompt"] == 1
+    assert not conv.skipped

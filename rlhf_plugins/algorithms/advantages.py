@@ -180,6 +180,13 @@ def group_mean_batch_std(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
     return _group_done(x, (scores - scores.mean(-1, keepdim=True)) / (std + eps))
 
 
+def batch_mean(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashREINFORCE: the score minus the mean score of the whole batch (no groups, no std), the same on every
+    token -- one sample per prompt is enough."""
+    scores = x.sequence_scores()
+    return _group_done(x, scores - scores.mean())
+
+
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean of the *other* samples of the same prompt."""
     scores = x.grouped(x.sequence_scores())

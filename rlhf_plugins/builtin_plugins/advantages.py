@@ -27,3 +27,6 @@ def rlhf_advantage_estimators() -> Iterable[AdvantageEstimator]:
                                          "scale_rewards='batch')")
     yield AdvantageEstimator("rloo", Lazy(f"{_M}:rloo"), needs_groups=True,
                              description="RLOO: leave-one-out group baseline")
+    yield AdvantageEstimator("batch_mean", Lazy(f"{_M}:batch_mean"),
+                             description="FlashREINFORCE: score minus the batch's mean score, one sample per prompt "
+                                         "enough")

@@ -10,8 +10,8 @@ from ..settings import setting
 
 @dataclass
 class AdvantageConfig:
-    #: group_norm (GRPO) | dr_grpo | rloo | group_mean_batch_std | reinforce | reinforce_baseline | gae (PPO,
-    #: with a critic)
+    #: group_norm (GRPO) | dr_grpo | rloo | group_mean_batch_std | batch_mean (FlashREINFORCE) | reinforce |
+    #: reinforce_baseline | gae (PPO, with a critic)
     estimator: str = "group_norm"
     #: discount per token (gae, reinforce)
     gamma: float = setting(1.0, ge=0, le=1)
