@@ -95,3 +95,18 @@ def test_trls_adafactor_converts_and_steps_as_trls_trainer_makes_it():
     shape = ModelShape.of_folder(default_model_path(quiet=True))
     plan = torch_learner_memory(MemoryInputs(config, shape, "actor", 1, shape.parameters, 0, 0))
     assert plan["optimizer states"] == 4 * real < 4 * shape.parameters / 4  # factored: a small fraction
+
+
+def test_a_checkpoint_whose_optimizer_decayed_everything_resumes_with_weight_decay_all(tmp_path):
+    """A checkpoint written when every parameter was decayed (one param group) is one line naming the flag that
+    resumes it, and resumes with it."""
+    from rlhf_plugins.errors import UsageError
+
+    old = torch_learner("float32", weight_decay=0.1, weight_decay_all=True)
+    ppo_update(old, ppo_batch())
+    old.save_checkpoint(str(tmp_path))
+    with pytest.raises(UsageError, match="resume it with --learner.weight_decay_all true"):
+        torch_learner("float32", weight_decay=0.1).load_checkpoint(str(tmp_path))
+    again = torch_learner("float32", weight_decay=0.1, weight_decay_all=True)
+    again.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again.named_weights(), old.named_weights()))

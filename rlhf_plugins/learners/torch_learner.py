@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from ..models.compiled import keep_grads_allocated, replays_graphs
 from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
@@ -132,6 +133,9 @@ class TorchLearner(Learner):
         if self.masters is not None:
             self.masters.load(self.model, folder)
         state = torch.load(folder / "optimizer.pt", weights_only=True)
+        if len(state["optimizer"]["param_groups"]) < len(self.optimizer.param_groups) and self.cfg.weight_decay:
+            raise UsageError(f"{folder}'s optimizer decays every parameter (written before biases and norms were left "
+                             "undecayed); resume it with --learner.weight_decay_all true")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._load_progress(folder / "learner.pt")
