@@ -370,3 +370,20 @@ def test_non_terminal_progress_is_plain_periodic_lines(rlhf):
     peaks = [float(line.split(" mem ")[1].rstrip("G")) for line in lines]  # one process: "0.7G"
     assert peaks == sorted(peaks) and peaks[0] > 0.1
     assert "━" not in out  # no bar drawn into a pipe
+
+
+def test_a_vllm_engine_evaluating_an_adapter_starts_for_its_rank(tmp_path):
+    """A bare PEFT folder carries no run config: the vLLM engine's max_lora_rank rises to the adapter's r (100:
+    vLLM's 128), where it started at 64 and the adapter's load failed naming a flag to set."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.commands.evaluate import fit_lora_rank
+    from rlhf_plugins.engines.vllm_lora import lora_rank_bound
+
+    config, _, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 100}))
+    assert lora_rank_bound(config) == 64
+    fit_lora_rank(config, str(tmp_path))
+    assert lora_rank_bound(config) == 128
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    fit_lora_rank(config, str(tmp_path))  # a smaller adapter leaves the setting as it is
+    assert lora_rank_bound(config) == 128

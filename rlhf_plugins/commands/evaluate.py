@@ -164,6 +164,8 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console, adapter: str | N
                            plugin_spec=spec, accelerated=("generation", *(("reward",) if config.reward.models else ())))
     placement = resolve(plan.placement.factory)(ctx)
     runner = None
+    if adapter is not None:
+        fit_lora_rank(config, adapter)
     try:
         engine = placement.create_role("generation", GenerationRole, config, spec, model_path, plan.engine,
                                        plan.provider(plan.engine), adapter is not None)
@@ -198,6 +200,18 @@ def describe(config: Any, plan: Any, source: str, held: Any) -> dict[str, Any]:
                      [*plan.rewards, *config.reward.models, *(["remote"] if config.reward.remote_urls else [])],
                      "seed": config.train.seed},
     }
+
+
+def fit_lora_rank(config: Any, folder: str) -> None:
+    """A vLLM engine starts for the adapter's own rank (``r`` of its adapter_config.json) where
+    ``--vllm.max_lora_rank`` is lower: a bare PEFT folder carries no run config saying it."""
+    rank = json.loads((Path(folder) / "adapter_config.json").read_text()).get("r")
+    try:
+        vllm = config.section("vllm")
+    except KeyError:  # no vLLM plugin: the transformers engine loads any rank
+        return
+    if isinstance(rank, int) and rank > vllm.max_lora_rank:
+        vllm.max_lora_rank = rank
 
 
 def load_saved_adapter(engine: Any, folder: str) -> None:
