@@ -20,7 +20,7 @@ def write(path: Path, text: str) -> str:
     [
         (["--plugin", "no_such_plugin_zz"], "unknown plugin 'no_such_plugin_zz'"),
         (["--plugin", "missing_file.py"], "plugin file 'missing_file.py' does not exist"),
-        (["--algo.advantage.estimator", "x"], "unknown advantage estimator 'x'; choose one of: dr_grpo, gae,"),
+        (["--algo.advantage.estimator", "x"], "unknown advantage estimator 'x'; choose one of: batch_mean, dr_grpo, gae,"),
         (["--generation.backend", "nope"], "unknown generation backend 'nope'; choose one of: transformers"),
         (["--algo.advantage.estimatr", "rloo"], "did you mean 'algo.advantage.estimator'?"),
         (["--train.steps", "ten"], "config key 'train.steps' expects an integer, got 'ten'"),
