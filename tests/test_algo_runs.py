@@ -89,7 +89,7 @@ def test_kl_in_reward_with_adaptive_controller(rlhf):
     assert all(r["loss/total"] == pytest.approx(r["loss/policy"], abs=1e-7) for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis", "seq_icepop binary_kl"])
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis", "seq_icepop binary_kl", "engine_ratio"])
 def test_mismatch_correction_runs_and_sees_matching_policies(rlhf, mode):
     mode, *gate = mode.split()
     gating = ["--algo.policy_loss.mismatch_gate", *gate] if gate else []
@@ -97,6 +97,10 @@ def test_mismatch_correction_runs_and_sees_matching_policies(rlhf, mode):
     assert code == 0, err
     for row in metrics_of(the_run()):
         # the transformers engine holds the learner's exact weights: ratios are ~1, nothing dropped
+        if mode == "engine_ratio":  # no weights: the policy's own ratio, against the engine's log-probs
+            assert row["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+            assert row["mismatch/abs_log_ratio"] < 1e-4 and "mismatch/dropped_frac" not in row
+            continue
         assert row["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
         assert row["mismatch/dropped_frac"] == 0.0
 

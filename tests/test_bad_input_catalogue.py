@@ -114,7 +114,7 @@ FLAGS = [
      "--algo.policy_loss.dual_clip"),
     ("vespo-sequence-correction", ["--algo.policy_loss.name", "vespo", "--algo.policy_loss.mismatch", "seq_mask"],
      "algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; algo.policy_loss.mismatch "
-     "seq_mask is per sequence: use tis or icepop"),
+     "seq_mask is not a token weight: use tis or icepop"),
     ("entropy-bounds-reversed", ["--algo.policy_loss.entropy_target", "0.5", "--algo.policy_loss.entropy_coef_min",
                                  "0.2", "--algo.policy_loss.entropy_coef_max", "0.1"],
      "algo.policy_loss.entropy_coef_min (0.2) must not exceed entropy_coef_max (0.1)"),

@@ -382,9 +382,6 @@ def test_openrlhfs_off_policy_correction_converts_to_the_same_token_weights(flag
     ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv",
      "--algo.advantage.is_correction_gating", "OpenRLHF refuses the band 0.5 5.0 too"),
     ("--vllm_is_correction_type icepop", "--vllm_is_correction_type", "no effect without --enable_vllm_is_correction"),
-    ("--policy_loss_type gspo --enable_vllm_is_correction", "--enable_vllm_is_correction", "the ppo loss only"),
-    ("--policy_loss_type gspo --algo.advantage.is_correction_level token", "--algo.advantage.is_correction_level",
-     "the ppo loss only"),
 ])
 def test_an_off_policy_correction_with_no_equivalent_is_listed_not_converted(flags, skipped, why):
     conv = convert(["--pretrain", "m", *flags.split()])
@@ -436,9 +433,43 @@ def test_async_training_with_the_correction_turned_off_trains_uncorrected_as_the
 def test_notes_name_the_spelling_the_command_line_used():
     """A note about a flag read by hand names it as typed: the dotted spelling of later releases, not 0.9's."""
     conv = convert(["--pretrain", "m", "--reward.remote_url", "reward.py", "--actor.policy_loss_type", "gspo",
-                    "--algo.advantage.is_correction_enable"])
-    assert "--reward.remote_url" in [flag for flag, _ in conv.partial]
-    assert [flag for flag, _ in conv.skipped] == ["--algo.advantage.is_correction_enable"]
+                    "--algo.advantage.is_correction_enable", "--freezing_actor_steps", "3",
+                    "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4"])
+    assert {"--reward.remote_url", "--algo.advantage.is_correction_enable"} <= {flag for flag, _ in conv.partial}
+    assert [flag for flag, _ in conv.skipped] == ["--freezing_actor_steps"]
+
+
+@pytest.mark.parametrize("flags", ["--enable_vllm_is_correction --vllm_is_correction_type icepop",
+                                   "--algo.advantage.is_correction_level token"])
+def test_a_correction_under_gspo_takes_gspos_ratio_against_the_engine_as_there(flags):
+    """OpenRLHF under gspo weighs nothing and measures the sequence ratio against the engine's log-probs
+    (``log_probs - rollout_log_probs``), clipped as usual: converted, our objective gives its loss and gradient
+    on random log-probs (before: listed as not converted, the run then trained against the learner's old ones)."""
+    from rlhf_plugins.algorithms import policy_losses
+    from rlhf_plugins.algorithms.objective import Objective
+    from rlhf_plugins.api import prepare
+
+    raw = convert(["--pretrain", "m", "--policy_loss_type", "gspo", *flags.split()]).raw
+    assert raw["algo"]["policy_loss"]["mismatch"] == "engine_ratio"
+    config, _, _ = prepare({"algo": {"policy_loss": {**raw["algo"]["policy_loss"], "clip_low": 0.05,
+                                                     "clip_high": 0.05}}}, autoload=False)
+    g = torch.Generator().manual_seed(4)
+    old = torch.randn(6, 5, generator=g, dtype=torch.float64) - 1
+    rollout = old + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.1
+    logprobs = (old + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.05).requires_grad_(True)
+    mask = (torch.arange(5) < torch.tensor([5, 3, 4, 2, 5, 1])[:, None]).to(torch.float64)
+    advantages = torch.randn(6, 1, generator=g, dtype=torch.float64).expand(6, 5) * mask
+    objective = Objective(policy_losses.gspo, config.algo.policy_loss)
+    ours, metrics = objective({"logprobs": logprobs}, {"old_logprobs": old, "rollout_logprobs": rollout,
+                                                       "advantages": advantages, "action_mask": mask})
+    ratio = (((logprobs - rollout) * mask).sum(-1) / mask.sum(-1)).exp()[:, None] * mask  # OpenRLHF's gspo
+    surr = torch.min(ratio * advantages, ratio.clamp(0.95, 1.05) * advantages)
+    theirs = (-(surr * mask).sum(-1) / mask.sum(-1)).mean()  # gspo's per-sample mean
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    grad_ours, = torch.autograd.grad(ours, logprobs, retain_graph=True)
+    grad_theirs, = torch.autograd.grad(theirs, logprobs)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-9, atol=1e-12)
+    assert 0 < float(metrics["loss/clip_frac"]) < 1 and float(metrics["mismatch/abs_log_ratio"]) > 0.01
 
 
 def test_openrlhfs_flash_reinforce_recipe_converts_to_ours():

@@ -61,13 +61,16 @@ class Objective:
         logprobs = outputs["logprobs"]
         entropy = outputs.get("entropy")
         mask = batch["action_mask"].to(logprobs.dtype)
-        old = batch.get("old_logprobs")
+        old, rollout, gap = batch.get("old_logprobs"), batch.get("rollout_logprobs"), None
+        if rollout is not None and self.options.mismatch == "engine_ratio":  # pi_theta / mu: the engine's policy
+            learner = logprobs if old is None else old  # the train/inference gap, as measured without the option
+            gap, old = masked_mean((learner - rollout).detach().abs(), mask), rollout
         inputs = PolicyLossInputs(
             logprobs=logprobs,
             old_logprobs=logprobs.detach() if old is None else old,
             advantages=batch["advantages"],
             action_mask=mask,
-            rollout_logprobs=batch.get("rollout_logprobs"),
+            rollout_logprobs=rollout,
         )
         per_token, metrics = self.policy_loss(inputs, self.options)
         if not torch.is_tensor(per_token) or per_token.shape != mask.shape:
@@ -77,6 +80,8 @@ class Objective:
             raise PluginError(f"policy loss '{getattr(self.options, 'name', '?')}' returned {got}; it must return the "
                               f"per-token loss {tuple(mask.shape)} ([B, T]) and a dict of metrics")
         per_token = self._select_and_weight(per_token, inputs, entropy, metrics)
+        if gap is not None:
+            metrics["mismatch/abs_log_ratio"] = gap
         policy = aggregate(per_token, mask, self.aggregation, self.norm_length)
         loss = policy
         metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
@@ -113,6 +118,8 @@ class Objective:
             per_token = per_token * kept
             metrics["loss/off_policy_masked_frac"] = masked_mean(1 - kept, mask)
         own = getattr(self.policy_loss, "corrects_mismatch", False)  # VESPO: inside its sequence weight
+        if self.options.mismatch == "engine_ratio":  # in the policy's ratio already
+            return per_token
         if self.options.mismatch != "none" and inputs.rollout_logprobs is not None and not own:
             weights, extra = weights_for(self.options, inputs.old_logprobs, inputs.rollout_logprobs, mask)
             per_token = per_token * weights

@@ -1,5 +1,6 @@
 """OpenRLHF's off-policy correction of vLLM's rollouts, in both generations of its flags, as our mismatch
-correction (``--algo.policy_loss.mismatch``, its band and ``tis_floor``).
+correction (``--algo.policy_loss.mismatch``, its band and ``tis_floor``). Under gspo OpenRLHF weighs nothing and
+takes GSPO's sequence ratio against the engine's log-probs instead (our ``engine_ratio``).
 
 0.9's flags: ``--enable_vllm_is_correction`` with ``--vllm_is_correction_type`` (tis, icepop, seq-mask-tis)
 and ``--vllm_is_truncated_threshold LOW HIGH``; its TIS clamps a token's weight into the band from both
@@ -41,10 +42,10 @@ def convert_correction(out: Any, given: dict[str, list[str]]) -> None:
     dotted = any(flag in given for flag in (LEVEL, MODE, GATING))
     loss = out.raw.get("algo", {}).get("policy_loss", {}).get("name", "ppo")
     if (ENABLE in given or dotted and given.get(LEVEL, ["off"])[0] != "off") and loss != "ppo":
-        out.skipped.append((LEVEL if dotted else ENABLE,
-                            "OpenRLHF corrects the ppo loss only (under gspo its later releases measure the "
-                            "sequence ratio against the engine's log-probs instead, which rlhf does not): nothing "
-                            "is converted"))
+        # under gspo OpenRLHF weighs nothing: its sequence ratio is taken against the engine's log-probs instead
+        out.put("algo.policy_loss.mismatch", "engine_ratio")
+        out.partial.append((LEVEL if dotted else ENABLE, "under gspo: GSPO's ratio against the engine's log-probs "
+                                                         "(engine_ratio), as there; the type, mode and band unused"))
         return
     if dotted:
         scheme = _scheme(out, given, band)

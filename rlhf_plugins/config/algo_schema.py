@@ -82,8 +82,10 @@ class PolicyLossConfig:
     #: correct the generation engine / learner mismatch with the engine's log-probs:
     #: none | tis (truncated token weights) | icepop (mask tokens outside the band) | seq_icepop (mask
     #: sequences whose geometric-mean ratio leaves the band) | seq_mask_tis (the same, kept weights capped) |
-    #: seq_tis (truncated sequence weight) | seq_mask (sequence weight, zero outside the band)
-    mismatch: Literal["none", "tis", "icepop", "seq_icepop", "seq_mask_tis", "seq_tis", "seq_mask"] = "none"
+    #: seq_tis (truncated sequence weight) | seq_mask (sequence weight, zero outside the band) | engine_ratio (the
+    #: policy loss's ratio taken against the engine's log-probs, pi_theta / mu, instead of the learner's old ones)
+    mismatch: Literal["none", "tis", "icepop", "seq_icepop", "seq_mask_tis", "seq_tis", "seq_mask",
+                      "engine_ratio"] = "none"
     #: TIS truncation and upper band of icepop / seq_mask_tis / seq_mask
     mismatch_high: float = setting(2.0, ge=1)
     #: lower band of icepop / seq_mask_tis / seq_mask (0: none)

@@ -179,7 +179,7 @@ def _check_policy_loss(p: Any) -> None:
              f"({p.entropy_coef_max})")
     _require(p.name != "vespo" or p.mismatch in ("none", "tis", "icepop"),
              f"algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; "
-             f"algo.policy_loss.mismatch {p.mismatch} is per sequence: use tis or icepop")
+             f"algo.policy_loss.mismatch {p.mismatch} is not a token weight: use tis or icepop")
     _require(p.mismatch_gate == "ratio" or p.mismatch in ("icepop", "seq_icepop"),
              f"algo.policy_loss.mismatch_gate {p.mismatch_gate} gates the tokens or sequences that icepop and "
              f"seq_icepop keep; mismatch {p.mismatch} keeps no such choice: use --algo.policy_loss.mismatch icepop "
