@@ -449,7 +449,7 @@ def test_mismatch_divergence_gates_match_loop(mode, gate):
             return abs(p - q)
         return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
 
-    dropped = 0
+    dropped = dropped_rows = 0
     for i in range(r.B):
         n = r.lengths[i]
         per_token = [divergence(i, t) for t in range(n)]
@@ -457,8 +457,13 @@ def test_mismatch_divergence_gates_match_loop(mode, gate):
         expect = [math.exp(float(old[i, t] - roll[i, t])) if kept[t] else 0.0 for t in range(n)]
         assert w[i, :n].tolist() == pytest.approx(expect, rel=1e-5, abs=1e-6)
         dropped += n - sum(kept)
+        dropped_rows += not any(kept)
     assert 0 < dropped < sum(r.lengths)  # the gate acted, and not on everything
     assert float(m["mismatch/dropped_frac"]) == pytest.approx(dropped / sum(r.lengths))
+    if mode == "seq_icepop":  # the share of whole sequences dropped
+        assert float(m["mismatch/dropped_seq_frac"]) == pytest.approx(dropped_rows / r.B)
+    else:
+        assert "mismatch/dropped_seq_frac" not in m
 
 
 def test_value_loss_matches_loop():

@@ -16,6 +16,9 @@ sampled tokens, the per-token loss is reweighted by ``r = pi_learner / pi_engine
   ``[floor, high]`` / zero outside ``[low, high]`` (TRL's ``sequence_truncate`` / ``sequence_mask``,
   the latter TRL's default with vLLM).
 
+Metrics: the mean ratio, the share of tokens dropped, the mean |log ratio|, and for the sequence gates the
+share of sequences dropped (``mismatch/dropped_seq_frac``).
+
 ``icepop`` and ``seq_icepop`` gate on the ratio by default; ``gate`` ``binary_kl`` / ``tv`` gates them
 instead on a divergence between the engine's and the learner's probabilities of the sampled token ``p``,
 ``q`` (each clamped to [1e-6, 1 - 1e-6]): ``p log(p/q) + (1-p) log((1-p)/(1-q))`` or ``|p - q|``, per
@@ -73,6 +76,9 @@ def importance_weights(
         "mismatch/dropped_frac": masked_mean(dropped, mask),
         "mismatch/abs_log_ratio": masked_mean(log_ratio.abs(), mask),
     }
+    if mode in ("seq_icepop", "seq_mask_tis", "seq_mask"):  # whole sequences dropped (OpenRLHF's is_filter_ratio,
+        rows = (mask.sum(-1) > 0).to(ratio.dtype)         # FlashREINFORCE's 1 - acceptance_rate)
+        metrics["mismatch/dropped_seq_frac"] = masked_mean(dropped[:, 0], rows)
     return weights * mask, metrics
 
 
