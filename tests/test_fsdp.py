@@ -303,6 +303,24 @@ def test_checkpoint_resume_gives_the_same_next_update(tiny_model, tmp_path, opti
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_whose_optimizer_decayed_everything_is_one_line_and_resumes_with_weight_decay_all(
+        tiny_model, tmp_path):
+    """A sharded checkpoint of an optimizer with one param group (every parameter decayed, as before biases
+    and norms were left alone): DCP's missing-key failure becomes the line naming the flag, which resumes it."""
+    from rlhf_plugins.errors import UsageError
+
+    old = {"weight_decay": 0.1, "weight_decay_all": True}
+    first, config = learner("fsdp", tiny_model, learner=old)
+    first.train(the_batch(1), objective_of(config))
+    first.save_checkpoint(str(tmp_path))
+    expected = first.train(the_batch(2), objective_of(config))
+    with pytest.raises(UsageError, match="resume it with --learner.weight_decay_all true"):
+        learner("fsdp", tiny_model, learner={"weight_decay": 0.1})[0].load_checkpoint(str(tmp_path))
+    again, _ = learner("fsdp", tiny_model, learner=old)
+    again.load_checkpoint(str(tmp_path))
+    assert again.train(the_batch(2), objective_of(config)) == expected
+
+
 def test_the_export_loads_in_transformers_with_the_trained_weights(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 

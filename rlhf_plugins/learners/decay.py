@@ -27,6 +27,15 @@ def undecayed(model: torch.nn.Module) -> set[str]:
     return names
 
 
+def decayed_everything(folder: Any) -> Exception:
+    """The one line for a checkpoint whose optimizer has one param group where this run makes two: written
+    before biases and norms were left undecayed, it resumes with ``--learner.weight_decay_all true``."""
+    from ..errors import UsageError
+
+    return UsageError(f"{folder}'s optimizer decays every parameter (written before biases and norms were left "
+                      "undecayed); resume it with --learner.weight_decay_all true")
+
+
 def decay_groups(params: list[Any], cfg: Any, names: list[str] | None, skip: set[str]) -> list[Any]:
     """``params`` as param groups: the decayed ones, then those named in ``skip`` at weight decay 0 -- or
     ``params`` themselves (one group) with no decay to leave out."""

@@ -26,6 +26,7 @@ from ..models.empty_init import Source, empty_weights, load_shards, source_of
 from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
+from .decay import decayed_everything
 from .optimizer import make_optimizer, undecayed
 
 
@@ -185,6 +186,7 @@ class FSDPLearner(Learner):
 
     def load_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from ..errors import UsageError
@@ -195,7 +197,12 @@ class FSDPLearner(Learner):
                              "with --learner.backend fsdp?")
         weights, optimizer = get_state_dict(self.model, self.optimizer)
         state = {"model": weights, "optimizer": optimizer}
-        dcp.load(state, checkpoint_id=str(folder / "fsdp"))
+        try:
+            dcp.load(state, checkpoint_id=str(folder / "fsdp"))
+        except CheckpointException as exc:  # (a BaseException) one param group saved, two made here
+            if "optimizer.param_groups" in str(exc) and self.cfg.weight_decay:
+                raise decayed_everything(folder) from exc
+            raise
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(torch.load(folder / f"scheduler-rank{self.rank}.pt", weights_only=True))

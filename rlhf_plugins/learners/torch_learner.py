@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
 from ..models.compiled import keep_grads_allocated, replays_graphs
 from ..models.float32_head import weights_dtype
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
+from .decay import decayed_everything
 from .optimizer import make_optimizer, undecayed
 
 
@@ -134,8 +134,7 @@ class TorchLearner(Learner):
             self.masters.load(self.model, folder)
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         if len(state["optimizer"]["param_groups"]) < len(self.optimizer.param_groups) and self.cfg.weight_decay:
-            raise UsageError(f"{folder}'s optimizer decays every parameter (written before biases and norms were left "
-                             "undecayed); resume it with --learner.weight_decay_all true")
+            raise decayed_everything(folder)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._load_progress(folder / "learner.pt")
