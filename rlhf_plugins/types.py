@@ -206,7 +206,9 @@ class LearnerBackend(Component):
     ``compiles``: the learner honours ``--learner.compile`` (else the config is refused). ``graphs``:
     its compiled modules may replay CUDA graphs (``--learner.compile_mode reduce-overhead``): their
     weights keep their memory from one step to the next. ``float32_head``: the learner trains a 16-bit
-    model whose output head is float32 (``--model.fp32_lm_head``; else the config is refused)."""
+    model whose output head is float32 (``--model.fp32_lm_head``; else the config is refused).
+    ``whole_parameters``: its optimizer steps whole, unflattened parameters, as a factored optimizer
+    (``--learner.optimizer adafactor``) needs (else the config is refused)."""
 
     area: ClassVar[str] = "learner backend"
     factory: Callable[..., Any]
@@ -218,6 +220,7 @@ class LearnerBackend(Component):
     compiles: bool = field(default=False, kw_only=True)
     graphs: bool = field(default=False, kw_only=True)
     float32_head: bool = field(default=False, kw_only=True)
+    whole_parameters: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

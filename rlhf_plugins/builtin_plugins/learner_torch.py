@@ -19,4 +19,5 @@ def rlhf_learner_backends() -> Iterable[LearnerBackend]:
         compiles=True,
         graphs=True,  # its weights stay where they are: CUDA graphs of the compiled modules can hold them
         float32_head=True,  # a float32 head is its own master (learners/master_weights.py)
+        whole_parameters=True,  # its optimizer sees each parameter whole: Adafactor factors its matrices
     )

@@ -150,13 +150,8 @@ def _check_generation(c: Config) -> None:
 
 
 def _check_optimizer(c: Config) -> None:
-    """Adafactor on the torch learner only; Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own
-    on DeepSpeed."""
+    """Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own on DeepSpeed."""
     learner = c.learner
-    _require(learner.optimizer != "adafactor" or learner.backend == "torch",
-             f"learner.optimizer adafactor factors each weight matrix's second moment by its rows and columns, "
-             f"which the {learner.backend} learner's flattened or sharded parameters do not keep: use "
-             "--learner.backend torch, or another optimizer")
     if learner.optimizer != "muon":
         return
     from ..learners.muon import check_torch_muon

@@ -156,6 +156,10 @@ def check_combinations(c: Config, plan: Plan) -> None:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
     check_compile(c, plan)
+    if c.learner.optimizer == "adafactor" and not plan.learner.whole_parameters:
+        raise ConfigError(f"learner.optimizer adafactor factors each weight matrix's second moment by its rows and "
+                          f"columns, which the {plan.learner.name} learner's flattened or sharded parameters do not "
+                          "keep: use --learner.backend torch, or another optimizer")
     if c.model.fp32_lm_head and not plan.learner.float32_head:
         raise ConfigError(f"model.fp32_lm_head: the '{plan.learner.name}' learner trains every weight in "
                           f"model.dtype; use --learner.backend torch (or fsdp) or drop --model.fp32_lm_head")
