@@ -165,6 +165,9 @@ def become_the_worker(request: dict, fds: list[int], conn: socket.socket) -> Non
     stand_in = os.pidfd_open(request["pid"])
 
     def follow_the_stand_in() -> None:
+        # signals sent to the worker are the main thread's, as in a fresh one: Python runs a handler only
+        # there, and a sleep there is cut short only by a signal delivered to it
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
         select.select([stand_in], [], [])
         os.kill(os.getpid(), signal.SIGKILL)
 
