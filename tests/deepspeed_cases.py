@@ -34,19 +34,30 @@ def gemma2_path(out: Path) -> str:
     return str(out)
 
 
-def _learners(path: str, learner: dict, stage: int) -> tuple[Any, Any, Any]:
+def _base(path: str, learner: dict) -> dict[str, Any]:
+    return {"model": {"path": path}, "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4},
+            "learner": {"lr": LR, **learner}}
+
+
+def _deepspeed(path: str, learner: dict, stage: int) -> Any:
     from rlhf_plugins.api import prepare
     from rlhf_plugins.learners.deepspeed_learner import DeepSpeedLearner
+    from rlhf_plugins.testing import backend_context
+
+    base = _base(path, learner)
+    config, pm, _ = prepare({**base, "learner": {**base["learner"], "backend": "deepspeed"},
+                             "deepspeed": {"zero_stage": stage}}, autoload=False)
+    return DeepSpeedLearner(backend_context(config, "actor", path, pm))
+
+
+def _learners(path: str, learner: dict, stage: int) -> tuple[Any, Any, Any]:
+    from rlhf_plugins.api import prepare
     from rlhf_plugins.learners.torch_learner import TorchLearner
     from rlhf_plugins.testing import backend_context
 
-    base = {"model": {"path": path}, "train": {"prompts_per_step": 3}, "generation": {"n_samples_per_prompt": 4},
-            "learner": {"lr": LR, **learner}}
-    torch_cfg, pm, _ = prepare(base, autoload=False)
-    ds_cfg, _, _ = prepare({**base, "learner": {**base["learner"], "backend": "deepspeed"},
-                            "deepspeed": {"zero_stage": stage}}, autoload=False)
+    torch_cfg, pm, _ = prepare(_base(path, learner), autoload=False)
     local = TorchLearner(backend_context(torch_cfg, "actor", path, pm))
-    return local, DeepSpeedLearner(backend_context(ds_cfg, "actor", path, pm)), torch_cfg
+    return local, _deepspeed(path, learner, stage), torch_cfg
 
 
 def one_update_each(path: str, learner: dict, stage: int) -> dict[str, Any]:
@@ -98,6 +109,41 @@ def checkpointing_case(tiny: str) -> dict[str, Any]:
     return {**result, "caches": [cache is not None for cache in made], "shapes": shapes}
 
 
+def _resume(path: str, learner: dict, stage: int, folder: str) -> dict[str, Any]:
+    """Load ``folder`` into a new DeepSpeed learner: the error it raised, or the updates it restored."""
+    ds = _deepspeed(path, learner, stage)
+    try:
+        ds.load_checkpoint(folder)
+        return {"updates": ds.updates}
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        return {"error": type(exc).__name__, "line": str(exc)}
+    finally:
+        ds.shutdown()
+
+
+def old_checkpoint_case(path: str, folder: str) -> dict[str, Any]:
+    """ZeRO-2 and ZeRO-3 checkpoints whose optimizer decayed every parameter (one param group, as before
+    biases and norms were left alone), loaded without --learner.weight_decay_all and with it."""
+    from rlhf_plugins.algorithms import policy_losses
+    from rlhf_plugins.algorithms.objective import Objective
+    from rlhf_plugins.api import prepare
+
+    old, results = {"weight_decay": 0.1, "weight_decay_all": True}, {}
+    objective = Objective(policy_losses.ppo, prepare(_base(path, old), autoload=False)[0].algo.policy_loss)
+    for stage in (2, 3):
+        where, ds = str(Path(folder, f"zero{stage}")), _deepspeed(path, old, stage)
+        try:
+            batch = random_batch(group=4, prompts=3, seed=5)
+            batch["advantages"], batch["old_logprobs"] = batch["action_mask"] * 0.5, ds.logprobs(batch)
+            ds.train(batch, objective)
+            ds.save_checkpoint(where)
+        finally:
+            ds.shutdown()
+        results[f"zero{stage}"] = {"now": _resume(path, {"weight_decay": 0.1}, stage, where),
+                                   "all": _resume(path, old, stage, where), "folder": where}
+    return results
+
+
 def _each(cases: dict[str, Any]) -> dict[str, Any]:
     """Every case's result, or the error it raised (the others still run)."""
     results = {}
@@ -124,6 +170,7 @@ def main(out: str) -> None:
             "router_loss": lambda: one_update_each(moe, {"router_aux_loss_coef": 0.5}, 2),
             "weight_decay": lambda: one_update_each(gemma2, {"weight_decay": 0.5}, 3),
             "checkpointing": lambda: checkpointing_case(tiny),
+            "old_checkpoint": lambda: old_checkpoint_case(tiny, folder),
             "packed": lambda: dict(zip(("update", "shapes"), embedding_calls(
                 lambda: one_update_each(tiny, {"max_tokens_per_micro_batch": 48}, 3)))),
         })

@@ -69,6 +69,19 @@ def test_weight_decay_leaves_norms_and_biases_alone_through_the_engine(cases):
     _same_update(_case(cases, "weight_decay"))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_whose_optimizer_decayed_everything_is_one_line_and_resumes_with_weight_decay_all(
+        cases, stage):
+    """A ZeRO checkpoint of an optimizer with one param group (every parameter decayed, as before biases and
+    norms were left alone): DeepSpeed's own failure (a ValueError or a RuntimeError about the layout, each
+    stage its own) becomes the line naming the flag, and the flag resumes it."""
+    case = _case(cases, "old_checkpoint")[f"zero{stage}"]
+    assert case["now"] == {"error": "UsageError", "line": (
+        f"{case['folder']}'s optimizer decays every parameter (written before biases and norms were left "
+        "undecayed); resume it with --learner.weight_decay_all true")}
+    assert case["all"] == {"updates": 1}
+
+
 def test_zero3_under_gradient_checkpointing_runs_each_prompt_once(cases):
     """With checkpointing, the prompts' shared forward needs this package's prompt cache (transformers
     drops a checkpointed layer's cache): through the engine it is made from the model's config, the

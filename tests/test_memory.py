@@ -152,7 +152,7 @@ def test_dry_run_prints_each_roles_need_and_the_node(rlhf, reduced):
 
 def test_deepspeed_buckets_are_sized_from_the_model_not_its_defaults(reduced):
     from rlhf_plugins.api import prepare
-    from rlhf_plugins.learners.deepspeed_learner import deepspeed_config
+    from rlhf_plugins.learners.deepspeed_config import deepspeed_config
 
     config, _, _ = prepare({"model": {"path": reduced}, "learner": {"backend": "deepspeed"},
                             "deepspeed": {"zero_stage": 3}}, autoload=False)
