@@ -51,6 +51,19 @@ SAFE_TO_CHANGE = ("train.steps", "train.episodes", "train.progress", "train.save
                   "train.best_")
 
 
+#: keys added since a run may have begun whose default is not what runs began without them did: a saved config
+#: lacking one resumes with this value, the behaviour it ran with (weight decay reached every parameter then)
+BEFORE_THE_KEY = {("learner", "weight_decay_all"): True}
+
+
+def _as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with :data:`BEFORE_THE_KEY`'s values for the keys it lacks."""
+    for (section, key), value in BEFORE_THE_KEY.items():
+        if isinstance(saved.get(section), dict) and key not in saved[section]:
+            saved[section][key] = value
+    return saved
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
@@ -71,11 +84,11 @@ def prepare_resume(target: str | Path, overrides: dict[str, Any] | None = None, 
     from .training import checkpoint
 
     run_dir, folder = checkpoint.find(Path(target))
-    saved = load_yaml(run_dir / "config.yaml")
+    saved = _as_it_ran(load_yaml(run_dir / "config.yaml"))
     config, pm, plan = prepare(merge(saved, overrides or {}), plugins, autoload=autoload, inline=inline)
     before, after, given = _flatten(saved), _flatten(config.to_dict()), set(_flatten(overrides or {}))
     # a key the saved config lacks is one added since the run began: its default keeps the old
-    # behaviour, so only a value given now counts as a change
+    # behaviour (or BEFORE_THE_KEY's value does), so only a value given now counts as a change
     changed = sorted(k for k in set(before) | set(after) if (k in before or k in given)
                      and before.get(k) != after.get(k) and not k.startswith(SAFE_TO_CHANGE))
     if changed:

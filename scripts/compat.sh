@@ -33,5 +33,5 @@ start=$(date +%s)
 echo "default run: $(( $(date +%s) - start )) s"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_modeling.py tests/test_packing.py \
   tests/test_logits_chunks.py tests/test_algorithms.py "tests/test_algo_runs.py::test_every_estimator_runs" \
-  tests/test_data_sources.py tests/test_sampling_knobs.py tests/test_mask_truncated.py \
+  tests/test_data_sources.py tests/test_sampling_knobs.py tests/test_mask_truncated.py tests/test_optimizers.py \
   "tests/test_train.py::test_default_run_learns" -k "not deepspeed"

@@ -125,6 +125,7 @@ def _group(r, i):
 def test_group_mean_batch_std_is_trls_batch_scaling(seed):
     """TRL's scale_rewards="batch", as its GRPOTrainer computes it (with TRL's own nanstd): the group mean
     subtracted, divided by the std of every score of the batch plus 1e-4; the same on every token."""
+    pytest.importorskip("trl")
     from trl.trainer.utils import nanstd
 
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
@@ -150,6 +151,7 @@ def test_group_norm_adds_the_converted_frameworks_eps_to_the_std(framework):
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
 
     if framework == "trl":
+        pytest.importorskip("trl")
         from trl.trainer.utils import nanstd
 
         advantage = from_grpo_fields({"scale_rewards": "group"})[0]["algo"]["advantage"]
@@ -307,6 +309,7 @@ def test_trls_two_sided_delta_clip_converts_to_the_same_loss_for_every_delta_abo
     """TRL's ``delta`` (INTELLECT-2): ``-min(min(r, delta) A, clip(r) A)``, written as TRL does, equals our
     PPO loss under the clip settings its conversion gives, in value and gradient -- the dual clip c = delta
     above 1 + epsilon_high, a tighter clip_high with the dual clip at 1 + epsilon_high from 1 up to there."""
+    pytest.importorskip("trl")
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
 
     r = ragged(seed=9)

@@ -111,6 +111,12 @@ def test_a_run_saved_before_a_key_existed_resumes_and_a_value_given_for_it_is_a_
     assert plan.resume[0] == run and config.generation.min_p == 0.0 and config.train.steps == 10
     with pytest.raises(ConfigError, match=r"generation.min_p \(None -> 0.1\)"):
         prepare_resume(run, {"generation": {"min_p": 0.1}}, autoload=False)
+    # a key whose default is not what runs did before it existed: the value that keeps the old behaviour
+    del saved["learner"]["weight_decay_all"]  # every parameter was decayed before it
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert prepare_resume(run, autoload=False)[0].learner.weight_decay_all is True
+    with pytest.raises(ConfigError, match=r"learner.weight_decay_all \(True -> False\)"):
+        prepare_resume(run, {"learner": {"weight_decay_all": False}}, autoload=False)
 
 
 def test_a_damaged_checkpoint_is_refused(workdir, tmp_path):

@@ -59,6 +59,7 @@ def test_trls_adafactor_converts_and_steps_as_trls_trainer_makes_it():
     the Trainer's way (scale_parameter and relative_step off, lr, decay groups) moves copies given the same
     gradients (no clipping, so the accumulated gradients are the step's); the memory plan's state elements are
     the step's."""
+    pytest.importorskip("trl")
     from transformers.optimization import Adafactor
 
     from rlhf_plugins.api import prepare
@@ -110,3 +111,34 @@ def test_a_checkpoint_whose_optimizer_decayed_everything_resumes_with_weight_dec
     again = torch_learner("float32", weight_decay=0.1, weight_decay_all=True)
     again.load_checkpoint(str(tmp_path))
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again.named_weights(), old.named_weights()))
+
+
+def test_a_run_begun_before_weight_decay_all_existed_resumes_decaying_everything(rlhf):
+    """A run whose config.yaml predates ``learner.weight_decay_all`` (every parameter was decayed then, one param
+    group) resumes with it true, as it ran; giving it false is a change of config. A checkpoint that cannot load
+    (the key edited to false) is one line naming the run's last complete step, which its status keeps."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from tests.helpers import short_run
+
+    flags = ["--learner.weight_decay", "0.1", "--train.save_every", "2", "--train.run_name", "old"]
+    code, _, err = rlhf("train", *short_run("--train.steps", "4"), *flags, "--learner.weight_decay_all", "true")
+    assert code == 0, err
+    run = Path("runs/old")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["learner"]["weight_decay_all"]
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    code, out, err = rlhf("train", "--resume", str(run), "--train.steps", "6", "--train.progress", "false")
+    assert code == 0, err
+    assert "after step 4" in out and json.loads((run / "summary.json").read_text())["steps"] == 6
+    code, _, err = rlhf("train", "--resume", str(run), "--train.steps", "8", "--learner.weight_decay_all", "false")
+    assert code == 2 and "learner.weight_decay_all (True -> False)" in err, err
+    saved["learner"]["weight_decay_all"] = False
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    code, _, err = rlhf("train", "--resume", str(run), "--train.steps", "8", "--train.progress", "false")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "optimizer decays every parameter" in err and "(last complete step 6)" in err, err
+    assert json.loads((run / "status.json").read_text())["steps_done"] == 6

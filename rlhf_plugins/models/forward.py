@@ -80,6 +80,8 @@ def _shared_prompt_logits(model: Any, seq: torch.Tensor, mask: torch.Tensor, P: 
             reader = cache.reader(group)
         else:
             reader = output_cache(out)
+            if reader is None:  # the model made none (transformers 4.x's Gemma 2 while training): every sample whole
+                return None
             reader.batch_repeat_interleave(group)
         full = mask[:, : P + T - 1]
         rest = model(input_ids=seq[:, P : P + T - 1], attention_mask=full, position_ids=position_ids(full)[:, P:],

@@ -250,6 +250,9 @@ class TrainingRun:
             self.log.close()
             self.log = None
         steps_done = trainer.step_count
+        if self.resume is not None and steps_done == 0:  # failed before its checkpoint was loaded: still its steps
+            steps_done = next((step for step, path in checkpoint.complete(run_dir)
+                               if path.resolve() == self.resume[1].resolve()), 0)
         if isinstance(exc, Interrupted):
             write_status(run_dir, "interrupted", steps_done, str(exc))
             return
