@@ -52,8 +52,9 @@ SAFE_TO_CHANGE = ("train.steps", "train.episodes", "train.progress", "train.save
 
 
 #: keys added since a run may have begun whose default is not what runs began without them did: a saved config
-#: lacking one resumes with this value, the behaviour it ran with (weight decay reached every parameter then)
-BEFORE_THE_KEY = {("learner", "weight_decay_all"): True}
+#: lacking one resumes with this value, the behaviour it ran with (weight decay reached every parameter then;
+#: the model's dropout stayed as its config set it)
+BEFORE_THE_KEY = {("learner", "weight_decay_all"): True, ("learner", "disable_dropout"): False}
 
 
 def _as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:

@@ -113,8 +113,10 @@ def test_a_run_saved_before_a_key_existed_resumes_and_a_value_given_for_it_is_a_
         prepare_resume(run, {"generation": {"min_p": 0.1}}, autoload=False)
     # a key whose default is not what runs did before it existed: the value that keeps the old behaviour
     del saved["learner"]["weight_decay_all"]  # every parameter was decayed before it
+    del saved["learner"]["disable_dropout"]  # the model's dropout stayed as its config set it
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
-    assert prepare_resume(run, autoload=False)[0].learner.weight_decay_all is True
+    learner = prepare_resume(run, autoload=False)[0].learner
+    assert learner.weight_decay_all is True and learner.disable_dropout is False
     with pytest.raises(ConfigError, match=r"learner.weight_decay_all \(True -> False\)"):
         prepare_resume(run, {"learner": {"weight_decay_all": False}}, autoload=False)
 
