@@ -84,6 +84,43 @@ def test_trl_defaults_keep_trls_linear_decay_and_warmup():
             from_grpo_fields({field: value})
 
 
+@pytest.mark.parametrize("optim, text", [("sgd", "momentum=0.9, weight_decay=0.3"), ("sgd", ""),
+                                         ("adamw_torch", "momentum=0.9"), ("adafactor", "beta1=0.5")])
+def test_trl_optim_args_reach_the_optimizer_as_trls_trainer_hands_them(optim, text, tmp_path):
+    """``optim_args`` as transformers' Trainer reads it (its own get_optimizer_cls_and_kwargs on TRL's
+    GRPOConfig): SGD's momentum reaches the torch learner's SGD; what the Trainer passes to no optimizer (AdamW's
+    and Adafactor's, SGD's weight_decay, which its param groups set) is a note."""
+    import torch
+    from transformers import Trainer
+    from trl import GRPOConfig
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.optimizer import make_optimizer
+
+    args = GRPOConfig(output_dir=str(tmp_path), optim=optim, optim_args=text or None, report_to=[], use_cpu=True, bf16=False)
+    _, theirs = Trainer.get_optimizer_cls_and_kwargs(args)
+    raw, notes = from_grpo_fields({"optim": optim, "optim_args": text or None})
+    config = prepare(raw, autoload=False)[0]
+    ours = make_optimizer([torch.nn.Parameter(torch.zeros(2))], config.learner, 0.1).defaults
+    assert ours.get("momentum", 0.0) == theirs.get("momentum", 0.0) == (0.9 if text.startswith("momentum") and optim == "sgd" else 0.0)
+    assert [n for n in notes if "optim_args" in n] == ([] if not text else [
+        "TRL optim_args weight_decay ignored as TRL's Trainer ignores them for SGD (weight_decay: its param groups "
+        "set it from weight_decay)"] if optim == "sgd" else [
+        f"TRL optim_args '{text}' is ignored: TRL's Trainer does not pass it to optim '{optim}'"])
+    if "weight_decay" in text:  # the Trainer's param groups set it (from weight_decay), over SGD's default
+        from transformers import AutoModelForCausalLM
+
+        from rlhf_plugins.testing import tiny_model_path
+
+        trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path()), args=args)
+        assert theirs["weight_decay"] == 0.3 and {g["weight_decay"] for g in trainer.create_optimizer().param_groups} == {0.0}
+    for bad, message in (("nesterov=true", "SGD's dampening and nesterov have no equivalent here"),
+                         ("momentum", "is not key=value pairs separated by commas (at 'momentum')"),
+                         ("momentum=fast", "momentum expects a number; got 'fast'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_grpo_fields({"optim": "sgd", "optim_args": bad})
+
+
 def test_generation_kwargs_override_the_sampling_fields_and_anything_else_is_one_error():
     """TRL hands generation_kwargs to vLLM's SamplingParams or transformers' GenerationConfig over its own
     sampling fields: the keys we have land on generation.* (vLLM's top_k -1: none); others would change

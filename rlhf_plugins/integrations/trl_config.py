@@ -14,7 +14,6 @@ from typing import Any
 from ..errors import ConfigError
 from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
 from .trl_fields import (
-    ADAMW_STORED_OTHERWISE,
     BOOKKEEPING_PREFIXES,
     DERIVED,
     DIRECT,
@@ -23,11 +22,10 @@ from .trl_fields import (
     IGNORED_WHY,
     INIT_IGNORED,
     LEGACY,
-    OPTIMIZERS,
-    SCHEDULERS,
     expected,
     mapping,
 )
+from .trl_optimizer import optimizer
 
 
 def grpo_defaults() -> dict[str, Any]:
@@ -146,7 +144,7 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> N
         raise ConfigError(f"TRL train_sampling_strategy '{strategy}' has no equivalent; use random or sequential")
     if strategy == "sequential":
         _set(raw, "data.shuffle", False)
-    _optimizer(f, raw, notes)
+    optimizer(f, raw, notes)
     if f.get("max_tool_calling_iterations") is not None:  # rounds of tool calls: one more model turn
         _set(raw, "env.max_turns", int(f["max_tool_calling_iterations"]) + 1)
     if f["use_vllm"]:
@@ -231,35 +229,6 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
         notes.append(f"TRL fields {', '.join(bookkeeping)} are trainer bookkeeping (logging, saving, evaluation, "
                      "devices) that rlhf-plugins does its own way; ignored")
     return notes
-
-
-def _optimizer(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """Optimizer and schedule, as TRL's Trainer would run them (its default decays linearly)."""
-    # a GRPOConfig object holds enums (SchedulerType.CONSTANT); YAML holds their values
-    optim, schedule = (str(getattr(f[k], "value", f[k])) for k in ("optim", "lr_scheduler_type"))
-    if optim in ADAMW_STORED_OTHERWISE:
-        notes.append(f"TRL optim '{optim}' runs as torch's AdamW with float32 states: the same update up to the "
-                     f"rounding of the states '{optim}' {ADAMW_STORED_OTHERWISE[optim]} (memory differs)")
-        optim = "adamw_torch"
-    if optim not in OPTIMIZERS:
-        raise ConfigError(f"TRL optim '{optim}' has no equivalent; choose one of: {', '.join(OPTIMIZERS)}")
-    if schedule not in SCHEDULERS:
-        raise ConfigError(f"TRL lr_scheduler_type '{schedule}' has no equivalent; choose one of: "
-                          f"{', '.join(SCHEDULERS)}")
-    _set(raw, "learner.optimizer", OPTIMIZERS[optim])
-    _set(raw, "learner.betas", [float(f["adam_beta1"]), float(f["adam_beta2"])])
-    _set(raw, "learner.lr_scheduler", SCHEDULERS[schedule])
-    kwargs = f.get("lr_scheduler_kwargs") or {}
-    if schedule == "cosine_with_min_lr":
-        ratio = kwargs.get("min_lr_rate")
-        if ratio is None and kwargs.get("min_lr") is not None:
-            ratio = float(kwargs["min_lr"]) / float(f["learning_rate"])
-        _set(raw, "learner.min_lr_ratio", float(ratio or 0.0))
-    warmup = float(f.get("warmup_steps") or 0)
-    if 0 < warmup < 1:  # transformers 5 reads a warmup_steps below 1 as a ratio
-        _set(raw, "learner.warmup_ratio", warmup)
-    else:
-        _set(raw, "learner.warmup_steps", int(warmup))
 
 
 def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
