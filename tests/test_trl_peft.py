@@ -114,6 +114,9 @@ def test_trl_optim_args_reach_the_optimizer_as_trls_trainer_hands_them(optim, te
 
         trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path()), args=args)
         assert theirs["weight_decay"] == 0.3 and {g["weight_decay"] for g in trainer.create_optimizer().param_groups} == {0.0}
+    assert from_grpo_fields({"optim": optim, "optim_target_modules": ["q_proj"]})[1][-1] == (
+        "TRL field 'optim_target_modules' is ignored: TRL's Trainer reads it only for the GaLore and APOLLO "
+        "optimizers, which have no equivalent here (their optim stops the conversion)")
     for bad, message in (("nesterov=true", "SGD's dampening and nesterov have no equivalent here"),
                          ("momentum", "is not key=value pairs separated by commas (at 'momentum')"),
                          ("momentum=fast", "momentum expects a number; got 'fast'")):

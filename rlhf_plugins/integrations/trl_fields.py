@@ -25,6 +25,8 @@ IGNORED_WHY = {
                                             "steps (CUDA graphs on GPUs); vLLM with use_vllm",
     "transformers_continuous_batching_config": "see use_transformers_continuous_batching",
     "use_transformers_paged": "see use_transformers_continuous_batching",
+    "optim_target_modules": "TRL's Trainer reads it only for the GaLore and APOLLO optimizers, which have no "
+                            "equivalent here (their optim stops the conversion)",
     "label_smoothing_factor": "it smooths the Trainer's language-modelling loss, which TRL's GRPO loss replaces",
     "average_tokens_across_devices": "it sets how the Trainer counts num_items_in_batch, which TRL's GRPO loss does "
                                      "not read (its loss_type sets the normalization; ours is "
