@@ -8,8 +8,6 @@ from ..config.loading import set_dotted as _set
 from ..errors import ConfigError
 from .trl_fields import ADAMW_STORED_OTHERWISE, OPTIMIZERS, SCHEDULERS
 
-#: the ``optim_args`` keys transformers' Trainer reads for torch's SGD (its param groups set weight_decay)
-SGD_ARGS = ("momentum", "dampening", "weight_decay", "nesterov")
 #: optims whose ``optim_args`` choose how the states are stored (torchao's quantised AdamW)
 STORAGE_ARGS = {"adamw_torch_4bit": ("block_size", "bf16_stochastic_round"),
                 "adamw_torch_8bit": ("block_size", "bf16_stochastic_round")}
