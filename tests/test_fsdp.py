@@ -369,6 +369,24 @@ def test_the_critic_trains_on_fsdp_as_on_torch(tiny_model):
     assert out["fsdp"][1]["grad_norm"] == pytest.approx(out["torch"][1]["grad_norm"], rel=1e-5)
 
 
+def test_an_in_place_op_on_the_sharded_forwards_outputs_keeps_the_gradient(tiny_model):
+    """A critic's values are a view of its head's output ([..., 0]). An in-place op on what the sharded root
+    returns (a plugin's loss may make one) dropped FSDP2's pre-backward hook: the backward then read the
+    resharded weights and failed ("storage of size 0"). Now the root returns no views: the gradients equal the
+    torch learner's under the same in-place op."""
+    batch, grads = the_batch(), {}
+    for backend in ("torch", "fsdp"):
+        critic, _ = learner(backend, tiny_model, role="critic", algo={"advantage": {"estimator": "gae"}})
+        values = critic.forward(critic._module(), batch, 1.0)["values"]
+        values.mul_(2.0)
+        (values * batch["action_mask"]).sum().backward()
+        grads[backend] = {n.replace("_fsdp_wrapped_module.", ""): getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+                          for n, p in critic.model.named_parameters() if p.grad is not None}
+    assert grads["fsdp"].keys() == grads["torch"].keys() and len(grads["torch"]) > 10
+    for name, want in grads["torch"].items():
+        torch.testing.assert_close(grads["fsdp"][name], want, rtol=1e-5, atol=1e-7)
+
+
 SHORT = ["--train.prompts_per_step", "4", "--generation.n_samples_per_prompt", "4", "--train.progress", "false",
          "--train.save_every", "2", "--eval.enabled", "false", "--learner.backend", "fsdp"]
 

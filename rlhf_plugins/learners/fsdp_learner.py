@@ -41,7 +41,10 @@ class LearnerForward(torch.nn.Module):
         self.model, self.forward_fn = model, forward
 
     def forward(self, batch: dict[str, Any], temperature: float, **kwargs: Any) -> dict[str, torch.Tensor]:
-        return self.forward_fn(self.model, batch, temperature, **kwargs)
+        # FSDP2 hooks the root's outputs for the backward's all-gather: an in-place op on a view among them (a
+        # critic's values[..., 0], a chunked head's log-probs) would drop that hook without a word. [B, T] copies.
+        out = self.forward_fn(self.model, batch, temperature, **kwargs)
+        return {k: v.clone() if torch.is_tensor(v) and v._base is not None else v for k, v in out.items()}
 
 
 def _call(module: Any, batch: dict[str, Any], temperature: float, **kwargs: Any) -> dict[str, torch.Tensor]:
