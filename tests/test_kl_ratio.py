@@ -80,6 +80,19 @@ def test_on_policy_the_value_is_unchanged_and_the_gradient_gains_kl_times_grad_l
     torch.testing.assert_close(grad_w - grad_p, BETA * kl * mask / mask.sum(), rtol=1e-9, atol=1e-12)
 
 
+def test_k3_weighted_by_the_ratio_has_the_reverse_kl_gradient_of_openrlhfs_unbiased_gradient():
+    """OpenRLHF's --algo.kl.unbiased_gradient keeps its estimator's value and makes the gradient
+    w x log(pi / pi_ref) d log pi, w the policy ratio (clipped there): k3 x ratio (--algo.kl.ratio token) has
+    exactly that gradient (d/dlogp of r (e^-x - 1 + x) = r x, x = log(pi / pi_ref)), which the flag table says."""
+    logprobs, old, ref, _, mask = inputs(4, off_policy=True)
+    lp = logprobs.clone().requires_grad_(True)
+    weighted = kl_estimators.k3(lp, ref) * kl_estimators.ratio_weights(lp, old, mask, "token")
+    weighted.sum().backward()
+    x = logprobs - ref
+    torch.testing.assert_close(lp.grad, torch.exp(logprobs - old) * x, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(torch.exp(logprobs - old) * x, x)  # off-policy: the ratio matters
+
+
 @pytest.mark.parametrize("fields, ratio", [
     ({"beta": 0.04}, "token"),  # TRL's default use_bias_correction_kl=True
     ({"beta": 0.04, "importance_sampling_level": "sequence"}, "sequence"),
