@@ -745,7 +745,7 @@ def test_top_entropy_quantile_trains_exactly_the_highest_entropy_tokens_of_the_m
     kept = (entropy >= threshold) & r.mask.bool()
     assert int(kept.sum()) == sum(v >= threshold for v in values) and 0 < int(kept.sum()) < n
     per_token, _ = L.ppo(L.PolicyLossInputs(lp.detach(), old, adv, r.mask), obj.options)
-    assert float(loss) == pytest.approx(float((per_token * kept).sum() / r.mask.sum()), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(float((per_token * kept).sum() / r.mask.sum()), rel=1e-6)
     assert (lp.grad[~kept] == 0).all() and (lp.grad[kept] != 0).any()  # only the kept tokens learn
     assert float(metrics["loss/entropy_kept_frac"]) == pytest.approx(int(kept.sum()) / n)
 
