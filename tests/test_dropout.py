@@ -75,6 +75,7 @@ def test_the_learner_loads_its_model_with_dropout_as_the_option_says(tmp_path, d
 
 
 def test_trl_configs_keep_trls_default_of_dropout_on():
+    pytest.importorskip("trl")
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
 
     assert from_grpo_fields({})[0]["learner"]["disable_dropout"] is False

@@ -133,14 +133,18 @@ def test_logits_scaled_by_a_number_are_chunked_through_the_scaled_hidden_states(
 @pytest.fixture(scope="module")
 def gemma2():
     """A two-layer Gemma 2 (tied head, soft-capped attention and logits) with Qwen2.5's vocabulary, in
-    float64; its logit cap lowered so that it bends this random model's small logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    float64; its logit cap lowered so that it bends this random model's small logits. transformers 5.25 runs
+    Gemma 2 with eager attention only, whose padding mask turns float64 rows of padding into NaN (its softmax
+    runs in float32, where float64's lowest value is -inf): there the model is float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Gemma2ForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("gemma2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                   query_pre_attn_scalar=32, final_logit_softcapping=0.05)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    sdpa = getattr(Gemma2ForCausalLM, "_supports_sdpa", False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64 if sdpa else torch.float32,
+                                             attn_implementation="sdpa" if sdpa else "eager")
     with torch.no_grad():  # logits of a trained model's spread, about 0.1 here, so the cap of 0.05 bends them
         model.lm_head.weight.normal_(0, 0.1)
     return model
@@ -163,10 +167,11 @@ def test_soft_capped_logits_are_capped_chunk_by_chunk_as_the_model_caps_them(gem
     assert seen.rows == 2
     assert gemma2.config.final_logit_softcapping == 0.05
     mask = batch["action_mask"].bool()
+    exact = gemma2.dtype == torch.float64  # float32 where transformers runs Gemma 2 only eagerly (the fixture)
     for key in ("logprobs", "entropy"):
-        assert (whole[key] - chunked[key]).abs()[mask].max() < 1e-12
+        assert (whole[key] - chunked[key]).abs()[mask].max() < (1e-12 if exact else 1e-5)
     for name, grad in whole_grads.items():
-        assert (grad - chunked_grads[name]).abs().max() <= 1e-10 * grad.abs().max() + 1e-14, name
+        assert (grad - chunked_grads[name]).abs().max() <= (1e-10 if exact else 1e-4) * grad.abs().max() + 1e-14, name
     gemma2.config.final_logit_softcapping = None
     try:
         uncapped = policy_forward(gemma2, batch, temperature, logits_memory_mb=0)["logprobs"]
