@@ -57,6 +57,30 @@ def ray_workers_from_a_zygote(request):
     zygote.stop()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_world_of_one_left_over():
+    """A module starts without the world of one an earlier module's in-process sharded learner left (its
+    process group and rank variables, :func:`rlhf_plugins.learners.sharded.rank_environment`): with LOCAL_RANK
+    set, accelerate (a TRL stage's Trainer) takes the run for a distributed one and waits at barriers of that
+    group -- which an earlier module's vLLM engine, ending when collected, destroys (a test process runs dozens
+    of modules; a CLI run is a process of its own)."""
+    import gc
+
+    from tests.helpers import DIST_ENV
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        gc.collect()  # what ends with an earlier module's objects ends now, not inside this module's tests
+    alive = dist is not None and dist.is_available() and dist.is_initialized()
+    if not alive and os.environ.get("WORLD_SIZE") == "1" and os.environ.get("MASTER_ADDR") == "127.0.0.1":
+        for key in DIST_ENV:
+            os.environ.pop(key, None)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+
+
 @pytest.fixture
 def local_ray_fresh_workers(monkeypatch):
     """:func:`local_ray` whose workers are fresh interpreters (not forked by :mod:`tests.ray_zygote`), for a
