@@ -4,7 +4,6 @@ regularising it. ``--learner.weight_decay_all`` decays every trainable parameter
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,17 +34,6 @@ def decayed_everything(folder: Any) -> Exception:
 
     return UsageError(f"{folder}'s optimizer decays every parameter (written before biases and norms were left "
                       "undecayed); resume it with --learner.weight_decay_all true")
-
-
-def deepspeed_param_groups(tag_folder: Path) -> int | None:
-    """How many param groups the optimizer of a DeepSpeed checkpoint had (its ZeRO 1-2 or ZeRO-3 optimizer
-    states, the first rank's file, mapped rather than read); None where there is no such file."""
-    for file in sorted(tag_folder.glob("*optim_states.pt")):
-        state = torch.load(file, map_location="cpu", weights_only=False, mmap=True).get("optimizer_state_dict", {})
-        inner = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
-        if isinstance(inner, dict) and "param_groups" in inner:
-            return len(inner["param_groups"])
-    return None
 
 
 def decay_groups(params: list[Any], cfg: Any, names: list[str] | None, skip: set[str]) -> list[Any]:

@@ -23,13 +23,24 @@ import torch
 from ..errors import UsageError
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
-from .decay import decayed_everything, deepspeed_param_groups
+from .decay import decayed_everything
 from .deepspeed_config import deepspeed_config
 from .optimizer import make_optimizer, undecayed
 
 logger = logging.getLogger("rlhf_plugins")
 #: DeepSpeed checkpoint tag inside a learner's checkpoint folder
 TAG = "zero"
+
+
+def _saved_param_groups(tag_folder: Path) -> int | None:
+    """How many param groups the optimizer of a DeepSpeed checkpoint had (its ZeRO 1-2 or ZeRO-3 optimizer
+    states, the first rank's file, mapped rather than read); None where there is no such file."""
+    for file in sorted(tag_folder.glob("*optim_states.pt")):
+        state = torch.load(file, map_location="cpu", weights_only=False, mmap=True).get("optimizer_state_dict", {})
+        inner = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
+        if isinstance(inner, dict) and "param_groups" in inner:
+            return len(inner["param_groups"])
+    return None
 
 
 def share_master_weights(optimizer: Any) -> int:
@@ -236,7 +247,8 @@ class DeepSpeedLearner(Learner):
             loaded, _ = self.engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
         except (RuntimeError, ValueError) as exc:  # DeepSpeed's words for a layout other than this optimizer's
-            if (deepspeed_param_groups(folder / TAG) or 0) < len(self.engine.optimizer.param_groups):
+            saved = _saved_param_groups(folder / TAG)
+            if saved is not None and saved < len(self.engine.optimizer.param_groups):
                 raise decayed_everything(folder) from exc
             raise
         if loaded is None:
