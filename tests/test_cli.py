@@ -87,6 +87,20 @@ def test_reward_errors_name_plugin_and_step(rlhf, tmp_path, body, expected):
     check_one_line_error(code, err, expected)
 
 
+@pytest.mark.parametrize("params", ["answer", "answer=None"])
+def test_a_reward_asking_for_a_column_the_dataset_lacks_is_told_the_columns(rlhf, tmp_path, params):
+    """A reward written for another dataset's column (``answer``; the default task's is ``label``) fails
+    inside or at its call: the line names the parameter and the columns there are, so it can be renamed."""
+    path = write(tmp_path / "other.py", f"""
+        def correct(prompts, completions, {params}, **kwargs):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    """)
+    code, _, err = rlhf("train", "--plugin", path, *short_run())
+    check_one_line_error(code, err, "reward 'correct' (plugin 'other') at step 0 raised TypeError: ")
+    assert err.strip().endswith("-- it takes 'answer', which no column of the dataset fills (its columns besides "
+                                "the prompt: label)")
+
+
 def test_reward_error_at_a_later_step(rlhf, tmp_path):
     path = write(tmp_path / "late.py", """
         calls = []

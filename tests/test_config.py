@@ -65,6 +65,10 @@ def test_flag_mappings_and_lists_stay_values_elsewhere_and_save_as_plain_yaml():
     [
         ({"algo": {"advantage": {"estimatr": "x"}}}, "unknown config key 'algo.advantage.estimatr'; did you mean 'algo.advantage.estimator'?"),
         ({"trian": {"steps": 1}}, "unknown config key 'trian'; did you mean 'train'?"),
+        # the key of its section the short name begins (vLLM's and TRL's n), never the section itself
+        ({"generation": {"n": 4}}, "unknown config key 'generation.n'; did you mean 'generation.n_samples_per_prompt'?"),
+        ({"generation": {"temp": 1}}, "unknown config key 'generation.temp'; did you mean 'generation.temperature'?"),
+        ({"train": {"zzz": 1}}, "unknown config key 'train.zzz'"),
         ({"train": {"steps": "many"}}, "config key 'train.steps' expects an integer, got 'many'"),
         ({"train": {"steps": 2.5}}, "config key 'train.steps' expects an integer, got 2.5"),
         ({"data": {"shuffle": "yes please"}}, "config key 'data.shuffle' expects true or false, got 'yes please'"),

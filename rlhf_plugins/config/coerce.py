@@ -65,10 +65,14 @@ def _unknown(key: str, known: list[str]) -> str:
     theirs = openrlhf_hint(key)
     if theirs:
         return f"unknown config key '{key}': {theirs}"
-    leaf = key.rsplit(".", 1)[-1]
-    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if "." in key else []
-    if not close:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    section, _, leaf = key.rpartition(".")
+    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if section else []
+    if not close and section:  # within its section: the one key the leaf begins ('generation.n'), else a spelling
+        mine = [k for k in known if k.rpartition(".")[0] == section]
+        begun = [k for k in mine if k.rpartition(".")[2].startswith(leaf)]
+        close = begun if len(begun) == 1 else difflib.get_close_matches(key, mine, n=1, cutoff=0.75)
+    if not close:  # never the section the key is in ('generation' for 'generation.n')
+        close = difflib.get_close_matches(key, [k for k in known if not key.startswith(k + ".")], n=1, cutoff=0.75)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown config key '{key}'{hint}"
 

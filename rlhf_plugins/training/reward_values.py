@@ -1,8 +1,9 @@
 """What reward sources return, made into checked lists: a list, a tensor or an array of numbers (None
 where a source abstains), or OpenRLHF's ``{"rewards": ..., "scores": ...}``; and a source's call
-bounded in time."""
+bounded in time; and, for a reward that failed, the parameters it names that no dataset column fills."""
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import threading
@@ -69,3 +70,26 @@ def _as_list(out: Any, where: str) -> list[Any]:
     if isinstance(out, (list, tuple)):  # 0-d tensors and numpy scalars (np.float32(1.0)) as Python numbers
         return [v.item() if is_tensor(v) or getattr(v, "shape", None) == () else v for v in out]
     raise RewardError(f"{where} returned {type(out).__name__}; expected a list of floats")
+
+
+#: what every reward function is offered besides the dataset's columns (TRL's keywords and ours)
+OFFERED = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "queries",
+           "prompt_texts", "prompt_ids", "finish_reasons"}
+
+
+def absent_columns(fn: Callable[..., Any], columns: dict[str, Any]) -> str:
+    """For a reward function that raised: the named parameters it takes that neither a dataset column
+    nor a keyword every reward gets fills (its ``answer`` where the dataset's column is ``label``),
+    as a clause for its error line; empty where there are none."""
+    from ..rewards.callables import TRLReward
+
+    try:
+        params = inspect.signature(fn.fn if isinstance(fn, TRLReward) else fn).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    absent = [p.name for p in params if p.kind in named and p.name not in columns and p.name not in OFFERED]
+    if not absent:
+        return ""
+    return (f" -- it takes {', '.join(repr(a) for a in absent)}, which no column of the dataset fills (its columns "
+            f"besides the prompt: {', '.join(sorted(columns)) or 'none'})")
