@@ -113,3 +113,21 @@ def test_runs_table_tells_every_status(rlhf, tmp_path):
     assert "judge went away" in status["message"]
     code, out, err = rlhf("runs")
     assert code == 0 and "interrupted" in out and "3/3" in out
+
+
+def test_runs_counts_a_stages_steps_as_trl_does_and_shows_names_whole(rlhf):
+    """A stage's metrics count TRL's steps from 1 (its logs' global_step): 3 steps of `rlhf sft` are 3/3, not
+    4; and a run's name, the key to --resume and rlhf eval, is never cut short in an 80-column table."""
+    code, _, err = rlhf("sft", "--trl.max_steps", "3", "--train.run_name", "sft-on-the-default-demonstrations")
+    assert code == 0, err
+    code, _, err = rlhf("train", *short_run("--train.run_name", "grpo-on-the-default-task-seed-0"))
+    assert code == 0, err
+    code, out, err = rlhf("runs", "--json")
+    assert code == 0, err
+    table = {r["run"]: r for r in json.loads(out)}
+    assert (table["sft-on-the-default-demonstrations"]["steps_done"],
+            table["sft-on-the-default-demonstrations"]["steps"]) == (3, 3)
+    code, out, err = rlhf("runs")  # stdout a pipe: rich's 80 columns
+    assert code == 0, err
+    assert "sft-on-the-default-demonstrations" in out and "grpo-on-the-default-task-seed-0" in out
+    assert max(len(line) for line in out.splitlines()) <= 80

@@ -27,10 +27,14 @@ def layout_ok(run: Path) -> None:
 def test_sft_with_no_arguments_learns_the_task_and_reports_held_out_accuracy(rlhf):
     from transformers import AutoModelForCausalLM
 
-    code, out, err = rlhf("sft", "--train.progress", "false")
+    code, out, err = rlhf("sft")
     assert code == 0, err
     run = the_run()
     layout_ok(run)
+    # the progress lines (a pipe: plain lines) show SFT's own figures, the last ones logged
+    last = [line for line in out.splitlines() if line.startswith("step ")][-1]
+    assert " reward " not in last and " kl " not in last and float(last.split(" mem ")[1].rstrip("G")) > 0.1
+    assert float(last.split(" loss ")[1].split()[0]) > 0 and 0 < float(last.split(" token accuracy ")[1].split()[0]) <= 1
     s = summary_of(run)
     # the base model answers a held-out sum right about a third of the time when sampling
     assert s["heldout_rows"] == 20 and s["training_rows"] == 80
@@ -52,8 +56,10 @@ def test_rm_with_no_arguments_ranks_held_out_pairs(rlhf):
 
 
 def test_dpo_with_no_arguments_reports_preference_accuracy_and_margin(rlhf):
-    code, _, err = rlhf("dpo", "--train.progress", "false")
+    code, out, err = rlhf("dpo")
     assert code == 0, err
+    last = [line for line in out.splitlines() if line.startswith("step ")][-1]
+    assert float(last.split(" reward accuracy ")[1].split()[0]) >= 0 and " margin " in last
     s = summary_of(the_run())
     assert s["preference_accuracy"] >= 0.7 and s["reward_margin"] > 0, s
 

@@ -96,8 +96,16 @@ def read_run(path: Path) -> RunInfo:
     rows = [r for r in all_rows if not is_eval_row(r)]
     evals = [r for r in all_rows if is_eval_row(r)]
     try:
-        total = int(((yaml.safe_load((path / "config.yaml").read_text()) or {}).get("train") or {}).get("steps"))
-    except (TypeError, ValueError, yaml.YAMLError):
+        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        config = {}
+    stage = isinstance(config.get("trl"), dict)  # rlhf sft / rm / dpo: TRL's steps, counted from 1 in its logs
+    section, key = ("trl", "max_steps") if stage else ("train", "steps")
+    try:
+        total: int | None = int((config.get(section) or {}).get(key))
+    except (AttributeError, TypeError, ValueError):
+        total = None
+    if total is not None and total <= 0:  # TRL's -1: as many as its epochs make
         total = None
     summary = _json(path / "summary.json") or {}
     status_file = _json(path / "status.json")
@@ -108,7 +116,9 @@ def read_run(path: Path) -> RunInfo:
     else:
         age = time.time() - (path / "metrics.jsonl").stat().st_mtime
         status = "running" if age < RUNNING_WITHIN_S else "stopped"
-    done = max((int(r["step"]) + 1 for r in rows if "step" in r), default=0)
+    done = max((int(r["step"]) + (0 if stage else 1) for r in rows if "step" in r), default=0)
+    if stage and isinstance(summary.get("steps"), int):  # its last log may come before its last step
+        done = summary["steps"]
     return RunInfo(path, status, done, total, rows, evals, summary, _json(path / "best.json"))
 
 
@@ -154,7 +164,9 @@ def cmd_runs(args: argparse.Namespace, console: Console) -> int:
 
     colours = {"finished": "green", "running": "cyan", "interrupted": "yellow", "failed": "red", "stopped": "red"}
     table = Table(title=f"runs in {escape(str(base))}")
-    for col, justify in (("run", "left"), ("status", "left"), ("steps", "right"), ("reward gain", "right"),
+    # a run's name whole (the key to --resume, rlhf eval, rlhf plot): the other columns' headers wrap instead
+    table.add_column("run", no_wrap=True, min_width=min(48, max((len(r.path.name) for r in runs), default=3)))
+    for col, justify in (("status", "left"), ("steps", "right"), ("reward gain", "right"),
                          ("best eval pass@1", "right"), ("s/step", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in runs:

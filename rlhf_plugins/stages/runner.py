@@ -24,9 +24,18 @@ logger = logging.getLogger("rlhf_plugins")
 TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer"}
 
 
-def _callback(run_dir: Path, cfg: StageConfig, console: Console) -> Any:
+#: what each stage's progress shows of TRL's logs (label, TRL's metric, digits, colour)
+LOSS = ("loss", "loss", 4, "yellow")
+PROGRESS = {"sft": (LOSS, ("token accuracy", "mean_token_accuracy", 3, "cyan")),
+            "rm": (LOSS, ("accuracy", "accuracy", 3, "cyan"), ("margin", "margin", 3, "magenta")),
+            "dpo": (LOSS, ("reward accuracy", "rewards/accuracies", 3, "cyan"),
+                    ("margin", "rewards/margins", 3, "magenta"))}
+
+
+def _callback(run_dir: Path, stage: str, cfg: StageConfig, console: Console) -> Any:
     from transformers import TrainerCallback
 
+    from ..training.memory_watch import process_memory
     from ..training.runlog import MetricsLog, StepProgress
 
     class RunCallback(TrainerCallback):
@@ -38,17 +47,21 @@ def _callback(run_dir: Path, cfg: StageConfig, console: Console) -> Any:
             self.last: dict[str, float] = {}
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.progress = StepProgress(state.max_steps, console, enabled=cfg.train.progress).__enter__()
+            self.progress = StepProgress(state.max_steps, console, enabled=cfg.train.progress,
+                                         columns=PROGRESS[stage]).__enter__()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
             values = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             self.last.update(values)
+            if "train_loss" in values:  # the end's log: the run's mean loss, where no step's was logged
+                self.last.setdefault("loss", values["train_loss"])
             self.log.log(state.global_step, values)
+            self.on_step_end(args, state, control)  # a step's logs come after its end: show them now
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if self.progress is not None:
-                self.progress.update(state.global_step, {"reward/mean": self.last.get("rewards/accuracies"),
-                                                         "loss/total": self.last.get("loss")})
+            if self.progress is not None:  # mem: this process's peak, where the stage trains
+                peak = process_memory()["rss_gb"]
+                self.progress.update(state.global_step, {**self.last, "memory/stage_rss_gb": peak})
 
         def close(self) -> None:
             if self.progress is not None:
@@ -151,7 +164,7 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         console.print(f"run directory: [bold]{escape(str(run_dir))}[/]  {stage}: {len(train)} training rows, "
                       f"{len(held)} held out  model: {escape(path)}")
-        callback = _callback(run_dir, cfg, console)
+        callback = _callback(run_dir, stage, cfg, console)
         from transformers import set_seed
         from transformers.trainer_callback import PrinterCallback
 

@@ -100,14 +100,20 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+#: (label, metric, digits, colour) of the values an RL run's progress shows
+RL_COLUMNS = (("reward", "reward/mean", 3, "cyan"), ("kl", "kl", 4, "magenta"), ("loss", "loss/total", 4, "yellow"))
+
+
 class StepProgress:
     """``step 12/120 ━━━━  reward 0.41  kl 0.002  loss -0.01  3.1 steps/s  mem 1.2G actor`` on a terminal
-    (``mem``: the largest peak resident set of a role's process so far); in a job log
-    or a pipe (not a terminal), a plain line about every 5% of the run or 30 s instead of a bar."""
+    (``mem``: the largest peak resident set of a role's process so far; ``columns``: which values, an RL
+    run's by default, a stage's its own); in a job log or a pipe (not a terminal), a plain line about
+    every 5% of the run or 30 s instead of a bar."""
 
     def __init__(self, total: int, console: Console, enabled: bool = True, start: int = 0,
-                 every_seconds: float = 30.0) -> None:
+                 every_seconds: float = 30.0, columns: tuple[tuple[str, str, int, str], ...] = RL_COLUMNS) -> None:
         self.total = total
+        self.columns = columns
         self.console = console
         self.live = enabled and console.is_terminal
         self.plain = enabled and not console.is_terminal
@@ -119,9 +125,7 @@ class StepProgress:
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
             BarColumn(),
-            TextColumn("reward [cyan]{task.fields[reward]}"),
-            TextColumn("kl [magenta]{task.fields[kl]}"),
-            TextColumn("loss [yellow]{task.fields[loss]}"),
+            *(TextColumn(f"{label} [{colour}]{{task.fields[c{i}]}}") for i, (label, *_, colour) in enumerate(columns)),
             TextColumn("[green]{task.fields[speed]} steps/s"),
             TextColumn("mem {task.fields[memory]}"),
             TimeElapsedColumn(),
@@ -131,8 +135,8 @@ class StepProgress:
             disable=not self.live,
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", kl="-", loss="-",
-                                           speed="-", memory="-", phase="")
+        self.task = self.progress.add_task("train", total=total, completed=start, speed="-", memory="-", phase="",
+                                           **{f"c{i}": "-" for i in range(len(columns))})
 
     def __enter__(self) -> StepProgress:
         self.progress.__enter__()
@@ -146,16 +150,15 @@ class StepProgress:
         rate = (done - self.first) / (now - self.start) if now > self.start else 0.0
         from .memory_watch import largest
 
-        fields = dict(reward=_fmt(metrics.get("reward/mean")), kl=_fmt(metrics.get("kl"), 4),
-                      loss=_fmt(metrics.get("loss/total"), 4), speed=f"{rate:.2f}" if rate else "-",
-                      memory=largest(metrics))
-        self.progress.update(self.task, completed=done, **fields)
+        values = {f"c{i}": _fmt(metrics.get(key), digits) for i, (_, key, digits, _) in enumerate(self.columns)}
+        speed = f"{rate:.2f}" if rate else "-"
+        self.progress.update(self.task, completed=done, speed=speed, memory=largest(metrics), **values)
         due = done - self.last_line >= self.every_steps or now - self.last_time >= self.every_seconds
-        if self.plain and (due or done == self.total):
+        if self.plain and (due or done == self.total) and done != self.last_line:  # each step's line once
             eta = (self.total - done) / rate if rate else 0.0
-            self.console.print(f"step {done}/{self.total} reward {fields['reward']} kl {fields['kl']} loss "
-                               f"{fields['loss']} {fields['speed']} steps/s eta {_clock(eta)} mem {fields['memory']}",
-                               highlight=False, soft_wrap=True)
+            shown = " ".join(f"{label} {values[f'c{i}']}" for i, (label, *_) in enumerate(self.columns))
+            self.console.print(f"step {done}/{self.total} {shown} {speed} steps/s eta {_clock(eta)} "
+                               f"mem {largest(metrics)}", highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
 
     def phase(self, text: str) -> None:
