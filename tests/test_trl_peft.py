@@ -44,8 +44,40 @@ def test_grpo_fields_map_by_hand():
     # the optimizer and schedule run as TRL's Trainer would run them
     assert raw["learner"]["lr_scheduler"] == "cosine" and raw["learner"]["optimizer"] == "adamw"
     assert raw["learner"]["betas"] == [0.9, 0.999] and raw["learner"]["eps"] == 1e-8
-    assert notes == ["TRL fields logging_steps are trainer bookkeeping (logging, saving, evaluation, devices) "
+    assert notes == ["max_steps 10 is 2.5 rollouts of 4 updates; the run makes 3 whole rollouts, 12 updates (its "
+                     "schedule over them)",
+                     "TRL fields logging_steps are trainer bookkeeping (logging, saving, evaluation, devices) "
                      "that rlhf-plugins does its own way; ignored"]
+
+
+@pytest.mark.parametrize("fields, ours, note", [
+    ({"save_steps": 50}, {"train.save_every": 50}, None),
+    ({"save_strategy": "no"}, {"train.save_every": 0}, None),  # the trained policy is still saved at the end
+    ({"save_steps": 0.25, "max_steps": 100, "num_iterations": 2}, {"train.save_every": 12},
+     "save_steps 25 is 12.5 rollouts of 2 updates; every 12 here (after a whole rollout)"),
+    ({"save_steps": 0.5}, {}, "save_steps 0.5 is a fraction of max_steps, which this config does not set; ignored"),
+    ({"save_strategy": "best"}, {}, "save_strategy 'best' is not converted: checkpoints come every "
+                                    "--train.save_every steps (the best policy by a metric: --train.best_metric)"),
+    ({"save_total_limit": 3}, {"train.keep_checkpoints": 3}, None),
+    ({"eval_strategy": "steps", "eval_steps": 8, "num_iterations": 2}, {"eval.every": 4}, None),
+    ({"eval_strategy": "steps"}, {"eval.every": 10}, None),  # eval_steps defaults to logging_steps, as in TRL
+    ({"eval_strategy": "epoch"}, {}, "eval_strategy 'epoch' is not converted: the held-out set is evaluated before "
+                                     "the first step, after the last and every --eval.every steps"),
+    ({"eval_steps": 5}, {}, "eval_steps is unused with eval_strategy 'no' (as in TRL)"),
+    ({"save_steps": 500, "save_strategy": "steps"}, {}, None),  # TRL's defaults, spelled out: ours stay
+])
+def test_trl_checkpoint_and_evaluation_cadence_counts_updates(fields, ours, note):
+    """TRL's save / eval steps are optimizer updates: whole rollouts here, set only where the config sets them
+    (TRL's defaults -- 500-step checkpoints, all kept, no evaluation -- leave ours)."""
+    raw, notes = from_grpo_fields(fields)
+    for dotted, value in ours.items():
+        section, key = dotted.split(".")
+        assert raw[section][key] == value, (dotted, raw[section])
+    assert "save_every" not in raw["train"] or "train.save_every" in ours
+    assert "keep_checkpoints" not in raw["train"] or "train.keep_checkpoints" in ours
+    assert "eval" not in raw or "eval.every" in ours
+    cadence = [n for n in notes if "bookkeeping" not in n and not n.startswith("max_steps")]
+    assert cadence == ([note] if note else [])
 
 
 def test_trl_defaults_keep_trls_linear_decay_and_warmup():
@@ -247,6 +279,38 @@ def test_trl_yaml_from_the_command_line(rlhf, tmp_path):
     assert saved["reward"]["functions"] == ["correct"]
     assert saved["generation"]["n_samples_per_prompt"] == 4 and saved["train"]["prompts_per_step"] == 4
     assert saved["train"]["steps"] == 2 and saved["learner"]["lr"] == 1e-3
+
+
+def test_rlhf_convert_trl_writes_the_config_trl_config_runs(rlhf, tmp_path):
+    """`rlhf convert trl grpo.yaml -o ours.yaml`: our YAML with the conversion's notes as comments and the
+    reward module as a plugin; it resolves to the config `--trl-config` runs, and `rlhf train --config` takes it."""
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.config.loading import load_yaml
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def correct(prompts, completions, label, **kwargs):
+            return [1.0 if c.strip() == l else 0.0 for c, l in zip(completions, label)]
+    """))
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump({
+        "reward_funcs": ["my_rewards.correct"], "learning_rate": 1e-3, "num_generations": 4,
+        "per_device_train_batch_size": 16, "max_completion_length": 6, "max_steps": 2, "logging_steps": 1,
+        "num_iterations": 2, "save_steps": 3}))
+    for argv, line in [(["convert", "trl"], "give one TRL GRPO YAML file, e.g. rlhf convert trl grpo.yaml"),
+                       (["convert", "trl", "gone.yaml"], "config file 'gone.yaml' does not exist")]:
+        check_one_line_error(*rlhf(*argv)[::2], line)
+    code, out, err = rlhf("convert", "trl", "-o", "ours.yaml", "grpo.yaml")
+    assert code == 0, err
+    text = (tmp_path / "ours.yaml").read_text()
+    assert text.startswith("# rlhf train --config this.yaml   (converted from the TRL GRPO config grpo.yaml")
+    assert "# note: save_steps 3 is 1.5 rollouts of 2 updates; every 2 here (after a whole rollout)" in text
+    assert "# note: TRL fields logging_steps are trainer bookkeeping" in text
+    ours = load_yaml(tmp_path / "ours.yaml")
+    assert ours["plugins"] == ["my_rewards"] and ours["train"]["save_every"] == 2
+    raw, _, plugins = from_trl_yaml(tmp_path / "grpo.yaml")
+    assert prepare(ours, autoload=False)[0].to_dict() == prepare(raw, plugins, autoload=False)[0].to_dict()
+    code, _, err = rlhf("train", "--config", "ours.yaml", "--dry-run")
+    assert code == 0, err
 
 
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
@@ -458,13 +522,18 @@ def test_trl_reward_keywords_trainer_state_log_metric_and_log_extra_work(rlhf, t
             log_metric("my/length", sum(len(c) for c in completions) / len(completions))
             log_metric("my/step_seen", trainer_state.global_step)
             log_extra("why", ["ok"] * len(completions))
-            assert trainer_state.max_steps == 3
+            log_metric("my/max_steps", trainer_state.max_steps)
             return [float(len(c) < 3) for c in completions]
     """))
     code, _, err = rlhf("train", "--plugin", str(plugin), *short_run())
     assert code == 0, err
     rows = metrics_of(the_run())
-    assert [r["my/step_seen"] for r in rows] == [0.0, 1.0, 2.0]
+    assert [(r["my/step_seen"], r["my/max_steps"]) for r in rows] == [(0.0, 3.0), (1.0, 3.0), (2.0, 3.0)]
+    # two epochs over each step's samples: two optimizer updates per step, which TRL counts as its steps
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--learner.epochs", "2", "--train.steps", "2",
+                                                                "--train.output_dir", "twice"))
+    assert code == 0, err
+    assert [(r["my/step_seen"], r["my/max_steps"]) for r in metrics_of(the_run(Path("twice")))] == [(0.0, 4.0), (2.0, 4.0)]
     assert all(r["my/length"] >= 0 for r in rows)
 
 
@@ -517,6 +586,48 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
     assert policy.config.vocab_size == len(trainer.processing_class) and policy.name_or_path.endswith("final")
     saved = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
     assert saved["data"]["shuffle"] is False and saved["data"]["template_strings"] is False
+
+
+def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_path, tiny_model, monkeypatch):
+    """With num_iterations 2 each rollout makes two updates: TRL's global_step, max_steps, log steps, steps/s
+    and the reward's trainer_state count updates, and so do eval_steps (4: every 2 rollouts, with an
+    eval_dataset) and save_steps (2: every rollout, save_total_limit 3 kept where ours keeps 2); the log
+    history has TRL's names too."""
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+    from tests.helpers import eval_rows_of
+
+    seen: list[tuple[int, int]] = []
+
+    def reward(prompts, completions, trainer_state, **kwargs):
+        if len(completions) == 8:  # a training rollout's (2 prompts x 4), not a held-out evaluation's
+            seen.append((trainer_state.global_step, trainer_state.max_steps))
+        return [0.0] * len(completions)
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    monkeypatch.chdir(tmp_path)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=6, num_iterations=2, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=4, use_cpu=True, bf16=False, report_to=[],
+                      eval_strategy="steps", eval_steps=4, save_steps=2, save_total_limit=3)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[reward, length], args=args,
+                          train_dataset=task_rows("train")[:16], eval_dataset=task_rows("test")[:4],
+                          rlhf={"train": {"progress": False}})
+    out = trainer.train()
+    assert out.global_step == 6 and seen == [(0, 6), (2, 6), (4, 6)]
+    assert out.metrics["train_steps_per_second"] == pytest.approx(2 / out.metrics["seconds_per_step"])
+    state = trainer.state
+    assert (state.global_step, state.max_steps) == (6, 6)
+    assert [row["step"] for row in state.log_history] == [2, 4, 6]
+    last = state.log_history[-1]  # TRL's names for the same quantities, beside ours
+    assert last["rewards/reward/mean"] == 0.0 and last["rewards/length/mean"] == last["reward/length"] > 0
+    assert last["learning_rate"] == last["lr"] and last["completions/mean_length"] == last["completion/length"]
+    assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
+    assert kept == ["step-000001", "step-000002", "step-000003"]
 
 
 def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_path, tiny_model, monkeypatch, capsys):

@@ -249,10 +249,12 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
     p = sub.add_parser("convert", allow_abbrev=False, help="convert another framework's command line to a config",
                        description="rlhf convert openrlhf [-o FILE] -- <OpenRLHF command line>: the equivalent YAML "
                                    "config (run it with rlhf train --config FILE), OpenRLHF's defaults carried "
-                                   "where ours differ, and the flags it could not convert, each with the reason.")
-    p.add_argument("source", choices=["openrlhf"], help="whose command line")
+                                   "where ours differ, and the flags it could not convert, each with the reason. "
+                                   "rlhf convert trl GRPO.yaml [-o FILE]: a `trl grpo --config` YAML as our config "
+                                   "(what rlhf train --trl-config runs), its notes as comments.")
+    p.add_argument("source", choices=["openrlhf", "trl"], help="whose command line or config")
     p.add_argument("-o", "--output", type=Path, help="write the config here (default: print it)")
-    p.add_argument("argv", nargs=argparse.REMAINDER, help="the command line, after --")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="the command line, after -- (trl: the YAML file)")
 
 
 def _own_output(argv: list[str], output: Path | None) -> tuple[list[str], Path | None]:
@@ -268,6 +270,10 @@ def _own_output(argv: list[str], output: Path | None) -> tuple[list[str], Path |
 
 
 def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
+    if args.source == "trl":
+        from .convert_trl import run as convert_trl
+
+        return convert_trl([*args.argv, *rest], args.output, console)
     argv, args.output = _own_output([*args.argv, *rest], args.output)
     if not argv:
         raise UsageError("give the OpenRLHF command line after --, e.g. rlhf convert openrlhf -- "

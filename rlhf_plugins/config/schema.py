@@ -248,6 +248,12 @@ class Config:
             return value
         raise KeyError(f"no config section '{name}'")
 
+    def updates_per_step(self) -> int:
+        """Optimizer updates each step makes: the learner's epochs x the mini batches of a step's samples
+        (TRL counts these as its steps)."""
+        batch = self.train.prompts_per_step * self.generation.n_samples_per_prompt
+        return max(1, self.learner.epochs * -(-batch // (self.learner.mini_batch_size or batch)))
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
         out.update({k: _plain(v) for k, v in self.extra.items()})

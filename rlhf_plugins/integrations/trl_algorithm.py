@@ -6,6 +6,7 @@ from typing import Any
 
 from ..config.loading import set_dotted as _set
 from ..errors import ConfigError
+from .trl_cadence import whole_rollouts
 from .trl_fields import LOSS_NAMES, LOSS_TYPES, SAMPLING_CORRECTION
 
 
@@ -113,11 +114,8 @@ def reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], upd
     if not float(f["beta"]):
         raise ConfigError("TRL field 'sync_ref_model' moves the reference model, and beta 0 trains without one "
                           "(TRL refuses it too); set beta above 0 or drop sync_ref_model")
-    every = int(f["ref_model_sync_steps"])
-    steps = max(1, round(every / updates_per_rollout))
-    if steps * updates_per_rollout != every:
-        notes.append(f"ref_model_sync_steps {every} is {every / updates_per_rollout:g} rollouts of "
-                     f"{updates_per_rollout} updates; the reference moves every {steps} (after a whole rollout)")
+    steps = whole_rollouts("ref_model_sync_steps", int(f["ref_model_sync_steps"]), updates_per_rollout, notes,
+                           "the reference moves every {steps}")
     _set(raw, "algo.kl.ref_sync_steps", steps)
     _set(raw, "algo.kl.ref_mixup_alpha", float(f["ref_model_mixup_alpha"]))
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
+from .trl_cadence import CADENCE, cadence
 from .trl_fields import (
     BOOKKEEPING_PREFIXES,
     DERIVED,
@@ -68,9 +69,10 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             except (TypeError, ValueError):
                 raise ConfigError(f"TRL field '{name}' expects {expected(conv)}; got {f[name]!r}") from None
     algorithm(f, raw, notes)
-    updates_per_rollout = _batch_shape(f, raw)
+    updates_per_rollout = _batch_shape(f, raw, notes)
     reference_sync(f, raw, notes, updates_per_rollout)
     adaptive_entropy(f, raw, notes, updates_per_rollout)
+    cadence(f, raw, notes, changed, updates_per_rollout)
     _model_init(f, raw, notes)  # before _run_settings: bf16 / fp16 decide the dtype when set
     _run_settings(f, raw, notes)
     _compile(f, raw, notes)
@@ -106,7 +108,7 @@ def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
     return {k for k in fields if fields[k] != defaults.get(k)}
 
 
-def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
+def _batch_shape(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> int:
     """TRL counts completions; we count prompts per rollout and samples per update. Returns the
     optimizer updates per rollout (TRL's steps per step of ours)."""
     per_device = int(f["per_device_train_batch_size"])
@@ -122,7 +124,12 @@ def _batch_shape(f: dict[str, Any], raw: dict[str, Any]) -> int:
     _set(raw, "learner.mini_batch_size", per_device * gas if per_device * gas < completions else 0)
     updates_per_rollout = int(f["num_iterations"]) * max(1, per_gen // gas)
     if int(f["max_steps"]) > 0:
-        _set(raw, "train.steps", math.ceil(int(f["max_steps"]) / updates_per_rollout))
+        steps = math.ceil(int(f["max_steps"]) / updates_per_rollout)
+        _set(raw, "train.steps", steps)
+        if steps * updates_per_rollout != int(f["max_steps"]):  # TRL stops inside its last generation's updates
+            notes.append(f"max_steps {f['max_steps']} is {int(f['max_steps']) / updates_per_rollout:g} rollouts of "
+                         f"{updates_per_rollout} updates; the run makes {steps} whole rollouts, "
+                         f"{steps * updates_per_rollout} updates (its schedule over them)")
     else:  # num_train_epochs passes over the dataset: the run counts the steps once its prompts are loaded
         _set(raw, "train.episodes", float(f["num_train_epochs"]))
     return updates_per_rollout
@@ -217,7 +224,7 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     """Notes on the changed fields nothing above used: ignored with a reason, or bookkeeping; any
     other changes training and is an error."""
     notes, bookkeeping = [], []
-    for name in sorted(changed - (set(DIRECT) | DERIVED)):
+    for name in sorted(changed - (set(DIRECT) | DERIVED | CADENCE)):
         if name in IGNORED_WHY:
             notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
         elif name.startswith(BOOKKEEPING_PREFIXES):

@@ -24,11 +24,36 @@ def _rows(run_dir: Path | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _steps(run_dir: Path | None, raw: dict[str, Any], rows: int) -> tuple[int, int]:
+    """(optimizer updates per step of ours, the run's steps): TRL's steps are the updates, and a step of
+    ours makes ``learner.epochs`` x its mini batches of them (``num_iterations``, ``steps_per_generation``)."""
+    import yaml
+
+    from ..config.loading import build_config
+
+    saved = run_dir / "config.yaml" if run_dir is not None else None
+    source = yaml.safe_load(saved.read_text()) if saved is not None and saved.is_file() else raw
+    config = build_config({k: source.get(k) or {} for k in ("train", "generation", "learner")})
+    return config.updates_per_step(), int((source.get("train") or {}).get("steps") or rows)
+
+
+#: TRL's names in ``log_history`` for metrics of ours that are the same quantity
+TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr",
+             "completions/mean_length": "completion/length"}
+
+
+def _trl_row(row: dict[str, Any], step: int) -> dict[str, Any]:
+    """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` for each function's mean)."""
+    named = {f"rewards/{k[7:]}/mean": v for k, v in row.items()
+             if k.startswith("reward/") and k[7:] not in ("mean", "std", "shaped_mean", "retries")}
+    return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}, "step": step}
+
+
 def trainer_state(run_dir: Path | None, raw: dict[str, Any]) -> TrainerStateView:
     rows = [r for r in _rows(run_dir) if "reward/mean" in r]
-    history = [{**r, "step": int(r.get("step", i)) + 1, "loss": r.get("loss/total"), "reward": r.get("reward/mean")}
-               for i, r in enumerate(rows)]
-    return TrainerStateView(len(rows), int(raw.get("train", {}).get("steps", len(rows))), 0.0, history)
+    per_step, steps = _steps(run_dir, raw, len(rows))
+    history = [_trl_row(r, (int(r.get("step", i)) + 1) * per_step) for i, r in enumerate(rows)]
+    return TrainerStateView(len(rows) * per_step, steps * per_step, 0.0, history)
 
 
 def train_output(run_dir: Path) -> Any:
@@ -40,10 +65,11 @@ def train_output(run_dir: Path) -> Any:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     metrics = {"train_loss": sum(losses) / len(losses) if losses else 0.0, "run_dir": str(run_dir),
                **{k: v for k, v in summary.items() if isinstance(v, (int, float))}}
+    updates = _steps(run_dir, {}, len(rows))[0]
     per_step = summary.get("seconds_per_step")
     if isinstance(per_step, (int, float)) and per_step > 0:  # transformers' names for the run's speed
-        metrics.update(train_runtime=per_step * len(rows), train_steps_per_second=1.0 / per_step)
-    return TrainOutput(len(rows), metrics["train_loss"], metrics)
+        metrics.update(train_runtime=per_step * len(rows), train_steps_per_second=updates / per_step)
+    return TrainOutput(len(rows) * updates, metrics["train_loss"], metrics)
 
 
 class DriverAccelerator:

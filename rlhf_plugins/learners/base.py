@@ -37,9 +37,7 @@ def weighted_metrics(done: list[tuple[dict[str, Any], float]]) -> dict[str, floa
 
 def updates_per_run(config: Any) -> int:
     """Optimizer updates of the whole run (the schedule's length): epochs x mini batches per rollout."""
-    batch = config.train.prompts_per_step * config.generation.n_samples_per_prompt
-    mini = config.learner.mini_batch_size or batch
-    return max(1, config.train.steps * config.learner.epochs * math.ceil(batch / mini))
+    return max(1, config.train.steps * config.updates_per_step())
 
 
 def lr_factor(update: int, cfg: Any, total: int) -> float:

@@ -16,7 +16,7 @@ from ..dispatch import dispatch
 from ..errors import RewardError, UsageError
 from ..types import RewardFunction
 from . import host_memory
-from .reward_values import call_with_timeout, rewards_and_scores
+from .reward_values import absent_columns, call_with_timeout, rewards_and_scores
 from .roles import Role
 
 logger = logging.getLogger("rlhf_plugins")
@@ -186,14 +186,15 @@ class RewardRole(Role):
         self.max_retries = config.reward.max_retries
         self.timeout = config.reward.timeout or None
         self.max_steps = config.train.steps
+        self.updates_per_step = config.updates_per_step()  # TRL's trainer_state counts optimizer updates
 
     def _call(self, source: Source, batch: RewardBatch, where: str, logged: dict[str, list[float]]) -> Any:
         kwargs = dict(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
                       **batch.columns)
         log_metric = lambda name, value: logged.setdefault(str(name), []).append(float(value))  # noqa: E731
         if source.where.startswith("plugin"):  # TRL passes these to every reward function
-            kwargs.update(trainer_state=TrainerState(batch.step, self.max_steps), log_metric=log_metric,
-                          log_extra=lambda column, values: None)
+            state = TrainerState(batch.step * self.updates_per_step, self.max_steps * self.updates_per_step)
+            kwargs.update(trainer_state=state, log_metric=log_metric, log_extra=lambda column, values: None)
         elif getattr(source.fn, "logs_metrics", False):
             kwargs.update(log_metric=log_metric)
         if getattr(source.fn, "wants_queries", False):
@@ -231,7 +232,8 @@ class RewardRole(Role):
                 except Exception as exc:
                     if attempt == self.max_retries:
                         tried = f" (after {attempt} retries)" if attempt else ""
-                        raise RewardError(f"{where} raised {type(exc).__name__}: {exc}{tried}".splitlines()[0]) from exc
+                        line = f"{where} raised {type(exc).__name__}: {exc}".splitlines()[0]
+                        raise RewardError(f"{line}{tried}{absent_columns(source.fn, batch.columns)}") from exc
                     retries += 1
                     logger.warning("%s raised %s: %s; retrying (%d of %d)", where, type(exc).__name__, exc,
                                    attempt + 1, self.max_retries)
