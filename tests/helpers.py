@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (fixtures live in ``conftest.py``)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -595,3 +596,16 @@ def family_model_path(name: str) -> str:
         save_tokenizer(tokenizer, out)
 
     return cached_build(f"architecture-{name}-v4", build, quiet=True)
+
+
+def before_each_optimizer_step(optimizer: Any, before: Any) -> None:
+    """Calls ``before()`` each time ``optimizer`` steps, just before the step (to record gradients); the step
+    keeps the mark a learning-rate scheduler put on it, so the scheduler does not warn that it was replaced."""
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return step(*args, **kwargs)
+
+    optimizer.step = recording

@@ -8,6 +8,7 @@ import torch
 
 from rlhf_plugins.learners.master_weights import MasterWeights
 from tests.helpers import (
+    before_each_optimizer_step,
     bucketed_and_per_parameter_learners,
     largest_allocation,
     ppo_batch,
@@ -163,13 +164,8 @@ def _head_gradient_at_step(lr) -> list[torch.Tensor]:
     """Records the output head's float32 master gradient each time the optimizer steps."""
     head = lr.model.get_output_embeddings().weight
     master = next(m for (_, p), m in zip(lr.masters.named, lr.masters.masters) if p is head)
-    seen, step = [], lr.optimizer.step
-
-    def recording(*args, **kwargs):
-        seen.append(master.grad.clone())
-        return step(*args, **kwargs)
-
-    lr.optimizer.step = recording
+    seen: list[torch.Tensor] = []
+    before_each_optimizer_step(lr.optimizer, lambda: seen.append(master.grad.clone()))
     return seen
 
 
@@ -220,13 +216,7 @@ def _master_adds(lr, batch) -> tuple[int, list[torch.Tensor], dict[str, float]]:
                 adds.append(args[0].numel())
             return func(*args, **(kwargs or {}))
 
-    step = lr.optimizer.step
-
-    def recording(*args, **kwargs):
-        seen.extend(m.grad.clone() for m in lr.masters.masters)
-        return step(*args, **kwargs)
-
-    lr.optimizer.step = recording
+    before_each_optimizer_step(lr.optimizer, lambda: seen.extend(m.grad.clone() for m in lr.masters.masters))
     with Count():
         metrics = ppo_update(lr, ppo_batch())
     return len(adds), seen, metrics
