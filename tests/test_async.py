@@ -178,6 +178,22 @@ def test_uncorrected_staleness_and_pointless_partial_rollouts_are_refused(rlhf, 
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_what_reward_functions_log_and_the_epoch_reach_the_metrics_of_rollouts_made_in_parts(rlhf, tmp_path):
+    """Generating ahead with a reference model, a step's prompts are generated in parts (two by default)
+    and scored whole: the metric a TRL-style reward function logs and the passes over the prompts reach
+    every step's metrics there too."""
+    plugin = tmp_path / "logging_reward.py"
+    plugin.write_text("def logs(completions, log_metric, **kwargs):\n"
+                      "    log_metric('my/length', sum(map(len, completions)) / len(completions))\n"
+                      "    return [float(len(c) < 3) for c in completions]\n")
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--train.max_staleness", "1", *CORRECTED,
+                                                                     "--algo.kl.coef", "0.01", "--data.max_samples", "10"))
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert all(r["my/length"] >= 0 for r in rows) and len(rows) == 3
+    assert [r["epoch"] for r in rows] == pytest.approx([0.4, 0.8, 1.2])  # 4 of the 10 prompts a step
+
+
 def test_uncorrected_staleness_runs_when_asked_for(rlhf):
     code, _, err = rlhf("train", *short_run("--train.max_staleness", "1", "--train.allow_uncorrected_staleness", "true"))
     assert code == 0, err

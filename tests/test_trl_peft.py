@@ -515,7 +515,8 @@ def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
 def test_trl_reward_keywords_trainer_state_log_metric_and_log_extra_work(rlhf, tmp_path):
     """TRL 1.16 passes reward functions trainer_state, log_extra and log_metric besides the columns: a
     reward that uses them runs unchanged, its logged metric lands in metrics.jsonl, and trainer_state
-    counts the updates made."""
+    counts the updates made and the passes over the prompts before the step's (its epoch; each step's
+    metrics carry the passes after it as ``epoch``, TRL's name)."""
     plugin = tmp_path / "trl_reward.py"
     plugin.write_text(textwrap.dedent("""
         def logs(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
@@ -523,12 +524,16 @@ def test_trl_reward_keywords_trainer_state_log_metric_and_log_extra_work(rlhf, t
             log_metric("my/step_seen", trainer_state.global_step)
             log_extra("why", ["ok"] * len(completions))
             log_metric("my/max_steps", trainer_state.max_steps)
+            log_metric("my/epoch", trainer_state.epoch)
             return [float(len(c) < 3) for c in completions]
     """))
-    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run())
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--data.max_samples", "10"))
     assert code == 0, err
     rows = metrics_of(the_run())
     assert [(r["my/step_seen"], r["my/max_steps"]) for r in rows] == [(0.0, 3.0), (1.0, 3.0), (2.0, 3.0)]
+    # 4 of the 10 prompts a step: the third step's prompts are the last two and two of the second pass
+    assert [r["my/epoch"] for r in rows] == pytest.approx([0.0, 0.4, 0.8])
+    assert [r["epoch"] for r in rows] == pytest.approx([0.4, 0.8, 1.2])
     # two epochs over each step's samples: two optimizer updates per step, which TRL counts as its steps
     code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--learner.epochs", "2", "--train.steps", "2",
                                                                 "--train.output_dir", "twice"))
@@ -561,8 +566,8 @@ def test_trl_prompt_formats_reach_the_model_as_trl_feeds_them(tiny_model):
 
 
 def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_model, monkeypatch):
-    """save_model, state.log_history, model, processing_class and TRL's TrainOutput; without max_steps
-    the run lasts num_train_epochs passes over the data; shuffle_dataset is honoured."""
+    """save_model, state.log_history, state.epoch, model, processing_class and TRL's TrainOutput; without
+    max_steps the run lasts num_train_epochs passes over the data; shuffle_dataset is honoured."""
     import yaml
     from trl import GRPOConfig
 
@@ -579,6 +584,8 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
     out = trainer.train()
     assert out.global_step == 8  # 2 epochs x 16 prompts / 4 prompts per step
     assert trainer.state.global_step == 8 and len(trainer.state.log_history) == 8
+    # TRL's epoch: passes over the 16 prompts, a quarter a step
+    assert trainer.state.epoch == 2.0 and [r["epoch"] for r in trainer.state.log_history[:2]] == [0.25, 0.5]
     assert {"loss", "reward", "step"} <= set(trainer.state.log_history[-1])
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "tokenizer.json").is_file()

@@ -38,6 +38,11 @@ class PromptSampler:
             self.cursor += step
         return out
 
+    def passes(self, before: int = 0) -> float:
+        """Passes over the prompt set drawn so far (TRL's ``epoch``; 1.5: one pass and half the next), or
+        before the last ``before`` prompts drawn."""
+        return max(0.0, self.epoch + (self.cursor - before) / max(1, self.size))
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 

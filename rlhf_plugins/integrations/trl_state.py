@@ -53,7 +53,8 @@ def trainer_state(run_dir: Path | None, raw: dict[str, Any]) -> TrainerStateView
     rows = [r for r in _rows(run_dir) if "reward/mean" in r]
     per_step, steps = _steps(run_dir, raw, len(rows))
     history = [_trl_row(r, (int(r.get("step", i)) + 1) * per_step) for i, r in enumerate(rows)]
-    return TrainerStateView(len(rows) * per_step, steps * per_step, 0.0, history)
+    epoch = float(rows[-1].get("epoch", 0.0)) if rows else 0.0  # passes over the prompts (runs before it: 0)
+    return TrainerStateView(len(rows) * per_step, steps * per_step, epoch, history)
 
 
 def train_output(run_dir: Path) -> Any:

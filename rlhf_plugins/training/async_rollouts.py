@@ -207,7 +207,7 @@ class RolloutWorker:
             pieces.append(piece)
             refs.append(self.finisher.submit(self._reference, piece))
         rollout = t.score(step, Rollout.concat(pieces))
-        metrics = {"reward/mean": sum(rollout.raw_scores) / len(rollout)}
+        metrics = t.drawn_metrics(rollout.raw_scores, rollout.metrics)
         self._retries(metrics)
         return rollout, metrics, self.finisher.submit(self._finish, rollout, metrics, refs)
 

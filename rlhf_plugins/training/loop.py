@@ -34,12 +34,8 @@ from .rollout_sources import step_rollout
 class Trainer:
     def __init__(self, config: Config, pm: RLHFPluginManager, plan: Plan, prompts: PromptSet, tokenizer: Any,
                  model_path: str) -> None:
-        self.config = config
-        self.pm = pm
-        self.plan = plan
-        self.prompts = prompts
-        self.tokenizer = tokenizer
-        self.model_path = model_path
+        self.config, self.pm, self.plan, self.prompts = config, pm, plan, prompts
+        self.tokenizer, self.model_path = tokenizer, model_path
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.widths = batch_widths(config, plan)  # make_batch's width rounding (--learner.pad_to_multiple_of)
         self.step_count = 0
@@ -91,9 +87,7 @@ class Trainer:
     def needs_old_logprobs(self) -> bool:
         """Only when the policy moves before a sample is trained on (several updates per rollout),
         or when KL enters the reward (it needs the rollout-time policy)."""
-        learner = self.config.learner
-        batch = self.config.train.prompts_per_step * self.config.generation.n_samples_per_prompt
-        several_updates = learner.epochs > 1 or (0 < learner.mini_batch_size < batch)
+        several_updates = self.config.updates_per_step() > 1
         return several_updates or (self.config.algo.kl.in_reward and self.reference is not None)
 
     # --- one step --------------------------------------------------------------
@@ -120,7 +114,8 @@ class Trainer:
         c = self.config
         result = self.reward.score(RewardBatch.of(self.tokenizer, rollout.prompts, rollout.prompt_ids,
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
-                                                  rollout.finish_reasons, self.reads_texts))
+                                                  rollout.finish_reasons, self.reads_texts,
+                                                  epoch=self.sampler.passes(before=len(rollout) // rollout.group_size)))
         rollout.raw_scores, rollout.reward_components = result.scores, result.parts
         rollout.filter_scores = result.filter_scores or []
         rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
@@ -136,7 +131,7 @@ class Trainer:
         rollout = self.generate(step)
         raw, measured = list(rollout.raw_scores), rollout.metrics
         if not c.reward.dynamic_filtering:
-            return rollout, {"reward/mean": statistics.fmean(raw or [0.0]), **measured}
+            return rollout, self.drawn_metrics(raw, measured)
         want, kept, n_kept, rounds = c.train.prompts_per_step, [], 0, 1
         while True:
             groups = keep_groups(rollout.filter_scores or rollout.scores, rollout.group_size, c.reward.filter_range)
@@ -148,12 +143,15 @@ class Trainer:
             rollout = self.generate(step, rounds)
             raw += rollout.raw_scores
             rounds += 1
-        metrics = {"reward/mean": statistics.fmean(raw or [0.0]), "filter/rounds": rounds,
-                   "filter/kept_groups": min(n_kept, want) / want,
-                   **measured}
+        metrics = {**self.drawn_metrics(raw, measured), "filter/rounds": rounds,
+                   "filter/kept_groups": min(n_kept, want) / want}
         if not kept:
             return rollout, metrics  # nothing had signal: the update is a no-op for group estimators
         return Rollout.concat(kept).select_groups(range(min(n_kept, want))), metrics
+
+    def drawn_metrics(self, raw: list[float], measured: dict[str, float]) -> dict[str, float]:
+        """A rollout's mean reward, what its reward functions logged and the passes over the prompts so far."""
+        return {"reward/mean": statistics.fmean(raw or [0.0]), "epoch": self.sampler.passes(), **measured}
 
     def step(self, step: int) -> dict[str, float]:
         """One step: generate and score, learn, sync the engine (asynchronous training: learn on

@@ -40,6 +40,8 @@ class RewardBatch:
     finish_reasons: list[str] | None = None
     #: scored for a held-out evaluation (of the policy after ``step`` updates), not for training
     evaluation: bool = False
+    #: passes over the training prompts before this batch's were drawn (TRL's ``trainer_state.epoch``)
+    epoch: float = 0.0
 
     @property
     def when(self) -> str:
@@ -51,7 +53,7 @@ class RewardBatch:
     @classmethod
     def of(cls, tokenizer: Any, prompts: list[Any], prompt_ids: list[list[int]], completion_ids: list[list[int]],
            completions: list[str], columns: dict[str, list[Any]], step: int, finish_reasons: list[str],
-           with_texts: bool, evaluation: bool = False) -> RewardBatch:
+           with_texts: bool, evaluation: bool = False, epoch: float = 0.0) -> RewardBatch:
         """The batch for sampled completions; ``with_texts`` adds the texts reward servers read
         (prompt as the policy saw it, template included, and prompt + completion)."""
         queries = texts = None
@@ -60,7 +62,7 @@ class RewardBatch:
             texts = decode(prompt_ids, skip_special_tokens=False)
             queries = decode([p + q for p, q in zip(prompt_ids, completion_ids)], skip_special_tokens=False)
         return cls(prompts, completions, completion_ids, columns, step, queries, texts, prompt_ids, finish_reasons,
-                   evaluation)
+                   evaluation, epoch)
 
     def split(self, n: int) -> list[RewardBatch]:
         """``n`` consecutive shards of about equal size (data-parallel scoring)."""
@@ -73,7 +75,7 @@ class RewardBatch:
                                    {k: v[start:stop] for k, v in self.columns.items()}, self.step,
                                    *(None if v is None else v[start:stop] for v in (
                                        self.queries, self.prompt_texts, self.prompt_ids, self.finish_reasons)),
-                                   self.evaluation))
+                                   self.evaluation, self.epoch))
             start = stop
         return out
 
@@ -193,7 +195,8 @@ class RewardRole(Role):
                       **batch.columns)
         log_metric = lambda name, value: logged.setdefault(str(name), []).append(float(value))  # noqa: E731
         if source.where.startswith("plugin"):  # TRL passes these to every reward function
-            state = TrainerState(batch.step * self.updates_per_step, self.max_steps * self.updates_per_step)
+            state = TrainerState(batch.step * self.updates_per_step, self.max_steps * self.updates_per_step,
+                                 batch.epoch)
             kwargs.update(trainer_state=state, log_metric=log_metric, log_extra=lambda column, values: None)
         elif getattr(source.fn, "logs_metrics", False):
             kwargs.update(log_metric=log_metric)
