@@ -157,11 +157,11 @@ def largest_allocation(fn: Any) -> int:
     return max((e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]"), default=0)
 
 
-def random_batch(group: int = 4, prompts: int = 3, seed: int = 0) -> dict[str, Any]:
-    """A batch of random token ids: ``prompts`` prompts with ``group`` random completions each."""
+def random_rollout(group: int = 4, prompts: int = 3, seed: int = 0) -> Any:
+    """A rollout of random token ids: ``prompts`` prompts with ``group`` random completions each, scored 0."""
     import torch
 
-    from rlhf_plugins.training.rollout import Rollout, make_batch
+    from rlhf_plugins.training.rollout import Rollout
 
     g = torch.Generator().manual_seed(seed)
     prompt_ids, completion_ids = [], []
@@ -171,10 +171,16 @@ def random_batch(group: int = 4, prompts: int = 3, seed: int = 0) -> dict[str, A
             prompt_ids.append(prompt)
             completion_ids.append(torch.randint(10, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist())
     n = len(prompt_ids)
-    r = Rollout(prompts=[""] * n, prompt_ids=prompt_ids, completion_ids=completion_ids, completions=[""] * n,
-                finish_reasons=["stop"] * n, rollout_logprobs=[[0.0] * len(c) for c in completion_ids],
-                columns={}, group_size=group, scores=[0.0] * n)
-    return make_batch(r, pad_id=0)
+    return Rollout(prompts=[""] * n, prompt_ids=prompt_ids, completion_ids=completion_ids, completions=[""] * n,
+                   finish_reasons=["stop"] * n, rollout_logprobs=[[0.0] * len(c) for c in completion_ids],
+                   columns={}, group_size=group, scores=[0.0] * n)
+
+
+def random_batch(group: int = 4, prompts: int = 3, seed: int = 0) -> dict[str, Any]:
+    """The batch of :func:`random_rollout`."""
+    from rlhf_plugins.training.rollout import make_batch
+
+    return make_batch(random_rollout(group, prompts, seed), pad_id=0)
 
 
 def make_reward_model(out: Path, kind: str = "trl", *, seed: int = 0, mean: float | None = None,

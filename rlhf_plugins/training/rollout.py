@@ -177,8 +177,9 @@ def _groups_share_prompts(rollout: Rollout) -> bool:
 
 def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None,
                     kl_coef: float) -> dict[str, float]:
-    """What a step's samples looked like: reward spread, lengths, stops, advantages, each reward
-    function's mean, and the KL that entered the reward (in KL units, before the coefficient)."""
+    """What a step's samples looked like: reward spread (and the share of prompt groups whose rewards are
+    all equal), lengths, stops, advantages, each reward function's mean, and the KL that entered the
+    reward (in KL units, before the coefficient)."""
     from ..algorithms.numerics import masked_mean
 
     mask = batch["action_mask"]
@@ -191,6 +192,10 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
         "advantage/mean": float(adv_mean),
         "advantage/std": float(masked_mean((batch["advantages"] - adv_mean) ** 2, mask).sqrt()),
     }
+    g = max(1, rollout.group_size)
+    if rollout.raw_scores and len(rollout.raw_scores) % g == 0:  # groups with no signal for a group baseline
+        raw = torch.tensor(rollout.raw_scores, dtype=torch.float64).view(-1, g)
+        out["reward/zero_std_frac"] = float((raw.amax(1) - raw.amin(1)).abs().le(1e-12).double().mean())
     if rollout.scores != rollout.raw_scores:
         out["reward/shaped_mean"] = float(scores.mean())
     if len(rollout.reward_components) > 1:
