@@ -633,6 +633,7 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert last["rewards/reward/mean"] == 0.0 and last["rewards/length/mean"] == last["reward/length"] > 0
     assert last["learning_rate"] == last["lr"] and last["completions/mean_length"] == last["completion/length"]
     assert 0 <= last["frac_reward_zero_std"] == last["reward/zero_std_frac"] <= 1
+    assert last["reward_std"] == last["reward/std"] > 0
     assert "rewards/zero_std_frac/mean" not in last  # a metric of ours, not a reward function's
     assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
@@ -640,10 +641,11 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_frac_reward_zero_std_is_trls_share_of_prompts_whose_rewards_are_all_equal(seed):
-    """A step's ``reward/zero_std_frac`` (TRL's ``frac_reward_zero_std`` in log_history): the share of prompt
-    groups with no reward signal, as TRL 1.16 computes it (its nanstd per group, isclose to 0, over the
-    samples), on rewards where some groups are constant; shaping does not change it."""
+def test_reward_std_and_frac_reward_zero_std_are_trls(seed):
+    """A step's ``reward/std`` and ``reward/zero_std_frac`` (TRL's ``reward_std`` and ``frac_reward_zero_std``
+    in log_history): the spread of the rewards and the share of prompts with no reward signal, as TRL 1.16
+    computes them (its nanstd over the batch; per group, isclose to 0, over the samples), on rewards where
+    some groups are constant; both are of the rewards before shaping, as ``reward/mean``."""
     import torch
     from trl.trainer.utils import nanstd
 
@@ -658,10 +660,12 @@ def test_frac_reward_zero_std_is_trls_share_of_prompts_whose_rewards_are_all_equ
     rollout.scores = (rewards.flatten() * 2 - 1).tolist()  # shaped
     batch = make_batch(rollout, pad_id=0)
     batch["advantages"] = torch.zeros_like(batch["action_mask"], dtype=torch.float32)
-    got = rollout_metrics(rollout, batch, None, 0.0)["reward/zero_std_frac"]
+    got = rollout_metrics(rollout, batch, None, 0.0)
     std = nanstd(rewards, dim=1).repeat_interleave(4)  # TRL's _generate_and_score_completions
     want = torch.isclose(std, torch.zeros_like(std)).double().mean().item()  # TRL averages in float32
-    assert got == pytest.approx(want, abs=1e-12) and 0 < got < 1
+    assert got["reward/zero_std_frac"] == pytest.approx(want, abs=1e-12) and 0 < want < 1
+    assert got["reward/std"] == pytest.approx(float(rewards.flatten().std()), rel=1e-12)  # unbiased, as TRL's
+    assert got["reward/std"] == pytest.approx(nanstd(rewards.flatten()).item(), rel=1e-6)  # its n/(n-1) in float32
 
 
 def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_path, tiny_model, monkeypatch, capsys):

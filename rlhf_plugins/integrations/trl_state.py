@@ -39,7 +39,8 @@ def _steps(run_dir: Path | None, raw: dict[str, Any], rows: int) -> tuple[int, i
 
 #: TRL's names in ``log_history`` for metrics of ours that are the same quantity
 TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr",
-             "completions/mean_length": "completion/length", "frac_reward_zero_std": "reward/zero_std_frac"}
+             "completions/mean_length": "completion/length", "reward_std": "reward/std",
+             "frac_reward_zero_std": "reward/zero_std_frac"}
 
 
 def _trl_row(row: dict[str, Any], step: int) -> dict[str, Any]:

@@ -177,25 +177,25 @@ def _groups_share_prompts(rollout: Rollout) -> bool:
 
 def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty: torch.Tensor | None,
                     kl_coef: float) -> dict[str, float]:
-    """What a step's samples looked like: reward spread (and the share of prompt groups whose rewards are
-    all equal), lengths, stops, advantages, each reward function's mean, and the KL that entered the
-    reward (in KL units, before the coefficient)."""
+    """What a step's samples looked like: the spread of their rewards (before shaping, as ``reward/mean``)
+    and the share of prompts whose rewards are all equal, lengths, stops, advantages, each reward
+    function's mean, and the KL that entered the reward (in KL units, before the coefficient)."""
     from ..algorithms.numerics import masked_mean
 
     mask = batch["action_mask"]
     scores = batch["scores"]
+    raw = torch.tensor(rollout.raw_scores or scores.tolist(), dtype=torch.float64)  # before shaping
     adv_mean = masked_mean(batch["advantages"], mask)
     out = {
-        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
         "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
         "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
         "advantage/mean": float(adv_mean),
         "advantage/std": float(masked_mean((batch["advantages"] - adv_mean) ** 2, mask).sqrt()),
     }
-    g = max(1, rollout.group_size)
-    if rollout.raw_scores and len(rollout.raw_scores) % g == 0:  # groups with no signal for a group baseline
-        raw = torch.tensor(rollout.raw_scores, dtype=torch.float64).view(-1, g)
-        out["reward/zero_std_frac"] = float((raw.amax(1) - raw.amin(1)).abs().le(1e-12).double().mean())
+    if len(raw) % max(1, rollout.group_size) == 0:  # prompts whose samples give a group baseline no signal
+        groups = raw.view(-1, max(1, rollout.group_size))
+        out["reward/zero_std_frac"] = float((groups.amax(1) - groups.amin(1)).le(1e-12).double().mean())
     if rollout.scores != rollout.raw_scores:
         out["reward/shaped_mean"] = float(scores.mean())
     if len(rollout.reward_components) > 1:
