@@ -246,7 +246,7 @@ def render(conv: Converted) -> str:
 
 
 def add_parser(sub: Any, plugin_args: Any) -> None:
-    p = sub.add_parser("convert", allow_abbrev=False, help="convert another framework's command line to a config",
+    p = sub.add_parser("convert", allow_abbrev=False, help="an OpenRLHF command line or a TRL GRPO YAML as a config",
                        description="rlhf convert openrlhf [-o FILE] -- <OpenRLHF command line>: the equivalent YAML "
                                    "config (run it with rlhf train --config FILE), OpenRLHF's defaults carried "
                                    "where ours differ, and the flags it could not convert, each with the reason. "
