@@ -586,7 +586,9 @@ def test_the_trl_drop_in_offers_what_scripts_use_after_train(tmp_path, tiny_mode
     assert trainer.state.global_step == 8 and len(trainer.state.log_history) == 8
     # TRL's epoch: passes over the 16 prompts, a quarter a step
     assert trainer.state.epoch == 2.0 and [r["epoch"] for r in trainer.state.log_history[:2]] == [0.25, 0.5]
-    assert {"loss", "reward", "step"} <= set(trainer.state.log_history[-1])
+    last = trainer.state.log_history[-1]
+    assert {"loss", "reward", "step"} <= set(last)
+    assert last["rewards/exact_match/mean"] == last["reward"]  # the one function's mean, as TRL logs it
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "tokenizer.json").is_file()
     policy = trainer.model  # the trained one: final/ of the run

@@ -198,11 +198,10 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
         out["reward/zero_std_frac"] = float((groups.amax(1) - groups.amin(1)).le(1e-12).double().mean())
     if rollout.scores != rollout.raw_scores:
         out["reward/shaped_mean"] = float(scores.mean())
-    if len(rollout.reward_components) > 1:
-        for name, values in rollout.reward_components.items():
-            vals = [v for v in values if v is not None]
-            if vals:
-                out[f"reward/{name}"] = sum(vals) / len(vals)
+    for name, values in rollout.reward_components.items():  # each source's, a single one's too (as TRL logs)
+        vals = [v for v in values if v is not None]
+        if vals:
+            out[f"reward/{name}"] = sum(vals) / len(vals)
     if kl_penalty is not None:
         out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(kl_coef, 1e-12)
     return out
