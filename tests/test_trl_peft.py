@@ -636,10 +636,29 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert last["learning_rate"] == last["lr"] and last["completions/mean_length"] == last["completion/length"]
     assert 0 <= last["frac_reward_zero_std"] == last["reward/zero_std_frac"] <= 1
     assert last["reward_std"] == last["reward/std"] > 0
+    assert last["completions/min_length"] <= last["completions/mean_length"] <= last["completions/max_length"] <= 4
+    assert last["completions/clipped_ratio"] == pytest.approx(1 - last["completion/stopped"])
     assert "rewards/zero_std_frac/mean" not in last  # a metric of ours, not a reward function's
     assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
     assert kept == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_completion_length_range_is_the_model_tokens_of_the_shortest_and_longest_sample():
+    """``completion/min_length`` and ``completion/max_length`` (TRL's ``completions/min_length`` and
+    ``/max_length``): the fewest and most completion tokens of a step's samples, padding not counted."""
+    import torch
+
+    from rlhf_plugins.training.rollout import make_batch, rollout_metrics
+    from tests.helpers import random_rollout
+
+    rollout = random_rollout(group=3, prompts=4, seed=7)
+    lengths = [len(c) for c in rollout.completion_ids]
+    batch = make_batch(rollout, pad_id=0)
+    batch["advantages"] = torch.zeros_like(batch["action_mask"], dtype=torch.float32)
+    got = rollout_metrics(rollout, batch, None, 0.0)
+    assert (got["completion/min_length"], got["completion/max_length"]) == (min(lengths), max(lengths))
+    assert got["completion/length"] == pytest.approx(sum(lengths) / len(lengths)) and min(lengths) < max(lengths)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

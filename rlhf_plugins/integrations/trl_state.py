@@ -39,7 +39,8 @@ def _steps(run_dir: Path | None, raw: dict[str, Any], rows: int) -> tuple[int, i
 
 #: TRL's names in ``log_history`` for metrics of ours that are the same quantity
 TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr",
-             "completions/mean_length": "completion/length", "reward_std": "reward/std",
+             "completions/mean_length": "completion/length", "completions/min_length": "completion/min_length",
+             "completions/max_length": "completion/max_length", "reward_std": "reward/std",
              "frac_reward_zero_std": "reward/zero_std_frac"}
 
 
@@ -47,6 +48,8 @@ def _trl_row(row: dict[str, Any], step: int) -> dict[str, Any]:
     """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` for each function's mean)."""
     named = {f"rewards/{k[7:]}/mean": v for k, v in row.items()
              if k.startswith("reward/") and k[7:] not in ("mean", "std", "shaped_mean", "retries", "zero_std_frac")}
+    if "completion/stopped" in row:  # TRL's share of completions that reached the length limit
+        named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
     return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}, "step": step}
 
 

@@ -189,6 +189,8 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     out = {
         "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
         "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
+        "completion/min_length": float(mask.sum(-1).min()),
+        "completion/max_length": float(mask.sum(-1).max()),
         "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
         "advantage/mean": float(adv_mean),
         "advantage/std": float(masked_mean((batch["advantages"] - adv_mean) ** 2, mask).sqrt()),
