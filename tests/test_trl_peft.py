@@ -630,8 +630,12 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert out.metrics["train_steps_per_second"] == pytest.approx(2 / out.metrics["seconds_per_step"])
     state = trainer.state
     assert (state.global_step, state.max_steps) == (6, 6)
-    assert [row["step"] for row in state.log_history] == [2, 4, 6]
-    last = state.log_history[-1]  # TRL's names for the same quantities, beside ours
+    # a dict per update step, and one per held-out evaluation after it (TRL's eval_reward), at TRL's steps
+    assert [(row["step"], "eval_reward" in row) for row in state.log_history] == [
+        (0, True), (2, False), (4, False), (4, True), (6, False), (6, True)]
+    evals = [row for row in state.log_history if "eval_reward" in row]
+    assert [row["eval_pass@1"] for row in evals] == [r["eval/pass@1"] for r in eval_rows_of(trainer.run_dir)]
+    last = [row for row in state.log_history if "loss" in row][-1]  # TRL's names for the same quantities, beside ours
     assert last["rewards/reward/mean"] == 0.0 and last["rewards/length/mean"] == last["reward/length"] > 0
     assert last["learning_rate"] == last["lr"] and last["completions/mean_length"] == last["completion/length"]
     assert 0 <= last["frac_reward_zero_std"] == last["reward/zero_std_frac"] <= 1
@@ -929,8 +933,9 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
     assert len((tmp_path / "out" / "eval_dataset.jsonl").read_text().splitlines()) == 6
     assert [r["step"] for r in eval_rows_of(first.run_dir)] == [0, 2]
     last = eval_rows_of(first.run_dir)[-1]  # evaluate(): the trained policy's, keyed as transformers keys them
-    assert first.evaluate() == {f"eval_{k[5:]}": v for k, v in last.items() if k.startswith("eval/")}
-    assert first.evaluate()["eval_pass@1"] == last["eval/pass@1"]
+    mean = next(k for k in last if k.startswith("eval/mean@"))  # TRL's eval_reward: the samples' mean reward
+    want = {**{f"eval_{k[5:]}": v for k, v in last.items() if k.startswith("eval/")}, "eval_reward": last[mean]}
+    assert first.evaluate() == want and first.evaluate()["eval_pass@1"] == last["eval/pass@1"]
     again = trainer(4, eval_dataset=held_out)
     assert again.train(resume_from_checkpoint=True).global_step == 4 and again.run_dir == first.run_dir
     with pytest.raises(ConfigError, match="callbacks are transformers TrainerCallbacks, which this loop does not call"):

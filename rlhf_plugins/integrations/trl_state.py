@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..training.runlog import is_eval_row
+
 
 @dataclass
 class TrainerStateView:
@@ -44,19 +46,32 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
              "frac_reward_zero_std": "reward/zero_std_frac"}
 
 
-def _trl_row(row: dict[str, Any], step: int) -> dict[str, Any]:
+def _trl_row(row: dict[str, Any]) -> dict[str, Any]:
     """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` for each function's mean)."""
     named = {f"rewards/{k[7:]}/mean": v for k, v in row.items()
              if k.startswith("reward/") and k[7:] not in ("mean", "std", "shaped_mean", "retries", "zero_std_frac")}
     if "completion/stopped" in row:  # TRL's share of completions that reached the length limit
         named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
-    return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}, "step": step}
+    return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}}
+
+
+def _trl_eval_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A held-out evaluation row as TRL names it: ``eval_<name>`` for each of ours, and ``eval_reward``, the
+    mean reward of the samples (our ``mean@k``)."""
+    named = {f"eval_{k[5:]}": v for k, v in row.items() if k.startswith("eval/")}
+    mean = next((v for k, v in row.items() if k.startswith("eval/mean@")), None)
+    return {**named, **({"eval_reward": mean} if mean is not None else {})}
 
 
 def trainer_state(run_dir: Path | None, raw: dict[str, Any]) -> TrainerStateView:
-    rows = [r for r in _rows(run_dir) if "reward/mean" in r]
+    """``trainer.state``: the updates made and planned, the epoch, and ``log_history`` -- a dict per step and
+    one per held-out evaluation after it (the one before the first step at step 0), at TRL's steps."""
+    every = _rows(run_dir)
+    rows = [r for r in every if "reward/mean" in r]
     per_step, steps = _steps(run_dir, raw, len(rows))
-    history = [_trl_row(r, (int(r.get("step", i)) + 1) * per_step) for i, r in enumerate(rows)]
+    trained = [((int(r.get("step", i)) + 1) * per_step, 0, _trl_row(r)) for i, r in enumerate(rows)]
+    evals = [(int(r.get("step", 0)) * per_step, 1, _trl_eval_row(r)) for r in every if is_eval_row(r)]
+    history = [{**row, "step": step} for step, _, row in sorted(trained + evals, key=lambda t: t[:2])]
     epoch = float(rows[-1].get("epoch", 0.0)) if rows else 0.0  # passes over the prompts (runs before it: 0)
     return TrainerStateView(len(rows) * per_step, steps * per_step, epoch, history)
 
@@ -137,11 +152,11 @@ class AfterTraining:
         as transformers keys them."""
         from ..errors import ConfigError
 
-        evals = [r for r in _rows(self.run_dir) if any(k.startswith("eval/") for k in r)]
+        evals = [r for r in _rows(self.run_dir) if is_eval_row(r)]
         if not evals:
             raise ConfigError("evaluate() reads the run's held-out evaluation: pass eval_dataset to GRPOTrainer and "
                               "call it after train()")
-        return {f"eval_{k[5:]}": v for k, v in evals[-1].items() if k.startswith("eval/")}
+        return _trl_eval_row(evals[-1])
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: list[str] | str | None = None, **kwargs: Any) -> None:
