@@ -44,6 +44,18 @@ def test_sft_with_no_arguments_learns_the_task_and_reports_held_out_accuracy(rlh
     AutoModelForCausalLM.from_pretrained(run / "final")
 
 
+def test_a_stage_logs_its_first_and_last_steps_and_each_progress_line_waits_for_its_steps_logs(rlhf):
+    """TRL logs every 5 steps: a stage logs its first step and its last as well (a 3-step run showed no loss at
+    all), and a step's progress line comes after that step's logs, so the last line has the last step's loss."""
+    code, out, err = rlhf("sft", "--trl.max_steps", "3")
+    assert code == 0, err
+    logged = {r["step"]: r["loss"] for r in metrics_of(the_run()) if "loss" in r}
+    assert sorted(logged) == [1, 3]
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [float(line.split(" loss ")[1].split()[0]) for line in lines] == [
+        round(logged[1], 4), round(logged[1], 4), round(logged[3], 4)]
+
+
 def test_rm_with_no_arguments_ranks_held_out_pairs(rlhf):
     from rlhf_plugins.models.reward_model import inspect_reward_model
 

@@ -100,10 +100,11 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
             raise ConfigError(f"'{key}' is not a field of trl.{name}{hint}")
     embedded = defaults if cfg.data.path is None else {}
     values = {"max_length": 256, **embedded, **{k: _typed(name, k, v, fields[k].default) for k, v in cfg.trl.items()}}
+    values = {"logging_steps": 5, "logging_first_step": True, **values}  # and the last step (the run's callback)
     try:
         return cls(output_dir=out, seed=cfg.train.seed, report_to="none", save_strategy="no", disable_tqdm=True,
-                   use_cpu=not torch.cuda.is_available(), logging_steps=values.pop("logging_steps", 5),
-                   bf16=cfg.model.dtype == "bfloat16", fp16=cfg.model.dtype == "float16", **values)
+                   use_cpu=not torch.cuda.is_available(), bf16=cfg.model.dtype == "bfloat16",
+                   fp16=cfg.model.dtype == "float16", **values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"trl.{name} rejected the trl section: {str(exc).splitlines()[0]}") from exc
 

@@ -56,12 +56,19 @@ def _callback(run_dir: Path, stage: str, cfg: StageConfig, console: Console) -> 
             if "train_loss" in values:  # the end's log: the run's mean loss, where no step's was logged
                 self.last.setdefault("loss", values["train_loss"])
             self.log.log(state.global_step, values)
-            self.on_step_end(args, state, control)  # a step's logs come after its end: show them now
+            self._show(state.global_step)  # a step's logs come after its end: its line waited for them
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if state.global_step >= state.max_steps:  # the last step's figures are logged too
+                control.should_log = True
+            if not control.should_log:  # (transformers' flow callback, called first, decided) else: at its logs
+                self._show(state.global_step)
+            return control
+
+        def _show(self, step: int) -> None:
             if self.progress is not None:  # mem: this process's peak, where the stage trains
                 peak = process_memory()["rss_gb"]
-                self.progress.update(state.global_step, {**self.last, "memory/stage_rss_gb": peak})
+                self.progress.update(step, {**self.last, "memory/stage_rss_gb": peak})
 
         def close(self) -> None:
             if self.progress is not None:
