@@ -271,14 +271,16 @@ def _own_output(argv: list[str], output: Path | None) -> tuple[list[str], Path |
 
 def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
     if args.source == "trl":
-        from .convert_trl import run as convert_trl
+        from .convert_trl import arguments, render_trl
 
-        return convert_trl([*args.argv, *rest], args.output, console)
-    argv, args.output = _own_output([*args.argv, *rest], args.output)
-    if not argv:
-        raise UsageError("give the OpenRLHF command line after --, e.g. rlhf convert openrlhf -- "
-                         "python3 -m openrlhf.cli.train_ppo_ray --pretrain ...")
-    text = render(convert(argv))
+        source, args.output = arguments([*args.argv, *rest], args.output)
+        text = render_trl(source)
+    else:
+        argv, args.output = _own_output([*args.argv, *rest], args.output)
+        if not argv:
+            raise UsageError("give the OpenRLHF command line after --, e.g. rlhf convert openrlhf -- "
+                             "python3 -m openrlhf.cli.train_ppo_ray --pretrain ...")
+        text = render(convert(argv))
     if args.output:
         args.output.write_text(text)
         console.print(f"wrote {args.output}", highlight=False)

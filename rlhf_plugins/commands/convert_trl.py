@@ -12,7 +12,7 @@ import yaml
 from ..errors import UsageError
 
 
-def _arguments(argv: list[str], output: Path | None) -> tuple[Path, Path | None]:
+def arguments(argv: list[str], output: Path | None) -> tuple[Path, Path | None]:
     """(the TRL YAML, where the config goes) from ``trl`` 's arguments: the file and ``-o FILE`` in any order."""
     files, rest = [], list(argv)
     while rest:
@@ -30,7 +30,7 @@ def _arguments(argv: list[str], output: Path | None) -> tuple[Path, Path | None]
     return Path(files[0]), output
 
 
-def render(source: Path) -> str:
+def render_trl(source: Path) -> str:
     """Our YAML config for the TRL YAML at ``source``: a header saying how to run it, one comment per
     note of the conversion, then the config (its ``plugins`` the reward functions' modules)."""
     from ..integrations.trl import from_trl_yaml
@@ -41,13 +41,3 @@ def render(source: Path) -> str:
              "`rlhf convert trl`)", *(f"# note: {note}" for note in notes)]
     return "\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False)
 
-
-def run(argv: list[str], output: Path | None, console: Any) -> int:
-    source, output = _arguments(argv, output)
-    text = render(source)
-    if output:
-        output.write_text(text)
-        console.print(f"wrote {output}", highlight=False)
-    else:
-        print(text, end="")
-    return 0

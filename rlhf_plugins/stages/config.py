@@ -99,8 +99,9 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
             hint = f"; did you mean 'trl.{close[0]}'?" if close else ""
             raise ConfigError(f"'{key}' is not a field of trl.{name}{hint}")
     embedded = defaults if cfg.data.path is None else {}
-    values = {"max_length": 256, **embedded, **{k: _typed(name, k, v, fields[k].default) for k, v in cfg.trl.items()}}
-    values = {"logging_steps": 5, "logging_first_step": True, **values}  # and the last step (the run's callback)
+    # logged from the first step on, every 5 steps and at the last (the run's callback asks for it)
+    values = {"max_length": 256, "logging_steps": 5, "logging_first_step": True, **embedded,
+              **{k: _typed(name, k, v, fields[k].default) for k, v in cfg.trl.items()}}
     try:
         return cls(output_dir=out, seed=cfg.train.seed, report_to="none", save_strategy="no", disable_tqdm=True,
                    use_cpu=not torch.cuda.is_available(), bf16=cfg.model.dtype == "bfloat16",

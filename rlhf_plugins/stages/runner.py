@@ -53,8 +53,6 @@ def _callback(run_dir: Path, stage: str, cfg: StageConfig, console: Console) -> 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
             values = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             self.last.update(values)
-            if "train_loss" in values:  # the end's log: the run's mean loss, where no step's was logged
-                self.last.setdefault("loss", values["train_loss"])
             self.log.log(state.global_step, values)
             self._show(state.global_step)  # a step's logs come after its end: its line waited for them
 

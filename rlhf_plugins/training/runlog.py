@@ -151,14 +151,14 @@ class StepProgress:
         from .memory_watch import largest
 
         values = {f"c{i}": _fmt(metrics.get(key), digits) for i, (_, key, digits, _) in enumerate(self.columns)}
-        speed = f"{rate:.2f}" if rate else "-"
-        self.progress.update(self.task, completed=done, speed=speed, memory=largest(metrics), **values)
+        speed, memory = f"{rate:.2f}" if rate else "-", largest(metrics)
+        self.progress.update(self.task, completed=done, speed=speed, memory=memory, **values)
         due = done - self.last_line >= self.every_steps or now - self.last_time >= self.every_seconds
         if self.plain and (due or done == self.total) and done != self.last_line:  # each step's line once
             eta = (self.total - done) / rate if rate else 0.0
             shown = " ".join(f"{label} {values[f'c{i}']}" for i, (label, *_) in enumerate(self.columns))
             self.console.print(f"step {done}/{self.total} {shown} {speed} steps/s eta {_clock(eta)} "
-                               f"mem {largest(metrics)}", highlight=False, soft_wrap=True)
+                               f"mem {memory}", highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
 
     def phase(self, text: str) -> None:
