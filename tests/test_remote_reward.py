@@ -31,23 +31,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(*args: str, cwd=None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_plugins.cli", "serve-reward", *args, "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=cwd, env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, f"{url}/get_reward"
-        except httpx.TransportError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            raise AssertionError(proc.stderr.read())
-    proc.kill()
-    raise AssertionError("reward server did not start")
+def serve(*args: str, cwd=None, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """A reward server on a free loopback port; another process may take the port while the server starts
+    (seconds of imports): then again on another port."""
+    for attempt in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_plugins.cli", "serve-reward", *args, "--host",
+                                 "127.0.0.1", "--port", str(port)], cwd=cwd,
+                                env=clean_env({"RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, f"{url}/get_reward"
+            except httpx.TransportError:
+                time.sleep(0.2)
+            if proc.poll() is not None:
+                err = proc.stderr.read()
+                if "address already in use" in err and attempt + 1 < tries:
+                    break
+                raise AssertionError(err)
+        else:
+            proc.kill()
+            raise AssertionError("reward server did not start")
+    raise AssertionError("no free port for the reward server")
 
 
 @pytest.fixture(scope="module")
