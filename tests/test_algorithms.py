@@ -289,18 +289,22 @@ def test_ppo_matches_loop(dual):
     adv = torch.randn(r.B, r.T, generator=g) * 2
     o = opts(dual_clip=dual)
     loss, m = L.ppo(L.PolicyLossInputs(lp, old, adv, r.mask), o)
-    clipped, dual_bound, tokens = 0, 0, 0
+    clipped, low, high, dual_bound, tokens = 0, 0, 0, 0, 0
     for i in range(r.B):
         for t in range(r.lengths[i]):
             a, b, A = float(lp[i, t]), float(old[i, t]), float(adv[i, t])
             assert float(loss[i, t]) == pytest.approx(ppo_loop(a, b, A, o), rel=1e-5, abs=1e-6)
             ratio = math.exp(a - b)
             clipped += min(max(ratio, 1 - o.clip_low), 1 + o.clip_high) * A < ratio * A  # the clip decided
+            low += ratio < 1 - o.clip_low and A < 0  # TRL's is_low_clipped / is_high_clipped
+            high += ratio > 1 + o.clip_high and A > 0
             dual_bound += dual is not None and A < 0 and ppo_loop(a, b, A, opts()) > -dual * A
             tokens += 1
-    # the logged fractions are the loop's, token by token
-    assert 0.1 < clipped / tokens < 0.9
+    # the logged fractions are the loop's, token by token (low and high: TRL's clip_ratio/low_mean, /high_mean)
+    assert 0.1 < clipped / tokens < 0.9 and low > 0 and high > 0
     assert float(m["loss/clip_frac"]) == pytest.approx(clipped / tokens, abs=1e-6)
+    assert float(m["loss/clip_low_frac"]) == pytest.approx(low / tokens, abs=1e-6)
+    assert float(m["loss/clip_high_frac"]) == pytest.approx(high / tokens, abs=1e-6)
     if dual is not None:
         assert 0 < dual_bound and float(m["loss/dual_clip_frac"]) == pytest.approx(dual_bound / tokens, abs=1e-6)
 

@@ -642,6 +642,10 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert last["reward_std"] == last["reward/std"] > 0
     assert last["completions/min_length"] <= last["completions/mean_length"] <= last["completions/max_length"] <= 4
     assert last["completions/clipped_ratio"] == pytest.approx(1 - last["completion/stopped"])
+    assert last["rewards/length/std"] == last["reward_std/length"] > 0 and last["rewards/reward/std"] == 0.0
+    # TRL's default loss (dapo) clips: the shares clipped below and above the band, and either
+    assert last["clip_ratio/region_mean"] == last["loss/clip_frac"]
+    assert last["clip_ratio/low_mean"] + last["clip_ratio/high_mean"] == pytest.approx(last["clip_ratio/region_mean"])
     assert "rewards/zero_std_frac/mean" not in last  # a metric of ours, not a reward function's
     assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
@@ -691,6 +695,31 @@ def test_reward_std_and_frac_reward_zero_std_are_trls(seed):
     assert got["reward/zero_std_frac"] == pytest.approx(want, abs=1e-12) and 0 < want < 1
     assert got["reward/std"] == pytest.approx(float(rewards.flatten().std()), rel=1e-12)  # unbiased, as TRL's
     assert got["reward/std"] == pytest.approx(nanstd(rewards.flatten()).item(), rel=1e-6)  # its n/(n-1) in float32
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_reward_functions_std_is_trls_over_the_samples_it_scored(seed):
+    """``reward_std/<name>`` (TRL's ``rewards/<name>/std``): each function's spread over the samples it did
+    not abstain from (None), as TRL 1.16's nanstd computes it; one scored sample has none (0)."""
+    import torch
+    from trl.trainer.utils import nanstd
+
+    from rlhf_plugins.training.rollout import make_batch, rollout_metrics
+    from tests.helpers import random_rollout
+
+    g = torch.Generator().manual_seed(seed)
+    rollout = random_rollout(group=4, prompts=3, seed=seed)
+    scored = torch.rand(12, generator=g).double()
+    abstains = torch.rand(12, generator=g) < 0.3
+    rollout.reward_components = {"a": [None if skip else float(v) for v, skip in zip(scored, abstains)],
+                                 "b": [None] * 11 + [1.5]}
+    batch = make_batch(rollout, pad_id=0)
+    batch["advantages"] = torch.zeros_like(batch["action_mask"], dtype=torch.float32)
+    got = rollout_metrics(rollout, batch, None, 0.0)
+    theirs = nanstd(torch.where(abstains, torch.nan, scored).float()).item()
+    assert 0 < abstains.sum() < 12 and got["reward_std/a"] == pytest.approx(theirs, rel=1e-6)
+    assert got["reward/a"] == pytest.approx(float(scored[~abstains].mean()), rel=1e-12)
+    assert (got["reward/b"], got["reward_std/b"]) == (1.5, 0.0)
 
 
 def test_the_trl_drop_in_runs_what_trl_and_open_r1_scripts_call_after_train(tmp_path, tiny_model, monkeypatch, capsys):

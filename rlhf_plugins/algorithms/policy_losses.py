@@ -37,7 +37,10 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any)
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.min(loss, bound), loss)
         metrics["loss/dual_clip_frac"] = masked_mean(dual.float(), mask)
-    metrics["loss/clip_frac"] = masked_mean(clipped, mask)
+    metrics["loss/clip_frac"] = masked_mean(clipped, mask)  # = low + high: the clip decided these tokens
+    # TRL's clip_ratio/low_mean and /high_mean: below the band with a negative advantage, above it with a positive
+    metrics["loss/clip_low_frac"] = masked_mean(((ratio < 1 - o.clip_low) & (adv < 0)).float(), mask)
+    metrics["loss/clip_high_frac"] = masked_mean(((ratio > 1 + o.clip_high) & (adv > 0)).float(), mask)
     return loss, metrics
 
 

@@ -44,14 +44,20 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
              "completions/mean_length": "completion/length", "completions/min_length": "completion/min_length",
              "completions/max_length": "completion/max_length", "reward_std": "reward/std",
              "frac_reward_zero_std": "reward/zero_std_frac"}
+#: TRL's clip_ratio/<name>_mean: the share of tokens clipped below the band, above it, and either
+CLIP_NAMES = {"low": "loss/clip_low_frac", "high": "loss/clip_high_frac", "region": "loss/clip_frac"}
 
 
 def _trl_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` for each function's mean)."""
+    """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` and ``/std`` for each function,
+    ``clip_ratio/*_mean`` for a clipped surrogate's)."""
     named = {f"rewards/{k[7:]}/mean": v for k, v in row.items()
              if k.startswith("reward/") and k[7:] not in ("mean", "std", "shaped_mean", "retries", "zero_std_frac")}
+    named.update({f"rewards/{k[11:]}/std": v for k, v in row.items() if k.startswith("reward_std/")})
     if "completion/stopped" in row:  # TRL's share of completions that reached the length limit
         named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
+    if "loss/clip_low_frac" in row:  # the PPO-clip family's (TRL's loss types grpo, bnpo, dr_grpo, dapo, luspo)
+        named.update({f"clip_ratio/{theirs}_mean": row[ours] for theirs, ours in CLIP_NAMES.items()})
     return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}}
 
 

@@ -202,8 +202,9 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
         out["reward/shaped_mean"] = float(scores.mean())
     for name, values in rollout.reward_components.items():  # each source's, a single one's too (as TRL logs)
         vals = [v for v in values if v is not None]
-        if vals:
+        if vals:  # the mean and the (unbiased) spread of the samples it scored: TRL's rewards/<name>/mean and /std
             out[f"reward/{name}"] = sum(vals) / len(vals)
+            out[f"reward_std/{name}"] = float(torch.tensor(vals, dtype=torch.float64).std()) if len(vals) > 1 else 0.0
     if kl_penalty is not None:
         out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(kl_coef, 1e-12)
     return out
