@@ -12,7 +12,7 @@ from rlhf_plugins.algorithms import policy_losses
 from rlhf_plugins.algorithms.entropy_control import AdaptiveEntropyCoef, FixedEntropyCoef
 from rlhf_plugins.algorithms.objective import Objective
 from rlhf_plugins.api import prepare
-from tests.helpers import metrics_of, short_run
+from tests.helpers import TINY_CHUNKS, WHOLE_LOGITS, metrics_of, short_run
 
 
 def trl_course(entropies: list[float], coef: float, target: float, delta: float, low: float,
@@ -88,3 +88,34 @@ def test_trls_fields_map_to_the_adaptive_bonus():
     assert any("after each rollout here (2 optimizer updates)" in n for n in notes)
     raw, _ = from_grpo_fields({"entropy_target": 0.3})  # TRL reads it only with use_adaptive_entropy
     assert "entropy_target" not in raw["algo"]["policy_loss"]
+
+
+@pytest.mark.parametrize("logits_mb", [TINY_CHUNKS, WHOLE_LOGITS], ids=["head-in-chunks", "whole-logits"])
+def test_log_entropy_logs_the_policys_entropy_and_leaves_the_update_as_it_was(logits_mb):
+    """``--algo.policy_loss.log_entropy`` (set by TRL's configs: TRL logs ``entropy`` at every step): the
+    update's ``entropy`` is the token mean of the policy's entropy over the batch's completions, by hand
+    in float64 from the model before the update; the weights after it equal those of the update
+    without it, bit for bit (nothing reaches the loss)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.tiny_model import default_model_path
+    from tests.helpers import ppo_batch, random_rollout, sampling_logprobs, torch_learner
+
+    rollout = random_rollout(group=4, prompts=3, seed=5)  # ppo_batch(5)'s samples
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    per_token = []
+    for prompt, completion in zip(rollout.prompt_ids, rollout.completion_ids):
+        probs = sampling_logprobs(model, prompt, completion, 1.0)[1]
+        per_token += (-(probs * probs.clamp_min(1e-300).log()).sum(-1)).tolist()
+    want = sum(per_token) / len(per_token)
+    updates = {}
+    for logged in (False, True):
+        config, _, _ = prepare({"algo": {"policy_loss": {"log_entropy": logged}}}, autoload=False)
+        objective = Objective(policy_losses.ppo, config.algo.policy_loss)
+        assert objective.needs_entropy is logged and objective.bonus == 0.0
+        learner = torch_learner("float32", logits_memory_mb=logits_mb)
+        metrics = learner.train(ppo_batch(5), objective)
+        assert ("entropy" in metrics) is logged
+        updates[logged] = [p.detach().clone() for p in learner.model.parameters()]
+    assert metrics["entropy"] == pytest.approx(want, rel=1e-5) and 1.0 < want < 6.0
+    assert all(torch.equal(a, b) for a, b in zip(updates[False], updates[True]))

@@ -643,6 +643,7 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert last["completions/min_length"] <= last["completions/mean_length"] <= last["completions/max_length"] <= 4
     assert last["completions/clipped_ratio"] == pytest.approx(1 - last["completion/stopped"])
     assert last["rewards/length/std"] == last["reward_std/length"] > 0 and last["rewards/reward/std"] == 0.0
+    assert 0 < last["entropy"] < 6  # measured at every update, as by TRL (algo.policy_loss.log_entropy)
     # TRL's default loss (dapo) clips: the shares clipped below and above the band, and either
     assert last["clip_ratio/region_mean"] == last["loss/clip_frac"]
     assert last["clip_ratio/low_mean"] + last["clip_ratio/high_mean"] == pytest.approx(last["clip_ratio/region_mean"])

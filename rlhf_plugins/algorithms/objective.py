@@ -49,7 +49,8 @@ class Objective:
     @property
     def needs_entropy(self) -> bool:
         adaptive = getattr(self.options, "entropy_target", None) is not None  # measured even while it is 0
-        return self.bonus != 0.0 or self.top_entropy < 1.0 or adaptive
+        logged = bool(getattr(self.options, "log_entropy", False))
+        return self.bonus != 0.0 or self.top_entropy < 1.0 or adaptive or logged
 
     def weight(self, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
         return micro_batch_weight(micro_mask, mini_mask, self.aggregation)

@@ -68,6 +68,10 @@ class PolicyLossConfig:
     entropy_coef_min: float = setting(0.0, ge=0)
     #: the adaptive coefficient's upper bound
     entropy_coef_max: float = setting(1.0, ge=0)
+    #: measure the policy's entropy (nats per token, the metric ``entropy``) at every update even when no
+    #: term uses it (TRL's GRPOTrainer always does; its configs set this): one more pass over each chunk
+    #: of vocabulary logits in the learner's head, no backward
+    log_entropy: bool = False
     #: the policy loss trains only the tokens whose entropy is in this top fraction of their micro
     #: batch's (1: every token; TRL's top_entropy_quantile, "Beyond the 80/20 rule": 0.2)
     top_entropy_quantile: float = setting(1.0, gt=0, le=1)

@@ -57,6 +57,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     # TRL's prompt formats: a plain string is tokenized as it is ("standard"), a list of messages is
     # rendered with the chat template ("conversational")
     _set(raw, "data.template_strings", False)
+    _set(raw, "algo.policy_loss.log_entropy", True)  # TRL logs the policy's entropy at every step
     notes: list[str] = []
     for key, value, note in legacy:
         if value is not None:
