@@ -147,6 +147,11 @@ def eval_rows_of(run: Path) -> list[dict]:
     return [r for r in all_rows_of(run) if is_eval_row(r)]
 
 
+def samples_of(run: Path) -> list[dict]:
+    """The rows of a run's ``samples.jsonl`` (``--train.log_samples_every``): one per sample of a logged step."""
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
 def largest_allocation(fn: Any) -> int:
     """Bytes of the largest single CPU allocation while ``fn`` runs (torch's profiler also sees the
     buffers kernels allocate for themselves)."""

@@ -26,6 +26,9 @@ FLAGS = [
      "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16"),
     ("dtype-unknown", ["--model.dtype", "float64"],
      "config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'; got 'float64'"),
+    ("print-samples-alone", ["--train.print_samples", "4"],
+     "train.print_samples (4) prints the samples of the steps train.log_samples_every picks; set "
+     "--train.log_samples_every N (every N steps) as well"),
     ("run-name-up", ["--train.run_name", "../x"],
      "train.run_name '../x' must be a plain folder name inside train.output_dir (no '/' or '..')"),
     ("run-name-absolute", ["--train.run_name", "/tmp/x"],

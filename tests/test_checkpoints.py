@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import KILLER, clean_env, metrics_of, run_subprocess
+from tests.helpers import KILLER, clean_env, metrics_of, run_subprocess, samples_of
 
 RUN = ["--train.steps", "8", "--train.save_every", "2", "--train.prompts_per_step", "4",
        "--generation.n_samples_per_prompt", "4", "--train.progress", "false", "--learner.epochs", "2",
        "--learner.mini_batch_size", "8", "--reward.normalize", "true", "--algo.kl.controller", "adaptive",
-       "--eval.enabled", "false"]
+       "--eval.enabled", "false", "--train.log_samples_every", "1"]
 
 
 
@@ -59,6 +59,8 @@ def test_sigkill_then_resume_gives_the_same_metrics_step_for_step(workdir, where
     whole, again = metrics_of(workdir / "runs" / "whole"), metrics_of(run)
     assert [r["step"] for r in again] == list(range(8))  # no duplicated, no missing step
     assert comparable(again) == comparable(whole)
+    # every step's 16 samples once, each as the uninterrupted run wrote it
+    assert samples_of(run) == samples_of(workdir / "runs" / "whole") and len(samples_of(run)) == 8 * 16
     assert not list((run / "checkpoints").glob(".tmp-*"))  # cleaned by the next write
     assert json.loads((run / "summary.json").read_text())["steps"] == 8
 
@@ -71,6 +73,7 @@ def test_resume_from_an_older_checkpoint_folder_drops_the_later_lines(workdir):
     resumed = train(workdir, "--resume", str(run / "checkpoints" / "step-000004"))
     assert resumed.returncode == 0, resumed.stderr
     assert comparable(metrics_of(run)) == comparable(metrics_of(workdir / "runs" / "whole"))
+    assert samples_of(run) == samples_of(workdir / "runs" / "whole")  # steps 4-7's first samples dropped
 
 
 def test_extending_a_finished_run(workdir):

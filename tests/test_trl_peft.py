@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, block_import, check_one_line_error, clean_env, metrics_of, short_run, the_run
+from tests.helpers import (
+    ROOT,
+    block_import,
+    check_one_line_error,
+    clean_env,
+    metrics_of,
+    samples_of,
+    short_run,
+    the_run,
+)
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -522,14 +531,17 @@ def test_trl_reward_keywords_trainer_state_log_metric_and_log_extra_work(rlhf, t
         def logs(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
             log_metric("my/length", sum(len(c) for c in completions) / len(completions))
             log_metric("my/step_seen", trainer_state.global_step)
-            log_extra("why", ["ok"] * len(completions))
+            log_extra("length", [len(c) for c in completions])
             log_metric("my/max_steps", trainer_state.max_steps)
             log_metric("my/epoch", trainer_state.epoch)
             return [float(len(c) < 3) for c in completions]
     """))
-    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--data.max_samples", "10"))
+    code, _, err = rlhf("train", "--plugin", str(plugin), *short_run("--data.max_samples", "10",
+                                                                     "--train.log_samples_every", "1"))
     assert code == 0, err
     rows = metrics_of(the_run())
+    # log_extra's column beside each sample in samples.jsonl (TRL: its completions table)
+    assert all(r["extra"] == {"length": len(r["completion"])} for r in samples_of(the_run()))
     assert [(r["my/step_seen"], r["my/max_steps"]) for r in rows] == [(0.0, 3.0), (1.0, 3.0), (2.0, 3.0)]
     # 4 of the 10 prompts a step: the third step's prompts are the last two and two of the second pass
     assert [r["my/epoch"] for r in rows] == pytest.approx([0.0, 0.4, 0.8])

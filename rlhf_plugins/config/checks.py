@@ -60,9 +60,7 @@ def check_ranges(c: Config) -> None:
              f"config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
     _require(c.model.dtype != "float16" or _has_gpu(),
              "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16")
-    name = t.run_name
-    _require(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
-             f"train.run_name '{name}' must be a plain folder name inside train.output_dir (no '/' or '..')")
+    _check_train(t)
     if r.models:
         from ..models.reward_model import inspect_reward_model
 
@@ -75,6 +73,16 @@ def check_ranges(c: Config) -> None:
             check_model_folder(folder, key, trust_remote_code=c.model.trust_remote_code, tokenizer=key == "model.path")
     check_data(c)
     check_best_metric(c)
+
+
+def _check_train(t: Any) -> None:
+    """The run's name, and the samples it prints."""
+    _require(not t.print_samples or t.log_samples_every,
+             f"train.print_samples ({t.print_samples}) prints the samples of the steps train.log_samples_every picks; "
+             "set --train.log_samples_every N (every N steps) as well")
+    name = t.run_name
+    _require(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
+             f"train.run_name '{name}' must be a plain folder name inside train.output_dir (no '/' or '..')")
 
 
 def check_data(c: Config) -> None:

@@ -208,6 +208,12 @@ class TrainConfig:
     best_mode: Literal["max", "min"] = "max"
     #: show a progress bar (a terminal) or periodic progress lines (a log)
     progress: bool = True
+    #: every N steps (the first step too), the step's samples -- prompt, completion, each reward's score,
+    #: advantage, how it ended, the dataset's plain columns -- as rows of ``<run>/samples.jsonl``; 0: none
+    #: (TRL's log_completions, verl's rollout_data_dir)
+    log_samples_every: int = setting(0, ge=0)
+    #: print the first N of those steps' samples as a table (TRL's num_completions_to_print)
+    print_samples: int = setting(0, ge=0)
     #: threads for torch on this process (0 leaves torch's default)
     num_threads: int = setting(0, ge=0)
     #: reuse memory freed by large tensors (glibc: no mmap per tensor, no trim; RSS stays at its peak);

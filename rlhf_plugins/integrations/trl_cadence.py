@@ -1,4 +1,4 @@
-"""How often a TRL run checkpoints and evaluates, as this project's steps.
+"""How often a TRL run checkpoints, evaluates and logs its completions, as this project's steps.
 
 TRL counts both in its steps -- optimizer updates -- and a step here is a rollout, which makes
 ``updates_per_rollout`` of them. Only what a config sets is converted (TRL's own defaults, 500-step
@@ -10,7 +10,8 @@ import math
 from typing import Any
 
 #: the GRPOConfig fields this module reads
-CADENCE = {"save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps"}
+CADENCE = {"save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "log_completions",
+           "num_completions_to_print"}
 
 
 def _plain(value: Any) -> Any:
@@ -69,3 +70,21 @@ def cadence(f: dict[str, Any], raw: dict[str, Any], notes: list[str], changed: s
                      "after the last and every --eval.every steps")
     elif "eval_steps" in changed:
         notes.append("eval_steps is unused with eval_strategy 'no' (as in TRL)")
+    completions(f, raw, notes, per_rollout)
+
+
+def completions(f: dict[str, Any], raw: dict[str, Any], notes: list[str], per_rollout: int) -> None:
+    """``log_completions`` -> ``--train.log_samples_every`` (TRL's ``logging_steps`` in rollouts: the samples
+    of those steps in ``samples.jsonl``), ``num_completions_to_print`` -> ``--train.print_samples`` (TRL's
+    None: every sample of the step)."""
+    from ..config.loading import set_dotted as _set
+
+    if not f.get("log_completions"):
+        return
+    every = _in_rollouts(f, "logging_steps", float(f["logging_steps"]), per_rollout, notes)
+    if every is not None:
+        _set(raw, "train.log_samples_every", every)
+        shown = f.get("num_completions_to_print")
+        train, generation = raw.get("train", {}), raw.get("generation", {})
+        whole = train.get("prompts_per_step", 1) * generation.get("n_samples_per_prompt", 1)
+        _set(raw, "train.print_samples", int(shown) if shown else whole)

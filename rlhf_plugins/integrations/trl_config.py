@@ -225,7 +225,8 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     """Notes on the changed fields nothing above used: ignored with a reason, or bookkeeping; any
     other changes training and is an error."""
     notes, bookkeeping = [], []
-    for name in sorted(changed - (set(DIRECT) | DERIVED | CADENCE)):
+    used = {"logging_steps"} if f.get("log_completions") else set()  # the completions' cadence (trl_cadence)
+    for name in sorted(changed - (set(DIRECT) | DERIVED | CADENCE | used)):
         if name in IGNORED_WHY:
             notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
         elif name.startswith(BOOKKEEPING_PREFIXES):

@@ -29,6 +29,7 @@ from .reference_sync import refresh_reference
 from .reward_role import RewardBatch, reads_texts
 from .rollout import Rollout, batch_widths, make_batch, mask_truncated, rollout_metrics, step_timings
 from .rollout_sources import step_rollout
+from .samples import due_rows
 
 
 class Trainer:
@@ -38,8 +39,8 @@ class Trainer:
         self.tokenizer, self.model_path = tokenizer, model_path
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.widths = batch_widths(config, plan)  # make_batch's width rounding (--learner.pad_to_multiple_of)
-        self.step_count = 0
-        self.history: list[dict[str, float]] = []
+        #: steps done, the metrics of each, the rows of the last one's samples (train.log_samples_every)
+        self.step_count, self.history, self.samples = 0, [], []
         self.placement: Any = None
         self.probe: dict[str, torch.Tensor] | None = None
         #: where the current step is: "rollout" until the first weight changes, then "update"
@@ -116,7 +117,7 @@ class Trainer:
                                                   rollout.completion_ids, rollout.completions, rollout.columns, step,
                                                   rollout.finish_reasons, self.reads_texts,
                                                   epoch=self.sampler.passes(before=len(rollout) // rollout.group_size)))
-        rollout.raw_scores, rollout.reward_components = result.scores, result.parts
+        rollout.raw_scores, rollout.reward_components, rollout.extra = result.scores, result.parts, result.extra
         rollout.filter_scores = result.filter_scores or []
         rollout.metrics.update({name: sum(v) / len(v) for name, v in result.logged.items() if v})  # TRL's log_metric
         self.reward_retries += result.retries
@@ -196,6 +197,7 @@ class Trainer:
             self.sync_engine(step)
         t_end = time.perf_counter()
         metrics.update(rollout_metrics(rollout, shown, kl_penalty, self.kl_control.value))
+        self.samples = due_rows(c.train.log_samples_every, step, rollout, batch)
         if self.reference is not None:
             measured = metrics.get("kl", metrics.get("kl/rollout", 0.0))
             self.kl_control.update(measured, len(rollout))

@@ -92,6 +92,8 @@ class RewardResult:
     #: what dynamic filtering compares, where a source returned OpenRLHF's ``{"rewards", "scores"}``:
     #: the weighted sum with that source's ``scores`` in place of its rewards (None: no source did)
     filter_scores: list[float] | None = None
+    #: columns reward functions added with TRL's ``log_extra(column, values)``: a value per sample
+    extra: dict[str, list[Any]] = field(default_factory=dict)
 
     @classmethod
     def merge(cls, results: list[RewardResult]) -> RewardResult:
@@ -103,7 +105,19 @@ class RewardResult:
         filtered = None
         if any(r.filter_scores is not None for r in results):
             filtered = [x for r in results for x in (r.scores if r.filter_scores is None else r.filter_scores)]
-        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results), logged, filtered)
+        columns = dict.fromkeys(k for r in results for k in r.extra)  # a part whose functions left one out: None
+        extra = {k: [x for r in results for x in r.extra.get(k, [None] * len(r.scores))] for k in columns}
+        return cls([x for r in results for x in r.scores], parts, sum(r.retries for r in results), logged, filtered,
+                   extra)
+
+
+def whole_columns(extra: dict[str, list[Any]], n: int, when: str) -> dict[str, list[Any]]:
+    """The ``log_extra`` columns with a value for each of the ``n`` samples; a warning names any other."""
+    for column, values in extra.items():
+        if len(values) != n:
+            logger.warning("log_extra('%s') gave %d values for the %d samples %s; the column is left out",
+                           column, len(values), n, when)
+    return {column: values for column, values in extra.items() if len(values) == n}
 
 
 @dataclass(frozen=True)
@@ -190,14 +204,16 @@ class RewardRole(Role):
         self.max_steps = config.train.steps
         self.updates_per_step = config.updates_per_step()  # TRL's trainer_state counts optimizer updates
 
-    def _call(self, source: Source, batch: RewardBatch, where: str, logged: dict[str, list[float]]) -> Any:
+    def _call(self, source: Source, batch: RewardBatch, where: str, logged: dict[str, list[float]],
+              extra: dict[str, list[Any]]) -> Any:
         kwargs = dict(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
                       **batch.columns)
         log_metric = lambda name, value: logged.setdefault(str(name), []).append(float(value))  # noqa: E731
         if source.where.startswith("plugin"):  # TRL passes these to every reward function
             state = TrainerState(batch.step * self.updates_per_step, self.max_steps * self.updates_per_step,
                                  batch.epoch)
-            kwargs.update(trainer_state=state, log_metric=log_metric, log_extra=lambda column, values: None)
+            log_extra = lambda column, values: extra.setdefault(str(column), []).extend(values)  # noqa: E731
+            kwargs.update(trainer_state=state, log_metric=log_metric, log_extra=log_extra)
         elif getattr(source.fn, "logs_metrics", False):
             kwargs.update(log_metric=log_metric)
         if getattr(source.fn, "wants_queries", False):
@@ -215,12 +231,15 @@ class RewardRole(Role):
         combined = [0.0] * n
         parts: dict[str, list[float | None]] = {}
         logged: dict[str, list[float]] = {}
+        extra: dict[str, list[Any]] = {}
         retries, compared = 0, []
         for source in self.sources:
             where = f"reward '{source.name}' ({source.where}) {batch.when}"
             for attempt in range(self.max_retries + 1):
                 try:
-                    out = self._call(source, batch, where, logged)
+                    added: dict[str, list[Any]] = {}  # log_extra's columns of this attempt
+                    out = self._call(source, batch, where, logged, added)
+                    extra.update(added)
                     break
                 except RewardError as exc:
                     if attempt == self.max_retries:
@@ -254,7 +273,7 @@ class RewardRole(Role):
         filtered = None
         if any(own for _, _, own in compared):  # OpenRLHF's scores: what dynamic filtering compares
             filtered = [sum(w * (v[i] or 0.0) for w, v, _ in compared) for i in range(n)]
-        return RewardResult(combined, parts, retries, logged, filtered)
+        return RewardResult(combined, parts, retries, logged, filtered, whole_columns(extra, n, batch.when))
 
     def shutdown(self) -> None:
         for source in self.sources:

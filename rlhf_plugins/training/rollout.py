@@ -39,6 +39,8 @@ class Rollout:
     action_masks: list[list[int]] = field(default_factory=list)
     #: what generating it measured (multi-turn: turns, tool calls, finish reasons)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: columns reward functions added with TRL's ``log_extra``: a value per sample (samples.jsonl shows them)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -66,6 +68,7 @@ class Rollout:
             filter_scores=pick(self.filter_scores),
             versions=pick(self.versions),
             action_masks=pick(self.action_masks),
+            extra={k: pick(v) for k, v in self.extra.items()},
         )
 
     @staticmethod
@@ -90,6 +93,8 @@ class Rollout:
             filter_scores=cat("filter_scores") if all(p.filter_scores for p in parts) else [],
             versions=cat("versions"),
             action_masks=cat("action_masks"),
+            extra={k: [x for p in parts for x in p.extra.get(k, [None] * len(p))] for k in
+                   dict.fromkeys(k for p in parts for k in p.extra)},
         )
 
 

@@ -213,9 +213,9 @@ class TrainingRun:
         metrics = trainer.step(step)
         if restarts:
             metrics["fault/restarts"] = float(restarts)
-        self.log.log(step, metrics)
+        self.log.log(step, metrics, trainer.samples)
         self.pm.notify("rlhf_after_step", step=step, metrics=metrics)
-        progress.update(step + 1, metrics)
+        progress.update(step + 1, metrics, trainer.samples[: t.print_samples])
         done = step + 1
         if self.held is not None and eval_due(self.config, done):
             run_eval(trainer, run_dir, self.log, self.console, lambda d, n: progress.phase(f"eval {d}/{n}"))

@@ -67,20 +67,20 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         run_dir = self.run_dir
-        self.path = run_dir / "metrics.jsonl"
-        self.kept: list[dict[str, Any]] = []
-        if start_step > 0:
-            self.kept = [r for r in read_metrics(self.path)
-                         if r.get("step", -1) < start_step or (r.get("step") == start_step and is_eval_row(r))]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
-            tmp.replace(self.path)
-        elif self.path.exists():
-            self.path.unlink()
+        self.path, self.samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+        self.kept = _continue(self.path, start_step, lambda r: r.get("step", -1) < start_step or (
+            r.get("step") == start_step and is_eval_row(r)))
+        _continue(self.samples_path, start_step, lambda r: r.get("step", -1) < start_step)
         self._fh = open(self.path, "a", buffering=1)
+        self._samples: Any = None  # opened by the first samples written
         self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step or None)
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]] | None = None) -> None:
+        """A step's metrics, and its samples' rows (``train.log_samples_every``) in ``samples.jsonl``."""
+        if samples:
+            if self._samples is None:
+                self._samples = open(self.samples_path, "a", buffering=1)
+            self._samples.write("".join(json.dumps(r) + "\n" for r in samples))
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         bad = sorted(k for k, v in values.items() if not math.isfinite(v))
         row: dict[str, Any] = {"step": step, **{k: (None if k in bad else v) for k, v in values.items()}}
@@ -93,7 +93,22 @@ class MetricsLog:
 
     def close(self) -> None:
         self._fh.close()
+        if self._samples is not None:
+            self._samples.close()
         self._tb.close()
+
+
+def _continue(path: Path, start_step: int, keep: Any) -> list[dict[str, Any]]:
+    """A run's ``.jsonl`` log as it continues from ``start_step``: the rows ``keep`` keeps, the file rewritten
+    to hold only them; a new run (``start_step`` 0) removes a file left by an earlier one."""
+    if start_step <= 0 or not path.exists():
+        path.unlink(missing_ok=True)
+        return []
+    kept = [r for r in read_metrics(path) if keep(r)]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+    return kept
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -145,7 +160,8 @@ class StepProgress:
     def __exit__(self, *exc: Any) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, done: int, metrics: Mapping[str, float]) -> None:
+    def update(self, done: int, metrics: Mapping[str, float], samples: list[dict[str, Any]] | None = None) -> None:
+        """The bar (or a line) after step ``done``; ``samples``: rows printed as a table (``train.print_samples``)."""
         now = time.perf_counter()
         rate = (done - self.first) / (now - self.start) if now > self.start else 0.0
         from .memory_watch import largest
@@ -160,6 +176,10 @@ class StepProgress:
             self.console.print(f"step {done}/{self.total} {shown} {speed} steps/s eta {_clock(eta)} "
                                f"mem {memory}", highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
+        if samples:
+            from .samples import print_samples
+
+            print_samples(self.console, samples, f"step {done}/{self.total}")
 
     def phase(self, text: str) -> None:
         """A note after the bar (``eval 12/20``) while something other than a step runs."""

@@ -1,0 +1,77 @@
+"""What the policy wrote and what it got for it: every ``train.log_samples_every``-th step's samples as rows
+of ``<run>/samples.jsonl`` (verl's rollout_data_dir, TRL's log_completions) -- the prompt, the completion,
+each reward's score, the combined score before and after shaping, the advantage, how it ended and the
+dataset's plain columns (a label, an answer) -- and the first ``train.print_samples`` of them printed as a
+table (TRL's num_completions_to_print). ``MetricsLog`` writes the rows; a resumed run drops those of the
+steps it does again, as in ``metrics.jsonl``."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .rollout import Rollout
+
+#: a dataset column's values go into the rows when they are of these types (not images or nested data)
+PLAIN = (str, int, float, bool, type(None))
+
+
+def due_rows(every: int, step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step's rows when it is one of every ``every``-th (the first step's too); none otherwise."""
+    return sample_rows(step, rollout, batch) if every and step % every == 0 else []
+
+
+def sample_rows(step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row per sample of a step's rollout; ``batch`` holds its ``advantages`` (each sample's is the mean
+    over its completion tokens) and ``action_mask``."""
+    mask = batch["action_mask"].to(torch.float64)
+    tokens = mask.sum(-1)
+    advantages = (batch["advantages"].to(torch.float64) * mask).sum(-1) / tokens.clamp_min(1)
+    columns = {k: v for k, v in rollout.columns.items() if all(isinstance(x, PLAIN) for x in v)}
+    shaped = rollout.scores != rollout.raw_scores
+    rows = []
+    for i in range(len(rollout)):
+        row = {"step": step, "group": i // max(1, rollout.group_size), "prompt": rollout.prompts[i],
+               "completion": rollout.completions[i], "reward": _number(rollout.raw_scores[i]),
+               "rewards": {name: _number(v[i]) for name, v in rollout.reward_components.items()},
+               "advantage": float(advantages[i]), "tokens": int(tokens[i]),
+               "finish_reason": rollout.finish_reasons[i], "columns": {k: v[i] for k, v in columns.items()}}
+        if shaped:
+            row["score"] = _number(rollout.scores[i])
+        if rollout.extra:  # what reward functions added with TRL's log_extra
+            row["extra"] = {k: v[i] for k, v in rollout.extra.items()}
+        rows.append(row)
+    return rows
+
+
+def _number(value: float | None) -> float | None:
+    """A score as JSON holds it: None for an abstention or a value that is not finite."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def print_samples(console: Any, rows: list[dict[str, Any]], step: str) -> None:
+    """Rows of one step (``step``, as the progress shows it) as a table: prompt, completion, each reward, the
+    combined reward, the advantage, and the columns of TRL's ``log_extra``."""
+    from rich.table import Table
+
+    names, extra = list(rows[0]["rewards"]), list(rows[0].get("extra", {}))
+    table = Table(title=f"samples of {step}", show_lines=True)
+    numbers = (*names, "reward", "advantage")
+    for header in ("prompt", "completion", *numbers, *extra):
+        table.add_column(header, overflow="fold", justify="right" if header in numbers else "left")
+    for row in rows:
+        scores = [row["rewards"][n] for n in names] + [row["reward"], row["advantage"]]
+        shown = ("-" if s is None else f"{s:.3f}" for s in scores)
+        table.add_row(_text(row["prompt"]), _text(row["completion"]), *shown, *(_text(row["extra"][k]) for k in extra))
+    console.print(table)
+
+
+def _text(value: Any) -> Any:
+    """A prompt or completion as text (never read as markup): a conversation's messages one per line."""
+    from rich.text import Text
+
+    if isinstance(value, list):
+        value = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" if isinstance(m, dict) else str(m)
+                          for m in value)
+    return Text(str(value))

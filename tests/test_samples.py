@@ -1,0 +1,106 @@
+"""A run's samples (--train.log_samples_every, --train.print_samples; TRL's log_completions and
+num_completions_to_print): each row's scores, advantage and columns by hand, the steps a run logs and the
+table it prints, and TRL's fields. Exact resume of samples.jsonl: tests/test_checkpoints.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import metrics_of, random_rollout, samples_of, short_run, the_run
+
+
+def test_each_row_holds_its_samples_scores_advantage_and_plain_columns():
+    from rlhf_plugins.training.rollout import make_batch
+    from rlhf_plugins.training.samples import sample_rows
+
+    rollout = random_rollout(group=3, prompts=2, seed=4)
+    rollout.completions = [f"c{i}" for i in range(6)]
+    rollout.prompts = ["p0"] * 3 + [[{"role": "user", "content": "p1"}]] * 3  # a conversation's messages
+    rollout.raw_scores = [0.0, 1.0, 0.5, 2.0, float("nan"), 1.0]
+    rollout.scores = [s * 2 for s in rollout.raw_scores]  # shaped
+    rollout.reward_components = {"a": [0.0, 1.0, None, 2.0, 0.0, 1.0], "b": [0.0, 0.0, 0.5, 0.0, 0.0, 0.0]}
+    rollout.finish_reasons = ["stop", "length"] * 3
+    rollout.columns = {"label": ["x", "x", "x", "y", "y", "y"], "image": [[1, 2]] * 6}  # a list: not plain
+    batch = make_batch(rollout, pad_id=0)
+    g = torch.Generator().manual_seed(0)
+    batch["advantages"] = torch.randn(batch["action_mask"].shape, generator=g) * batch["action_mask"]
+    rows = sample_rows(7, rollout, batch)
+    for i, row in enumerate(rows):
+        n = len(rollout.completion_ids[i])
+        assert row["advantage"] == pytest.approx(float(batch["advantages"][i].sum()) / n, rel=1e-6)
+        assert (row["step"], row["group"], row["completion"], row["tokens"]) == (7, i // 3, f"c{i}", n)
+        assert row["finish_reason"] == rollout.finish_reasons[i] and row["columns"] == {"label": "xy"[i // 3]}
+        assert row["rewards"] == {"a": rollout.reward_components["a"][i], "b": rollout.reward_components["b"][i]}
+    assert [r["reward"] for r in rows] == [0.0, 1.0, 0.5, 2.0, None, 1.0]  # not finite: null in JSON
+    assert [r["score"] for r in rows] == [0.0, 2.0, 1.0, 4.0, None, 2.0]
+    assert rows[3]["prompt"] == [{"role": "user", "content": "p1"}]
+
+
+def test_the_table_prints_prompts_and_completions_as_written_never_as_markup():
+    from rich.console import Console
+
+    from rlhf_plugins.training.samples import print_samples
+
+    console = Console(record=True, width=200)
+    rows = [{"prompt": [{"role": "user", "content": "[bold]2+2="}], "completion": "[red]4[/red]",
+             "rewards": {"exact": 1.0, "format": None}, "reward": 1.0, "advantage": -0.25,
+             "extra": {"golden": "[i]4"}}]  # a log_extra column, after the advantage as in TRL's table
+    print_samples(console, rows, "step 3/9")
+    text = console.export_text()
+    assert "samples of step 3/9" in text and "user: [bold]2+2=" in text and "[red]4[/red]" in text
+    assert "exact" in text and "format" in text and "-0.250" in text and "1.000" in text
+    assert "golden" in text and "[i]4" in text and text.index("advantage") < text.index("golden")
+
+
+def test_a_run_logs_every_nth_steps_samples_and_prints_the_first_ones(rlhf):
+    from rlhf_plugins.builtin_plugins.rewards import exact_match
+
+    code, out, err = rlhf("train", *short_run("--train.steps", "4", "--train.log_samples_every", "3",
+                                              "--train.print_samples", "2"))
+    assert code == 0, err
+    run = the_run()
+    rows, metrics = samples_of(run), metrics_of(run)
+    assert [r["step"] for r in rows] == [0] * 16 + [3] * 16  # the first step and every 3rd: 4 prompts x 4
+    for step in (0, 3):
+        mine = [r for r in rows if r["step"] == step]
+        labels = [r["columns"]["label"] for r in mine]
+        assert [r["reward"] for r in mine] == exact_match([r["prompt"] for r in mine],
+                                                          [r["completion"] for r in mine], label=labels)
+        assert sum(r["reward"] for r in mine) / 16 == pytest.approx(metrics[step]["reward/mean"], abs=1e-12)
+        assert all(r["rewards"] == {"exact_match": r["reward"]} for r in mine)
+    assert "samples of step 1/4" in out and "samples of step 4/4" in out and "samples of step 2/4" not in out
+    first = out.split("samples of step 1/4")[1].split("samples of step 4/4")[0]
+    assert rows[0]["prompt"] in first and rows[1]["prompt"] in first
+
+
+def test_trls_log_completions_and_num_completions_to_print_convert():
+    from rlhf_plugins.integrations.trl_config import from_grpo_fields
+
+    # logging_steps 4 of 2 updates a rollout: every 2 rollouts; None prints every sample (2 prompts x 4)
+    raw, notes = from_grpo_fields({"log_completions": True, "logging_steps": 4, "num_iterations": 2,
+                                   "per_device_train_batch_size": 8, "num_generations": 4})
+    assert (raw["train"]["log_samples_every"], raw["train"]["print_samples"]) == (2, 8) and not notes
+    raw, _ = from_grpo_fields({"log_completions": True, "num_completions_to_print": 3})
+    assert (raw["train"]["log_samples_every"], raw["train"]["print_samples"]) == (10, 3)  # TRL's logging_steps 10
+    raw, notes = from_grpo_fields({"num_completions_to_print": 3, "logging_steps": 5})
+    assert "log_samples_every" not in raw["train"] and "logging_steps" in notes[0]  # not asked for: bookkeeping
+
+
+def test_log_extra_columns_follow_their_samples_through_split_scoring_and_filtering(caplog):
+    """TRL's log_extra columns: a reward batch scored in two parts (Ray workers) merges them, a part whose
+    functions added none gives None; a column of the wrong length is left out with a warning; groups kept
+    by dynamic filtering and rollouts put together keep each sample's value."""
+    from rlhf_plugins.training.reward_role import RewardResult, whole_columns
+    from rlhf_plugins.training.rollout import Rollout
+
+    merged = RewardResult.merge([RewardResult([1.0, 0.0], {"a": [1.0, 0.0]}, extra={"why": ["x", "y"]}),
+                                 RewardResult([0.5], {"a": [0.5]})])
+    assert merged.extra == {"why": ["x", "y", None]} and merged.scores == [1.0, 0.0, 0.5]
+    with caplog.at_level("WARNING"):
+        assert whole_columns({"ok": [1, 2, 3], "short": [1]}, 3, "at step 4") == {"ok": [1, 2, 3]}
+    assert "log_extra('short') gave 1 values for the 3 samples at step 4" in caplog.text
+    rollout = random_rollout(group=2, prompts=3, seed=1)
+    rollout.extra = {"why": list("abcdef")}
+    kept = rollout.select_groups([2, 0])
+    assert kept.extra == {"why": list("efab")}
+    assert Rollout.concat([kept, random_rollout(group=2, prompts=1)]).extra == {"why": list("efab") + [None] * 2}
