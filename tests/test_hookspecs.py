@@ -58,7 +58,7 @@ def test_every_hook_is_called_by_the_runs_that_need_it(rlhf, tmp_path):
     plugin.write_text(every_hook_plugin(log))
     code, _, err = rlhf("train", "--plugin", str(plugin), "--train.max_staleness", "1",
                         "--train.allow_uncorrected_staleness", "true", "--train.save_every", "1",
-                        *with_eval("--train.steps", "3"))
+                        "--train.log_samples_every", "2", *with_eval("--train.steps", "3"))
     assert code == 0, err
     first = set(log.read_text().split())
     Path(f"{log}.fail").touch()

@@ -39,7 +39,7 @@ def test_each_row_holds_its_samples_scores_advantage_and_plain_columns():
 def test_the_table_prints_prompts_and_completions_as_written_never_as_markup():
     from rich.console import Console
 
-    from rlhf_plugins.training.samples import print_samples
+    from rlhf_plugins.tables import print_samples
 
     console = Console(record=True, width=200)
     rows = [{"prompt": [{"role": "user", "content": "[bold]2+2="}], "completion": "[red]4[/red]",

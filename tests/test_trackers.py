@@ -2,12 +2,21 @@
 they receive exactly what metrics.jsonl holds, and a resumed run continues the same tracker run."""
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import block_import, eval_rows_of, metrics_of, short_run, with_eval
+from tests.helpers import block_import, eval_rows_of, metrics_of, samples_of, short_run, with_eval
+
+
+def step_table(run: Path, step: int) -> tuple[list[str], list[list[Any]]]:
+    """The table a tracker should hold for a step: samples.jsonl's rows of it, as columns and data."""
+    from rlhf_plugins.tables import table_of
+
+    return table_of([r for r in samples_of(run) if r["step"] == step])
 
 
 def wandb_records(run_dir: Path) -> list:
@@ -34,10 +43,20 @@ def wandb_records(run_dir: Path) -> list:
     return records
 
 
-def wandb_history(run_dir: Path) -> list[dict[str, float]]:
-    """The history rows of every offline W&B run under ``run_dir``."""
-    return [{(i.key or "/".join(i.nested_key)): float(i.value_json) for i in record.history.item}
+def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The history rows of every offline W&B run under ``run_dir`` (a table: its JSON reference)."""
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
             for record in wandb_records(run_dir) if record.WhichOneof("record_type") == "history"]
+
+
+def wandb_tables(run_dir: Path, key: str) -> dict[int, dict[str, Any]]:
+    """Each step's table logged under ``key``, as W&B wrote its file ({"columns", "data"})."""
+    tables = {}
+    for row in wandb_history(run_dir):
+        if f"{key}/path" in row:  # the table's reference, its fields as nested keys
+            (path,) = run_dir.glob(f"wandb/offline-run-*/files/{row[f'{key}/path']}")
+            tables[int(row["step"])] = json.loads(path.read_text())
+    return tables
 
 
 def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rlhf):
@@ -45,7 +64,8 @@ def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rl
     import sys
 
     exit_before = sys.exit
-    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.save_every", "1")
+    flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.save_every", "1",
+             "--train.log_samples_every", "2")
     code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "w", *flags))
     assert code == 0, err
     code, _, err = rlhf("train", "--resume", "runs/w", "--train.steps", "3")
@@ -58,6 +78,11 @@ def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rl
     evals = [(int(r["step"]), r["eval/pass@1"]) for r in history if "eval/pass@1" in r]
     assert evals == [(r["step"], pytest.approx(r["eval/pass@1"])) for r in eval_rows_of(run)]
     assert [s for s, _ in evals] == [0, 2, 3]
+    tables = wandb_tables(run, "samples")  # the samples of steps 0 and 2 (after the resume), as samples.jsonl's
+    assert sorted(tables) == [0, 2]
+    for step, table in tables.items():
+        columns, data = step_table(run, step)
+        assert table["columns"] == columns and table["data"] == data and len(data) == 16
     ids = {p.name.rsplit("-", 1)[1] for p in run.glob("wandb/offline-run-*")}
     assert len(list(run.glob("wandb/offline-run-*"))) == 2 and len(ids) == 1  # one W&B run, continued
     assert sys.exit is exit_before  # wandb's exit hook does not outlive the run
@@ -98,7 +123,7 @@ def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    flags = ("--log.mlflow", "true", "--train.save_every", "1")
+    flags = ("--log.mlflow", "true", "--train.save_every", "1", "--train.log_samples_every", "2")
     code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "m", *flags))
     assert code == 0, err
     code, _, err = rlhf("train", "--resume", "runs/m", "--train.steps", "3")
@@ -114,6 +139,16 @@ def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
         [(r["step"], r["reward/mean"]) for r in metrics_of(run)]
     evals = client.get_metric_history(found.info.run_id, "eval.pass_at_1")
     assert sorted(m.step for m in evals) == [r["step"] for r in eval_rows_of(run)] == [0, 2, 3]
+    artifacts = Path(client.download_artifacts(found.info.run_id, "samples"))
+    assert sorted(p.name for p in artifacts.iterdir()) == ["step-000000.json", "step-000002.json"]
+    for step in (0, 2):
+        table = json.loads((artifacts / f"step-{step:06d}.json").read_text())
+        columns, data = step_table(run, step)
+        assert table["columns"] == columns and len(table["data"]) == len(data) == 16
+        for got, want in zip(table["data"], data):  # MLflow writes numbers to 10 digits (pandas' to_json)
+            assert [x for x in got if isinstance(x, str)] == [x for x in want if isinstance(x, str)]
+            numbers = [x for x in want if not isinstance(x, str)]
+            assert [x for x in got if not isinstance(x, str)] == pytest.approx(numbers, rel=1e-9, abs=1e-10)
 
 
 @pytest.mark.parametrize("package", ["wandb", "mlflow"])

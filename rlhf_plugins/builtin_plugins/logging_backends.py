@@ -52,6 +52,7 @@ class Tracker:
 
     def start(self, config: Any, run_dir: Path) -> None: ...
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None: ...
     def finish(self, failed: bool) -> None: ...
 
 
@@ -76,6 +77,11 @@ class WandbTracker(Tracker):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log({**metrics, "step": step})
+
+    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None:
+        import wandb
+
+        self.run.log({"samples": wandb.Table(columns=columns, data=data), "step": step})
 
     def finish(self, failed: bool) -> None:
         import sys
@@ -129,6 +135,12 @@ class MlflowTracker(Tracker):
         import mlflow
 
         mlflow.log_metrics({metric_name(k, self.file_store): v for k, v in metrics.items()}, step=step)
+
+    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None:
+        import mlflow
+
+        mlflow.log_table({c: [row[i] for row in data] for i, c in enumerate(columns)},
+                         artifact_file=f"samples/step-{step:06d}.json")
 
     def finish(self, failed: bool) -> None:
         import mlflow
@@ -190,6 +202,15 @@ def rlhf_before_train(config: Any, run_dir: Path) -> None:
 def rlhf_after_step(step: int, metrics: Mapping[str, float]) -> None:
     for tracker in _active.values():
         tracker.log(_finite(metrics), step)
+
+
+@hookimpl
+def rlhf_after_samples(step: int, samples: list[dict[str, Any]]) -> None:
+    from ..tables import table_of
+
+    columns, data = table_of(samples)
+    for tracker in _active.values():
+        tracker.samples(columns, data, step)
 
 
 @hookimpl

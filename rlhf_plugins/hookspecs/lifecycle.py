@@ -58,6 +58,20 @@ def rlhf_after_step(step: int, metrics: Mapping[str, float]) -> None:
 
 
 @hookspec
+def rlhf_after_samples(step: int, samples: list[dict[str, Any]]) -> None:
+    """Called on the steps ``train.log_samples_every`` picks, after ``rlhf_after_step``, with the rows
+    ``samples.jsonl`` gets: per sample ``prompt``, ``completion``, ``rewards`` (each source's score),
+    ``reward``, ``advantage``, ``tokens``, ``finish_reason``, ``group``, ``columns`` (and ``extra``, TRL's
+    ``log_extra`` columns). The builtin trackers log them as a table. Example::
+
+        @hookimpl
+        def rlhf_after_samples(step, samples):
+            best = max(samples, key=lambda s: s["reward"] or 0.0)
+            print(step, best["completion"])
+    """
+
+
+@hookspec
 def rlhf_after_eval(step: int, metrics: Mapping[str, float]) -> None:
     """Called after each held-out evaluation with its metrics (``eval/pass@1``, ``eval/pass@8``,
     ``eval/mean@8``, ``eval/maj@8``, ``eval/greedy``); ``step`` is the number of updates the

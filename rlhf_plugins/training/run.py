@@ -24,7 +24,7 @@ from . import checkpoint
 from .heldout import eval_due, make_evaluator, run_eval
 from .out_of_memory import OutOfMemory, explain, is_out_of_memory
 from .runlog import is_eval_row, make_run_dir, quiet_libraries
-from .stopping import STATUS, StopRequests, resume_hint, save_failed_step, write_status
+from .stopping import STATUS, StopRequests, recover, resume_hint, save_failed_step, write_status
 
 
 def check_lengths(config: Config, plan: Plan, prompts: Any, budget_key: str = "generation.max_new_tokens",
@@ -215,6 +215,8 @@ class TrainingRun:
             metrics["fault/restarts"] = float(restarts)
         self.log.log(step, metrics, trainer.samples)
         self.pm.notify("rlhf_after_step", step=step, metrics=metrics)
+        if trainer.samples:
+            self.pm.notify("rlhf_after_samples", step=step, samples=trainer.samples)
         progress.update(step + 1, metrics, trainer.samples[: t.print_samples])
         done = step + 1
         if self.held is not None and eval_due(self.config, done):
@@ -284,16 +286,3 @@ class TrainingRun:
             save_failed_step(trainer, run_dir, self.config.train.keep_checkpoints)
         raise OutOfMemory(f"{oom}; status in {run_dir / STATUS}", oom.role, oom.peak_gb) from exc
 
-
-def recover(trainer: Any, run_dir: Path, log: Any, console: Console, exc: BaseException) -> int:
-    """After a role died: restart what died, go back to the latest checkpoint everywhere, and
-    return the step to continue from."""
-    roles = trainer.placement.recover()
-    _, latest = checkpoint.complete(run_dir)[-1]
-    trainer.reset_sync()
-    start = trainer.load_checkpoint(latest)
-    log.rewind(start)
-    trainer.history = [r for r in log.kept if "reward/mean" in r]
-    console.print(f"rlhf: {escape(str(exc))}; restarted {', '.join(roles) or 'nothing'} and went back to "
-                  f"step {start}", highlight=False)
-    return start

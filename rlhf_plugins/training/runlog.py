@@ -177,7 +177,7 @@ class StepProgress:
                                f"mem {memory}", highlight=False, soft_wrap=True)
             self.last_line, self.last_time = done, now
         if samples:
-            from .samples import print_samples
+            from ..tables import print_samples
 
             print_samples(self.console, samples, f"step {done}/{self.total}")
 

@@ -2,8 +2,9 @@
 of ``<run>/samples.jsonl`` (verl's rollout_data_dir, TRL's log_completions) -- the prompt, the completion,
 each reward's score, the combined score before and after shaping, the advantage, how it ended and the
 dataset's plain columns (a label, an answer) -- and the first ``train.print_samples`` of them printed as a
-table (TRL's num_completions_to_print). ``MetricsLog`` writes the rows; a resumed run drops those of the
-steps it does again, as in ``metrics.jsonl``."""
+table (TRL's num_completions_to_print; :mod:`rlhf_plugins.tables`). ``MetricsLog`` writes the rows; a resumed
+run drops those of the steps it does again, as in ``metrics.jsonl``. Observers get them through the
+``rlhf_after_samples`` hook (the builtin W&B and MLflow trackers log them as a table)."""
 from __future__ import annotations
 
 import math
@@ -48,30 +49,3 @@ def sample_rows(step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict
 def _number(value: float | None) -> float | None:
     """A score as JSON holds it: None for an abstention or a value that is not finite."""
     return None if value is None or not math.isfinite(value) else float(value)
-
-
-def print_samples(console: Any, rows: list[dict[str, Any]], step: str) -> None:
-    """Rows of one step (``step``, as the progress shows it) as a table: prompt, completion, each reward, the
-    combined reward, the advantage, and the columns of TRL's ``log_extra``."""
-    from rich.table import Table
-
-    names, extra = list(rows[0]["rewards"]), list(rows[0].get("extra", {}))
-    table = Table(title=f"samples of {step}", show_lines=True)
-    numbers = (*names, "reward", "advantage")
-    for header in ("prompt", "completion", *numbers, *extra):
-        table.add_column(header, overflow="fold", justify="right" if header in numbers else "left")
-    for row in rows:
-        scores = [row["rewards"][n] for n in names] + [row["reward"], row["advantage"]]
-        shown = ("-" if s is None else f"{s:.3f}" for s in scores)
-        table.add_row(_text(row["prompt"]), _text(row["completion"]), *shown, *(_text(row["extra"][k]) for k in extra))
-    console.print(table)
-
-
-def _text(value: Any) -> Any:
-    """A prompt or completion as text (never read as markup): a conversation's messages one per line."""
-    from rich.text import Text
-
-    if isinstance(value, list):
-        value = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" if isinstance(m, dict) else str(m)
-                          for m in value)
-    return Text(str(value))

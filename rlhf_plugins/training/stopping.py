@@ -1,6 +1,7 @@
 """How a run stops: SIGINT / SIGTERM finish the current step, write a checkpoint and stop with
 130 / 143; a second SIGINT stops at once, and so does a step still running :data:`STOP_GRACE`
 seconds after the first signal. A run that did not finish says how it ended in ``status.json``.
+A run whose placement restarts roles goes back to its latest checkpoint after a role died (:func:`recover`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+
+from . import checkpoint
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -91,3 +95,19 @@ def save_failed_step(trainer: Any, run_dir: Path, keep: int) -> None:
         trainer.save_checkpoint(run_dir, keep, snapshot=trainer.snapshot)
     except Exception as exc:  # the original error matters more
         logger.warning("could not checkpoint the failed step: %s", exc)
+
+
+def recover(trainer: Any, run_dir: Path, log: Any, console: Console, exc: BaseException) -> int:
+    """After a role died: restart what died, go back to the latest checkpoint everywhere, and
+    return the step to continue from."""
+    roles = trainer.placement.recover()
+
+
+    _, latest = checkpoint.complete(run_dir)[-1]
+    trainer.reset_sync()
+    start = trainer.load_checkpoint(latest)
+    log.rewind(start)
+    trainer.history = [r for r in log.kept if "reward/mean" in r]
+    console.print(f"rlhf: {escape(str(exc))}; restarted {', '.join(roles) or 'nothing'} and went back to "
+                  f"step {start}", highlight=False)
+    return start
