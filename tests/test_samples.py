@@ -104,3 +104,26 @@ def test_log_extra_columns_follow_their_samples_through_split_scoring_and_filter
     kept = rollout.select_groups([2, 0])
     assert kept.extra == {"why": list("efab")}
     assert Rollout.concat([kept, random_rollout(group=2, prompts=1)]).extra == {"why": list("efab") + [None] * 2}
+
+
+def test_log_extra_values_that_json_cannot_hold_are_written_as_text(tmp_path):
+    """TRL's log_extra takes "any value convertible to string": a row holds such a value as its text, and
+    ``samples.jsonl`` takes it (the run goes on)."""
+    from fractions import Fraction
+
+    from rlhf_plugins.training.rollout import make_batch
+    from rlhf_plugins.training.runlog import MetricsLog
+    from rlhf_plugins.training.samples import sample_rows
+
+    rollout = random_rollout(group=2, prompts=1, seed=2)
+    rollout.completions, rollout.scores = ["a", "b"], [1.0, 0.0]
+    rollout.extra = {"ratio": [Fraction(1, 3), 0.5], "note": [None, "ok"]}
+    batch = make_batch(rollout, pad_id=0)
+    batch["advantages"] = torch.zeros(batch["action_mask"].shape)
+    rows = sample_rows(0, rollout, batch)
+    assert [r["extra"] for r in rows] == [{"ratio": "1/3", "note": None}, {"ratio": 0.5, "note": "ok"}]
+    assert [r["reward"] for r in rows] == [1.0, 0.0] and "score" not in rows[0]  # unshaped: scores are the rewards
+    log = MetricsLog(tmp_path)
+    log.log(0, {"reward/mean": 0.5}, rows)
+    log.close()
+    assert samples_of(tmp_path) == rows

@@ -80,7 +80,7 @@ class MetricsLog:
         if samples:
             if self._samples is None:
                 self._samples = open(self.samples_path, "a", buffering=1)
-            self._samples.write("".join(json.dumps(r) + "\n" for r in samples))
+            self._samples.write("".join(json.dumps(r, default=str) + "\n" for r in samples))
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         bad = sorted(k for k, v in values.items() if not math.isfinite(v))
         row: dict[str, Any] = {"step": step, **{k: (None if k in bad else v) for k, v in values.items()}}

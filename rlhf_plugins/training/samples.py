@@ -30,18 +30,18 @@ def sample_rows(step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict
     tokens = mask.sum(-1)
     advantages = (batch["advantages"].to(torch.float64) * mask).sum(-1) / tokens.clamp_min(1)
     columns = {k: v for k, v in rollout.columns.items() if all(isinstance(x, PLAIN) for x in v)}
-    shaped = rollout.scores != rollout.raw_scores
+    raw = rollout.raw_scores or rollout.scores
     rows = []
     for i in range(len(rollout)):
         row = {"step": step, "group": i // max(1, rollout.group_size), "prompt": rollout.prompts[i],
-               "completion": rollout.completions[i], "reward": _number(rollout.raw_scores[i]),
+               "completion": rollout.completions[i], "reward": _number(raw[i]),
                "rewards": {name: _number(v[i]) for name, v in rollout.reward_components.items()},
-               "advantage": float(advantages[i]), "tokens": int(tokens[i]),
+               "advantage": _number(float(advantages[i])), "tokens": int(tokens[i]),
                "finish_reason": rollout.finish_reasons[i], "columns": {k: v[i] for k, v in columns.items()}}
-        if shaped:
+        if rollout.scores != raw:
             row["score"] = _number(rollout.scores[i])
-        if rollout.extra:  # what reward functions added with TRL's log_extra
-            row["extra"] = {k: v[i] for k, v in rollout.extra.items()}
+        if rollout.extra:  # what reward functions added with TRL's log_extra (as text unless plain)
+            row["extra"] = {k: v[i] if isinstance(v[i], PLAIN) else str(v[i]) for k, v in rollout.extra.items()}
         rows.append(row)
     return rows
 
