@@ -19,13 +19,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from ._version import __version__
-from .commands import convert, evaluate, runs, serve_reward, stages
+from .commands import convert, evaluate, runs, samples, serve_reward, stages
 from .errors import Interrupted, UsageError
 from .terminal import logger, quiet_third_party, setup_logging
 
 #: subcommands with a module of their own: ``add_parser(sub, plugin_args)`` and
 #: ``run(args, rest, console)`` (``rest``: the dotted config flags, for commands that take them)
-COMMANDS = {"eval": evaluate, "runs": runs, "plot": runs, "serve-reward": serve_reward, "convert": convert,
+COMMANDS = {"eval": evaluate, "runs": runs, "plot": runs, "samples": samples, "serve-reward": serve_reward,
+            "convert": convert,
             **{stage: stages for stage in stages.STAGES}}
 
 

@@ -3,6 +3,8 @@ num_completions_to_print): each row's scores, advantage and columns by hand, the
 table it prints, and TRL's fields. Exact resume of samples.jsonl: tests/test_checkpoints.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +129,24 @@ def test_log_extra_values_that_json_cannot_hold_are_written_as_text(tmp_path):
     log.log(0, {"reward/mean": 0.5}, rows)
     log.close()
     assert samples_of(tmp_path) == rows
+
+
+def test_rlhf_samples_shows_a_logged_step_ordered_and_says_which_steps_were_logged(rlhf):
+    import json
+
+    code, _, err = rlhf("train", *short_run("--train.log_samples_every", "2", "--train.run_name", "s"))
+    assert code == 0, err
+    code, _, err = rlhf("train", *short_run("--train.run_name", "none"))
+    assert code == 0, err
+    logged = [r for r in samples_of(Path("runs/s")) if r["step"] == 2]
+    code, out, err = rlhf("samples", "runs/s")  # the last logged step, its first 8 samples
+    assert code == 0, err
+    assert "samples of step 2 of runs/s (8 of 16)" in out and logged[0]["completion"] in out
+    code, out, err = rlhf("samples", "runs/s", "--step", "2", "-n", "0", "--sort", "advantage", "--json")
+    assert code == 0, err
+    shown = [json.loads(line) for line in out.splitlines()]
+    assert shown == sorted(logged, key=lambda r: r["advantage"], reverse=True) and len(shown) == 16
+    code, _, err = rlhf("samples", "runs/s", "--step", "1")
+    assert code == 2 and err.strip() == "rlhf: error: step 1 logged no samples in 'runs/s'; logged steps: 0, 2"
+    code, _, err = rlhf("samples", "runs/none")
+    assert code == 2 and "holds no logged samples: train with --train.log_samples_every N" in err
