@@ -119,3 +119,25 @@ def test_log_entropy_logs_the_policys_entropy_and_leaves_the_update_as_it_was(lo
         updates[logged] = [p.detach().clone() for p in learner.model.parameters()]
     assert metrics["entropy"] == pytest.approx(want, rel=1e-5) and 1.0 < want < 6.0
     assert all(torch.equal(a, b) for a, b in zip(updates[False], updates[True]))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                         "seq-mean-token-sum-norm"])
+def test_the_logged_entropy_is_nats_per_token_and_the_bonus_is_aggregated_as_the_loss(aggregation):
+    """``entropy`` (the adaptive target's measure, TRL's logged entropy) is the token mean over the
+    completions whatever the aggregation; the bonus in the loss is aggregated as the policy loss is, by
+    hand for each mode on ragged completions."""
+    config, _, _ = prepare({"algo": {"policy_loss": {"aggregation": aggregation, "log_entropy": True}}}, autoload=False)
+    g = torch.Generator().manual_seed(3)
+    lengths = [6, 2, 4]
+    mask = torch.tensor([[1.0] * n + [0.0] * (6 - n) for n in lengths])
+    batch = {"action_mask": mask, "advantages": torch.randn(3, 6, generator=g)}
+    outputs = {"logprobs": -torch.rand(3, 6, generator=g), "entropy": torch.rand(3, 6, generator=g) * 3}
+    ent = outputs["entropy"]
+    sums = [float(ent[i, :n].sum()) for i, n in enumerate(lengths)]
+    by_hand = {"token-mean": sum(sums) / 12, "seq-mean-token-mean": sum(s / n for s, n in zip(sums, lengths)) / 3,
+               "seq-mean-token-sum": sum(sums) / 3, "seq-mean-token-sum-norm": sum(sums) / 3 / 8}[aggregation]
+    plain, metrics = Objective(policy_losses.ppo, config.algo.policy_loss, norm_length=8)(outputs, batch)
+    bonus, _ = Objective(policy_losses.ppo, config.algo.policy_loss, norm_length=8, entropy_coef=0.5)(outputs, batch)
+    assert float(metrics["entropy"]) == pytest.approx(sum(sums) / 12, rel=1e-6)
+    assert float(plain - bonus) == pytest.approx(0.5 * by_hand, rel=1e-5)

@@ -97,10 +97,9 @@ class Objective:
                 loss = loss + self.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if entropy is not None:
-            ent = aggregate(entropy, mask, self.aggregation, self.norm_length)
-            if self.bonus:
-                loss = loss - self.bonus * ent
-            metrics["entropy"] = ent.detach()
+            if self.bonus:  # the bonus is aggregated as the loss is
+                loss = loss - self.bonus * aggregate(entropy, mask, self.aggregation, self.norm_length)
+            metrics["entropy"] = masked_mean(entropy.detach(), mask)  # nats per token, whatever the aggregation
         metrics["loss/total"] = loss.detach()
         return loss, metrics
 
