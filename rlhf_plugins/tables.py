@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+#: a dataset column's values go into a sample's row when they are of these types (a label, an answer; not
+#: images or nested data)
+PLAIN = (str, int, float, bool, type(None))
+
 
 def table_of(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """Rows of one step as a tracker's table (columns, data): prompt and completion as text, each reward, the

@@ -26,6 +26,9 @@ FLAGS = [
      "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16"),
     ("dtype-unknown", ["--model.dtype", "float64"],
      "config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'; got 'float64'"),
+    ("eval-samples-without-evaluation", ["--eval.log_samples", "true", "--eval.enabled", "false"],
+     "eval.log_samples writes the held-out evaluations' samples and this run evaluates on nothing: give --eval.path "
+     "or --eval.split (and keep --eval.enabled true)"),
     ("print-samples-alone", ["--train.print_samples", "4"],
      "train.print_samples (4) prints the samples of the steps train.log_samples_every picks; set "
      "--train.log_samples_every N (every N steps) as well"),

@@ -150,3 +150,34 @@ def test_rlhf_samples_shows_a_logged_step_ordered_and_says_which_steps_were_logg
     assert code == 2 and err.strip() == "rlhf: error: step 1 logged no samples in 'runs/s'; logged steps: 0, 2"
     code, _, err = rlhf("samples", "runs/none")
     assert code == 2 and "holds no logged samples: train with --train.log_samples_every N" in err
+
+
+# --- held-out evaluations' samples (--eval.log_samples) ---------------------------------------------
+
+def test_evaluations_log_each_prompts_samples_which_give_the_metrics_resume_and_match_rlhf_eval(rlhf):
+    import json
+
+    from rlhf_plugins.builtin_plugins.rewards import exact_match
+    from tests.helpers import eval_rows_of, with_eval
+
+    flags = with_eval("--train.steps", "3", "--eval.every", "2", "--eval.log_samples", "true",
+                      "--train.save_every", "1", "--train.run_name", "r")
+    code, _, err = rlhf("train", *flags)
+    assert code == 0, err
+    code, _, err = rlhf("train", "--resume", "runs/r", "--train.steps", "5")  # evaluations at 4 and 5 added
+    assert code == 0, err
+    rows = [json.loads(line) for line in Path("runs/r/eval_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [s for s in (0, 2, 3, 4, 5) for _ in range(20)]  # each prompt once a step
+    for metrics in eval_rows_of(Path("runs/r")):
+        mine = [r for r in rows if r["step"] == metrics["step"]]
+        samples = [s for r in mine for s in r["samples"]]
+        labels = [r["columns"]["label"] for r in mine for _ in r["samples"]]
+        assert [s["score"] for s in samples] == exact_match([], [s["completion"] for s in samples], label=labels)
+        assert all(s["correct"] == (s["score"] >= 1.0) for s in samples) and len(samples) == 20 * 8
+        pass1 = sum(sum(s["correct"] for s in r["samples"]) / 8 for r in mine) / 20
+        assert pass1 == pytest.approx(metrics["eval/pass@1"], abs=1e-12)
+        assert sum(r["greedy"]["correct"] for r in mine) / 20 == pytest.approx(metrics["eval/greedy"], abs=1e-12)
+    code, _, err = rlhf("eval", "runs/r", "--output", "report.json")  # the last evaluation again: the same samples
+    assert code == 0, err
+    report = json.loads(Path("report.json").read_text())
+    assert [{**r, "step": 5} for r in report["samples"]] == [r for r in rows if r["step"] == 5]

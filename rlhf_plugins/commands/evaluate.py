@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     report = evaluate(config, pm, plan, console, adapter)
     try:
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
+        tmp.write_text(json.dumps(report, indent=2, default=str))
         tmp.replace(out)
     except OSError as exc:
         raise UsageError(f"cannot write the report to '{out}': {exc.strerror or exc}; choose another --output") from exc
@@ -185,7 +185,7 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console, adapter: str | N
                   f"{config.eval.n_samples} samples each)", highlight=False, soft_wrap=True)
     show_metrics(console, metrics)
     return {"model": model_path, **({"adapter": adapter} if adapter else {}), **describe(config, plan, source, held),
-            "metrics": metrics}
+            "metrics": metrics, **({"samples": evaluator.samples} if config.eval.log_samples else {})}
 
 
 def describe(config: Any, plan: Any, source: str, held: Any) -> dict[str, Any]:

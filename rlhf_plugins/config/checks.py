@@ -110,11 +110,16 @@ def eval_metric_names(c: Config) -> list[str]:
 
 
 def check_best_metric(c: Config) -> None:
+    """What needs a held-out evaluation has one: ``train.best_metric`` (one of its metrics) and
+    ``eval.log_samples``."""
+    from ..data.prompts import eval_source
+
+    _require(not c.eval.log_samples or eval_source(c) is not None,
+             "eval.log_samples writes the held-out evaluations' samples and this run evaluates on nothing: give "
+             "--eval.path or --eval.split (and keep --eval.enabled true)")
     metric = c.train.best_metric
     if not metric:
         return
-    from ..data.prompts import eval_source
-
     names = eval_metric_names(c)
     _require(metric in names, f"train.best_metric '{metric}' is not an evaluation metric; choose one of: "
                               f"{', '.join(names)}")

@@ -32,6 +32,10 @@ class EvalConfig:
     threshold: float = setting(1.0)
     #: prompts per generation call (each call draws with a seed of its own, the first with --train.seed)
     batch_prompts: int = setting(64, ge=1)
+    #: write each evaluation's samples to ``<run>/eval_samples.jsonl``, a row per held-out prompt: its
+    #: samples' completions, scores, answers and correctness, and the greedy sample's (``rlhf eval``: the
+    #: report's ``samples``)
+    log_samples: bool = False
 
 
 @dataclass

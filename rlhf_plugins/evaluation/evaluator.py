@@ -20,6 +20,7 @@ from typing import Any
 from ..backend_data import derived_seed
 from ..data.prompts import PromptSet
 from ..protocols import Samples, SamplingParams
+from ..tables import PLAIN
 from .metrics import summarise
 
 #: (prompt index of each sample, the samples, their decoded texts, the step, extra per-sample
@@ -50,7 +51,8 @@ class EvalSettings:
 
 
 class Evaluator:
-    """``evaluator(step)`` -> ``{"pass@1": ..., "pass@8": ..., ...}`` for the policy the engine holds."""
+    """``evaluator(step)`` -> ``{"pass@1": ..., "pass@8": ..., ...}`` for the policy the engine holds; after
+    it, ``samples`` holds a record per held-out prompt (its samples, their scores and answers)."""
 
     def __init__(self, prompts: PromptSet, tokenizer: Any, engine: Any, score: Scorer, extract: Extractor,
                  settings: EvalSettings, sample: Sampler | None = None) -> None:
@@ -61,6 +63,7 @@ class Evaluator:
         self.score = score
         self.extract = extract
         self.settings = settings
+        self.samples: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -75,6 +78,7 @@ class Evaluator:
         scores: list[list[float]] = []
         answers: list[list[Any]] = []
         greedy_scores: list[float] = []
+        self.samples = []
         for start in range(0, total, s.batch_prompts):
             idx = list(range(start, min(start + s.batch_prompts, total)))
             # each batch of prompts draws from a seed of its own (an engine seeds a call's prompts by their
@@ -83,14 +87,27 @@ class Evaluator:
             rows, texts = self._scored(idx, dataclasses.replace(sampled, seed=seed), step)
             scores += rows
             answers += [[self.extract(t, self._row(i)) for t in ts] for i, ts in zip(idx, texts)]
-            greedy_rows, _ = self._scored(idx, greedy, step)
+            greedy_rows, greedy_texts = self._scored(idx, greedy, step)
             greedy_scores += [r[0] for r in greedy_rows]
+            self.samples += [self._record(i, step, texts[j], rows[j], answers[i], greedy_texts[j][0], greedy_rows[j][0])
+                             for j, i in enumerate(idx)]
             if progress is not None:
                 progress(idx[-1] + 1, total)
         labels = self.prompts.columns.get("label")
         out = summarise(scores, answers if labels is not None else None, labels, s.n_samples, s.threshold)
         out["greedy"] = sum(x >= s.threshold for x in greedy_scores) / len(greedy_scores)
         return out
+
+    def _record(self, i: int, step: int, texts: list[str], scores: list[float], answers: list[Any], greedy: str,
+                greedy_score: float) -> dict[str, Any]:
+        """A held-out prompt's samples: each one's completion, score, extracted answer and whether it is
+        correct, and the greedy sample's (``eval.log_samples``)."""
+        threshold = self.settings.threshold
+        return {"step": step, "prompt": self.prompts.prompts[i],
+                "columns": {k: v[i] for k, v in self.prompts.columns.items() if isinstance(v[i], PLAIN)},
+                "samples": [{"completion": t, "score": s, "answer": a, "correct": s >= threshold}
+                            for t, s, a in zip(texts, scores, answers)],
+                "greedy": {"completion": greedy, "score": greedy_score, "correct": greedy_score >= threshold}}
 
     def _row(self, i: int) -> dict[str, Any]:
         return {"prompt": self.prompts.prompts[i], **{k: v[i] for k, v in self.prompts.columns.items()}}

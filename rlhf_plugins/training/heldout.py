@@ -69,6 +69,8 @@ def run_eval(trainer: Any, run_dir: Path, log: Any, console: Console, progress: 
     step = trainer.step_count
     metrics = {f"eval/{k}": v for k, v in trainer.evaluator(step, progress).items()}
     log.log(step, metrics)
+    if trainer.config.eval.log_samples:
+        log.rows("eval_samples.jsonl", trainer.evaluator.samples)
     trainer.eval_history.append({"step": step, **metrics})
     shown = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
     console.print(f"eval after {step} steps ({len(trainer.evaluator)} prompts): {shown}", highlight=False,

@@ -67,20 +67,19 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         run_dir = self.run_dir
-        self.path, self.samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+        self.path = run_dir / "metrics.jsonl"
         self.kept = _continue(self.path, start_step, lambda r: r.get("step", -1) < start_step or (
             r.get("step") == start_step and is_eval_row(r)))
-        _continue(self.samples_path, start_step, lambda r: r.get("step", -1) < start_step)
+        for name, kept_before in ROW_LOGS.items():
+            _continue(run_dir / name, start_step, lambda r, kept_before=kept_before: kept_before(r, start_step))
         self._fh = open(self.path, "a", buffering=1)
-        self._samples: Any = None  # opened by the first samples written
+        self._rows: dict[str, Any] = {}  # the ROW_LOGS files written so far
         self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step or None)
 
     def log(self, step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]] | None = None) -> None:
         """A step's metrics, and its samples' rows (``train.log_samples_every``) in ``samples.jsonl``."""
         if samples:
-            if self._samples is None:
-                self._samples = open(self.samples_path, "a", buffering=1)
-            self._samples.write("".join(json.dumps(r, default=str) + "\n" for r in samples))
+            self.rows("samples.jsonl", samples)
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         bad = sorted(k for k, v in values.items() if not math.isfinite(v))
         row: dict[str, Any] = {"step": step, **{k: (None if k in bad else v) for k, v in values.items()}}
@@ -91,11 +90,23 @@ class MetricsLog:
             if key not in bad:
                 self._tb.add_scalar(key, value, step)
 
+    def rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """``rows`` appended to the run's ``name`` (one of :data:`ROW_LOGS`), opened by its first rows."""
+        if name not in self._rows:
+            self._rows[name] = open(self.run_dir / name, "a", buffering=1)
+        self._rows[name].write("".join(json.dumps(r, default=str) + "\n" for r in rows))
+
     def close(self) -> None:
         self._fh.close()
-        if self._samples is not None:
-            self._samples.close()
+        for fh in self._rows.values():
+            fh.close()
         self._tb.close()
+
+
+#: a run's logs of rows besides metrics.jsonl, and which rows a run continuing from a step keeps: the
+#: samples of the steps before it, the evaluations up to it (one at that step is of the policy resumed)
+ROW_LOGS = {"samples.jsonl": lambda row, start: row.get("step", -1) < start,
+            "eval_samples.jsonl": lambda row, start: row.get("step", -1) <= start}
 
 
 def _continue(path: Path, start_step: int, keep: Any) -> list[dict[str, Any]]:

@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
+from ..tables import PLAIN
 from .rollout import Rollout
-
-#: a dataset column's values go into the rows when they are of these types (not images or nested data)
-PLAIN = (str, int, float, bool, type(None))
 
 
 def due_rows(every: int, step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict[str, Any]]:
