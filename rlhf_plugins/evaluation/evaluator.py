@@ -42,17 +42,20 @@ class EvalSettings:
     seed: int = 0
     #: the training rollouts' stop strings (generation.stop)
     stop: tuple[str, ...] = ()
+    #: keep a record of each prompt's samples (eval.log_samples)
+    keep_samples: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> EvalSettings:
         e = config.eval
         return cls(e.n_samples, e.temperature, e.max_new_tokens or config.generation.max_new_tokens, e.threshold,
-                   e.batch_prompts, config.train.seed, tuple(config.generation.stop))
+                   e.batch_prompts, config.train.seed, tuple(config.generation.stop), e.log_samples)
 
 
 class Evaluator:
     """``evaluator(step)`` -> ``{"pass@1": ..., "pass@8": ..., ...}`` for the policy the engine holds; after
-    it, ``samples`` holds a record per held-out prompt (its samples, their scores and answers)."""
+    it, with ``keep_samples``, ``samples`` holds a record per held-out prompt (its samples, their scores and
+    answers)."""
 
     def __init__(self, prompts: PromptSet, tokenizer: Any, engine: Any, score: Scorer, extract: Extractor,
                  settings: EvalSettings, sample: Sampler | None = None) -> None:
@@ -89,8 +92,9 @@ class Evaluator:
             answers += [[self.extract(t, self._row(i)) for t in ts] for i, ts in zip(idx, texts)]
             greedy_rows, greedy_texts = self._scored(idx, greedy, step)
             greedy_scores += [r[0] for r in greedy_rows]
-            self.samples += [self._record(i, step, texts[j], rows[j], answers[i], greedy_texts[j][0], greedy_rows[j][0])
-                             for j, i in enumerate(idx)]
+            if s.keep_samples:
+                self.samples += [self._record(i, step, texts[j], rows[j], answers[i], greedy_texts[j][0],
+                                              greedy_rows[j][0]) for j, i in enumerate(idx)]
             if progress is not None:
                 progress(idx[-1] + 1, total)
         labels = self.prompts.columns.get("label")
