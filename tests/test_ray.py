@@ -222,6 +222,44 @@ def test_a_role_whose_call_timed_out_is_killed_without_waiting_for_it_to_stop(lo
     assert [a for a in ray.util.list_named_actors() if a.startswith(f"rlhf-{p.run_id}-")] == []
 
 
+def test_a_restart_starts_each_worker_only_once_ray_has_let_go_of_its_old_name(local_ray, tmp_path, monkeypatch):
+    """``ray.kill`` returns before the cluster forgets the actor, and a worker restarted at once under its
+    name failed to start (ActorAlreadyExistsError, seen in CI on a loaded machine). Here the cluster lets go
+    of a killed worker a second late, as there: after one of two ranks dies, both are started again only when
+    neither old name is held, and answer; a name still held past the wait is one line."""
+    import threading
+
+    from rlhf_plugins.errors import RoleFailed
+
+    p = RayPlacement(PlacementContext(config(actor_workers=2, max_restarts=1, ready_timeout=120), ("actor",)))
+    held_at_start, spawn = [], p._spawn
+
+    def watched_spawn(*args, **kwargs):
+        held_at_start.append(set(ray.util.list_named_actors()))
+        return spawn(*args, **kwargs)
+
+    try:
+        handle = p.create_role("actor", Stopper, str(tmp_path), "actor")
+        p.ready()
+        old = list(p.groups["actor"].workers)
+        ray.kill(old[1])  # rank 1 dies (and is gone before the run looks: ray.kill returns before)
+        p.await_released([p.actor_name("actor", 1)])
+        p._spawn = watched_spawn
+        with monkeypatch.context() as slow:  # the kill takes effect a second after ray.kill returns
+            kill = ray.kill
+            slow.setattr(ray, "kill", lambda actor, **kw: threading.Timer(1.0, kill, (actor,), kw).start())
+            assert p.recover() == ["actor"]
+        names = {p.actor_name("actor", 0), p.actor_name("actor", 1)}
+        assert len(held_at_start) == 1 and not names & held_at_start[0]  # both old names gone before the start
+        assert names <= set(ray.util.list_named_actors()) and p.groups["actor"].workers != old
+        handle.busy(0)  # both new ranks answer
+        with pytest.raises(RoleFailed, match=r"Ray still holds the workers rlhf-\w+-actor-0 0.2 s after they were "
+                                             r"killed; the run cannot restart them under their names"):
+            p.await_released([p.actor_name("actor", 0)], timeout=0.2)
+    finally:
+        p.shutdown()
+
+
 def test_more_gpus_than_the_cluster_fails_at_once(local_ray):
     """Decided from the cluster's resources: no placement group is asked for (none would ever be ready)."""
     groups = len(ray.util.placement_group_table())

@@ -21,6 +21,8 @@ logger = logging.getLogger("rlhf_plugins")
 
 #: how long the workers of a run that ends get, together, to stop before they are killed
 SHUTDOWN_SECONDS = 10.0
+#: how long a restart waits for the cluster to let go of the names of the workers it killed
+NAME_RELEASE_SECONDS = 60.0
 #: roles that share one placement group (and split each bundle's GPU and CPU) per mode
 COLOCATE = {
     "none": (),
@@ -149,12 +151,26 @@ class RayPlacement:
                     placement_group=pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=True
                 ),
                 runtime_env={"env_vars": env_vars} if env_vars else None,
-                name=f"rlhf-{self.run_id}-{name}-{rank}",
+                name=self.actor_name(name, rank),
             ).remote(name, rank, n)
             for rank in range(n)
         ]
         self.actors += workers
         return workers
+
+    def actor_name(self, name: str, rank: int) -> str:
+        """The Ray name of the worker of role (or host) ``name`` at ``rank``: ``rlhf-<run>-<name>-<rank>``."""
+        return f"rlhf-{self.run_id}-{name}-{rank}"
+
+    def await_released(self, names: list[str], timeout: float = NAME_RELEASE_SECONDS) -> None:
+        """Wait until the cluster has let go of the names of killed workers: ``ray.kill`` returns before the
+        cluster forgets an actor, and a new worker under a name still held fails to start."""
+        deadline = time.monotonic() + timeout
+        while held := sorted(set(names) & set(self._ray.util.list_named_actors())):
+            if time.monotonic() > deadline:
+                raise RoleFailed(f"Ray still holds the workers {', '.join(held)} {timeout:g} s after they were "
+                                 "killed; the run cannot restart them under their names")
+            time.sleep(0.05)
 
     def _start(self, role: str, cls: type, args: tuple, kwargs: dict) -> list[Any]:
         """The role's actors on its bundles, each with its rank's distributed environment. Roles
@@ -203,14 +219,18 @@ class RayPlacement:
         restarted = [role for role in self.groups if role in dead or self._host(role) in hosts]
         for host in hosts:
             self._hosted.pop(host, None)
+        names = set()
         for role in restarted:
             group = self.groups[role]
             logger.warning("role '%s' lost a worker; restarting its %d rank(s) (restart %d of %d)", role,
                            len(group.workers), self.restarts, self.opts.max_restarts)
             for worker in group.workers:
                 self._ray.kill(worker, no_restart=True)
+            names |= {self.actor_name(self._host(role) or role, r) for r in range(len(group.workers))}
+        self.await_released(sorted(names))  # every killed worker gone (a host's once) before any starts again
+        for role in restarted:
             cls, args, kwargs = self.specs[role]
-            group.workers = self._start(role, cls, args, kwargs)
+            self.groups[role].workers = self._start(role, cls, args, kwargs)
         return restarted
 
     def describe(self) -> dict[str, str]:
