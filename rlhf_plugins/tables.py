@@ -1,5 +1,6 @@
 """A step's samples (the rows of ``samples.jsonl``, :mod:`rlhf_plugins.training.samples`) shown: as a table on
-the terminal (``train.print_samples``) and as the columns and data of a tracker's table (W&B, MLflow)."""
+the terminal (``train.print_samples``, ``rlhf samples``) and as the columns and data of a tracker's table (W&B,
+MLflow); a held-out evaluation's records (``eval_samples.jsonl``) as a table too."""
 from __future__ import annotations
 
 from typing import Any
@@ -33,6 +34,22 @@ def print_samples(console: Any, rows: list[dict[str, Any]], step: str) -> None:
         scores = [row["rewards"][n] for n in names] + [row["reward"], row["advantage"]]
         shown = ("-" if s is None else f"{s:.3f}" for s in scores)
         table.add_row(_text(row["prompt"]), _text(row["completion"]), *shown, *(_text(row["extra"][k]) for k in extra))
+    console.print(table)
+
+
+def print_eval_samples(console: Any, records: list[dict[str, Any]], title: str) -> None:
+    """Held-out records of one evaluation as a table: a row per prompt with its plain columns (the label), how
+    many of its samples were correct, one wrong completion, and the greedy completion and whether it was."""
+    from rich.table import Table
+
+    table = Table(title=f"held-out samples of {title}", show_lines=True)
+    for header in ("prompt", "columns", "correct", "a wrong sample", "greedy"):
+        table.add_column(header, overflow="fold", justify="right" if header == "correct" else "left")
+    for r in records:
+        wrong = next((s["completion"] for s in r["samples"] if not s["correct"]), "")
+        greedy = f"{r['greedy']['completion']} ({'right' if r['greedy']['correct'] else 'wrong'})"
+        table.add_row(_text(r["prompt"]), _text(", ".join(f"{k}={v}" for k, v in r["columns"].items())),
+                      f"{sum(s['correct'] for s in r['samples'])}/{len(r['samples'])}", _text(wrong), _text(greedy))
     console.print(table)
 
 

@@ -180,4 +180,15 @@ def test_evaluations_log_each_prompts_samples_which_give_the_metrics_resume_and_
     code, _, err = rlhf("eval", "runs/r", "--output", "report.json")  # the last evaluation again: the same samples
     assert code == 0, err
     report = json.loads(Path("report.json").read_text())
-    assert [{**r, "step": 5} for r in report["samples"]] == [r for r in rows if r["step"] == 5]
+    last = [r for r in rows if r["step"] == 5]
+    assert [{**r, "step": 5} for r in report["samples"]] == last
+    # rlhf samples --eval: the last evaluation's records, the prompts with the fewest correct samples first
+    code, out, err = rlhf("samples", "runs/r", "--eval", "--sort", "failing", "-n", "0", "--json")
+    assert code == 0, err
+    shown = [json.loads(line) for line in out.splitlines()]
+    assert shown == sorted(last, key=lambda r: sum(s["correct"] for s in r["samples"]))
+    code, out, err = rlhf("samples", "runs/r", "--eval", "--step", "2", "-n", "3")
+    assert code == 0, err
+    assert "held-out samples of step 2 of runs/r (3 of 20)" in out and "label=" in out
+    code, _, err = rlhf("samples", "runs/r", "--eval", "--sort", "reward")
+    assert code == 2 and "--sort reward orders training samples; held-out records (--eval) sort by failing" in err
