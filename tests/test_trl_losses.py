@@ -77,6 +77,10 @@ def test_cispo_is_trls_capped_weight_times_the_log_prob(seed):
     ratio = torch.exp(logprobs - old)
     capped = (ratio > 2.5) & mask.bool()
     assert capped.any() and float(metrics["loss/clip_frac"]) == pytest.approx(float(capped.sum() / mask.sum()))
+    # TRL's cispo_clip_ratio: (coef_1 > epsilon_high) & (advantages > 0), over the completion tokens
+    theirs = ((ratio > 2.5) & (advantages > 0)).double()
+    assert float(metrics["loss/clip_high_frac"]) == pytest.approx(float((theirs * mask).sum() / mask.sum()))
+    assert 0 < float(metrics["loss/clip_high_frac"]) < float(metrics["loss/clip_frac"])
     # unlike the PPO clip, a token above the cap keeps a gradient: the cap's weight times its advantage
     torch.testing.assert_close(grad[capped], (-2.5 * advantages / mask.sum())[capped], rtol=1e-9, atol=0)
     assert (grad[capped] != 0).all()
@@ -298,3 +302,15 @@ def test_vespo_is_trls_gamma_weighted_reinforce(seed, mismatch):
     torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
     phi_mean = float((phi.expand_as(mask) * mask).sum() / mask.sum())
     assert float(metrics["loss/vespo_phi_mean"]) == pytest.approx(phi_mean) and abs(phi_mean - 1) > 0.005
+
+
+def test_the_drop_ins_clip_names_follow_the_loss_as_trls_do():
+    """log_history names the clip's shares as TRL does for the loss that ran: ``clip_ratio/*_mean`` for the
+    clipped surrogate (below the band, above it, either), ``cispo_clip_ratio`` for CISPO's cap."""
+    from rlhf_plugins.integrations.trl_state import _trl_row
+
+    clipped = _trl_row({"loss/clip_frac": 0.3, "loss/clip_low_frac": 0.1, "loss/clip_high_frac": 0.2})
+    assert (clipped["clip_ratio/low_mean"], clipped["clip_ratio/high_mean"], clipped["clip_ratio/region_mean"]) == \
+        (0.1, 0.2, 0.3) and "cispo_clip_ratio" not in clipped
+    capped = _trl_row({"loss/clip_frac": 0.3, "loss/clip_high_frac": 0.2})
+    assert capped["cispo_clip_ratio"] == 0.2 and not any(k.startswith("clip_ratio/") for k in capped)

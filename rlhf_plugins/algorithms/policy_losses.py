@@ -93,6 +93,8 @@ def cispo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     cap = 1 + o.clip_high
     loss = -ratio.clamp(max=cap) * x.advantages * x.logprobs
     metrics = {"loss/clip_frac": masked_mean((ratio > cap).float(), x.action_mask),
+               # capped with a positive advantage: TRL's cispo_clip_ratio
+               "loss/clip_high_frac": masked_mean(((ratio > cap) & (x.advantages > 0)).float(), x.action_mask),
                "loss/ratio_mean": masked_mean(ratio, x.action_mask),
                "loss/ratio_clamp_frac": masked_mean(clamped, x.action_mask)}
     return loss, metrics

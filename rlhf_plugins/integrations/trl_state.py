@@ -58,6 +58,8 @@ def _trl_row(row: dict[str, Any]) -> dict[str, Any]:
         named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
     if "loss/clip_low_frac" in row:  # the PPO-clip family's (TRL's loss types grpo, bnpo, dr_grpo, dapo, luspo)
         named.update({f"clip_ratio/{theirs}_mean": row[ours] for theirs, ours in CLIP_NAMES.items()})
+    elif "loss/clip_high_frac" in row:  # CISPO's cap, where the advantage is positive
+        named["cispo_clip_ratio"] = row["loss/clip_high_frac"]
     return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}}
 
 
