@@ -57,9 +57,10 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
         raise UsageError(f"step {step} logged no {what} in '{args.run}'; logged steps: {_listed(steps)}")
-    chosen = _ordered(rows_at(rows, step), args.sort)
+    at_step = rows_at(rows, step)
+    chosen = _ordered(at_step, args.sort)
     chosen = chosen[: args.n] if args.n else chosen
-    title = f"step {step} of {args.run} ({len(chosen)} of {len(rows_at(rows, step))})"
+    title = f"step {step} of {args.run} ({len(chosen)} of {len(at_step)})"
     if args.json:
         console.print("\n".join(json.dumps(r) for r in chosen), highlight=False, soft_wrap=True, markup=False)
     elif args.eval:

@@ -14,6 +14,12 @@ CADENCE = {"save_strategy", "save_steps", "save_total_limit", "eval_strategy", "
            "num_completions_to_print"}
 
 
+def fields_read(f: dict[str, Any]) -> set[str]:
+    """The GRPOConfig fields this module converts, ``logging_steps`` among them when it sets the cadence of
+    ``log_completions``."""
+    return CADENCE | ({"logging_steps"} if f.get("log_completions") else set())
+
+
 def _plain(value: Any) -> Any:
     """transformers' strategy enums as their strings."""
     return getattr(value, "value", value)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
-from .trl_cadence import CADENCE, cadence
+from .trl_cadence import cadence, fields_read
 from .trl_fields import (
     BOOKKEEPING_PREFIXES,
     DERIVED,
@@ -225,8 +225,7 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     """Notes on the changed fields nothing above used: ignored with a reason, or bookkeeping; any
     other changes training and is an error."""
     notes, bookkeeping = [], []
-    used = {"logging_steps"} if f.get("log_completions") else set()  # the completions' cadence (trl_cadence)
-    for name in sorted(changed - (set(DIRECT) | DERIVED | CADENCE | used)):
+    for name in sorted(changed - (set(DIRECT) | DERIVED | fields_read(f))):
         if name in IGNORED_WHY:
             notes.append(f"TRL field '{name}' is ignored: {IGNORED_WHY[name]}")
         elif name.startswith(BOOKKEEPING_PREFIXES):

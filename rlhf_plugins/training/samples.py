@@ -25,18 +25,20 @@ def sample_rows(step: int, rollout: Rollout, batch: dict[str, Any]) -> list[dict
     """A row per sample of a step's rollout; ``batch`` holds its ``advantages`` (each sample's is the mean
     over its completion tokens) and ``action_mask``."""
     mask = batch["action_mask"].to(torch.float64)
-    tokens = mask.sum(-1)
-    advantages = (batch["advantages"].to(torch.float64) * mask).sum(-1) / tokens.clamp_min(1)
+    counts = mask.sum(-1)
+    advantages = ((batch["advantages"].to(torch.float64) * mask).sum(-1) / counts.clamp_min(1)).tolist()
+    tokens = counts.long().tolist()
     columns = {k: v for k, v in rollout.columns.items() if all(isinstance(x, PLAIN) for x in v)}
     raw = rollout.raw_scores or rollout.scores
+    shaped = rollout.scores != raw
     rows = []
     for i in range(len(rollout)):
         row = {"step": step, "group": i // max(1, rollout.group_size), "prompt": rollout.prompts[i],
                "completion": rollout.completions[i], "reward": _number(raw[i]),
                "rewards": {name: _number(v[i]) for name, v in rollout.reward_components.items()},
-               "advantage": _number(float(advantages[i])), "tokens": int(tokens[i]),
+               "advantage": _number(advantages[i]), "tokens": tokens[i],
                "finish_reason": rollout.finish_reasons[i], "columns": {k: v[i] for k, v in columns.items()}}
-        if rollout.scores != raw:
+        if shaped:
             row["score"] = _number(rollout.scores[i])
         if rollout.extra:  # what reward functions added with TRL's log_extra (as text unless plain)
             row["extra"] = {k: v[i] if isinstance(v[i], PLAIN) else str(v[i]) for k, v in rollout.extra.items()}
