@@ -59,6 +59,8 @@ def build_parser(train_epilog: str | None = None) -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
     train.add_argument("--trl-config", metavar="FILE",
                        help="a TRL GRPOConfig YAML (as for `trl grpo --config`); --config and flags override it")
+    train.add_argument("--trl-trainer", choices=["grpo", "rloo"], default="grpo",
+                       help="whose config --trl-config holds: grpo (GRPOConfig) or rloo (RLOOConfig, `trl rloo`)")
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue a run from its latest complete checkpoint (or from a checkpoint folder); "
                             "flags may extend --train.steps")
@@ -224,10 +226,13 @@ def load_config(args: argparse.Namespace, rest: list[str]) -> tuple[Any, Any, An
             raise UsageError("--resume continues a run with its own saved config; drop --trl-config")
         extra = load_yaml(args.config) if args.config else {}
         return prepare_resume(args.resume, merge(extra, parse_overrides(rest)), plugins)
+    trainer = getattr(args, "trl_trainer", "grpo")
+    if trainer != "grpo" and not args.trl_config:
+        raise UsageError(f"--trl-trainer {trainer} says whose config --trl-config holds; give --trl-config FILE")
     if args.trl_config:
         from .integrations.trl import from_trl_yaml
 
-        raw, notes, trl_plugins = from_trl_yaml(args.trl_config)
+        raw, notes, trl_plugins = from_trl_yaml(args.trl_config, trainer)
         plugins = trl_plugins + plugins
         for note in notes:
             logger.warning(note)

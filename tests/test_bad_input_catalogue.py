@@ -107,17 +107,20 @@ FLAGS = [
      "unknown learner backend 'megatron'; choose one of: deepspeed, fsdp, torch (--learner.backend)"),
     ("kl-unknown", ["--algo.kl.estimator", "k9"], "unknown kl estimator 'k9'; choose one of: k1, k2, k3 (--algo.kl.estimator)"),
     ("loss-unknown", ["--algo.policy_loss.name", "opo"],
-     "unknown policy loss 'opo'; choose one of: cispo, gspo, ppo, sapo, vespo (--algo.policy_loss.name)"),
+     "unknown policy loss 'opo'; choose one of: cispo, gspo, ppo, sapo, sequence_ppo, vespo (--algo.policy_loss.name)"),
     ("divergence-gate-without-a-mask", ["--algo.policy_loss.mismatch", "tis", "--algo.policy_loss.mismatch_gate",
                                         "binary_kl"],
      "algo.policy_loss.mismatch_gate binary_kl gates the tokens or sequences that icepop and seq_icepop keep; mismatch "
      "tis keeps no such choice: use --algo.policy_loss.mismatch icepop (per token) or seq_icepop (per sequence)"),
     ("ratio-level-of-ppo", ["--algo.policy_loss.ratio_level", "sequence"],
-     "algo.policy_loss.ratio_level sequence applies to cispo and sapo; 'ppo' has none (PPO's sequence-level ratio is "
-     "--algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level"),
+     "algo.policy_loss.ratio_level sequence applies to cispo and sapo; 'ppo' has none (PPO on sequence ratios is "
+     "--algo.policy_loss.name gspo or sequence_ppo): drop --algo.policy_loss.ratio_level"),
     ("dual-clip-without-a-clip", ["--algo.policy_loss.name", "cispo", "--algo.policy_loss.dual_clip", "3"],
-     "algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; 'cispo' has no clip to bound: remove "
-     "--algo.policy_loss.dual_clip"),
+     "algo.policy_loss.dual_clip bounds the clipped surrogate of ppo, gspo and sequence_ppo; 'cispo' has no clip to "
+     "bound: remove --algo.policy_loss.dual_clip"),
+    ("whitening-twice", ["--algo.advantage.estimator", "reinforce", "--algo.advantage.normalize_advantages", "true"],
+     "algo.advantage.normalize_advantages whitens sequence advantages; estimator 'reinforce' whitens its token "
+     "advantages already (--algo.advantage.std_norm): drop --algo.advantage.normalize_advantages"),
     ("vespo-sequence-correction", ["--algo.policy_loss.name", "vespo", "--algo.policy_loss.mismatch", "seq_mask"],
      "algo.policy_loss.name vespo takes token mismatch weights into its sequence weight; algo.policy_loss.mismatch "
      "seq_mask is not a token weight: use tis or icepop"),

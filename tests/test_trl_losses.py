@@ -1,4 +1,4 @@
-"""The policy losses TRL users bring (loss_type cispo, sapo, vespo, luspo), DeepSeek-V3.2's off-policy
+"""The policy losses TRL users bring (loss_type cispo, sapo, vespo, luspo; RLOOTrainer's), DeepSeek-V3.2's off-policy
 sequence masking (off_policy_mask_threshold) and TRL's vLLM importance-sampling corrections: loss and
 gradient against TRL 1.16's formulas written out in float64 on random off-policy inputs (the mask and
 VESPO's weights against TRL's own static methods), TRL's fields, the refusals, and a short run with each."""
@@ -84,6 +84,45 @@ def test_cispo_is_trls_capped_weight_times_the_log_prob(seed):
     # unlike the PPO clip, a token above the cap keeps a gradient: the cap's weight times its advantage
     torch.testing.assert_close(grad[capped], (-2.5 * advantages / mask.sum())[capped], rtol=1e-9, atol=0)
     assert (grad[capped] != 0).all()
+
+
+def trl_rloo(logprobs, old, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """TRL 1.16's RLOOTrainer loss: the clipped surrogate of each completion's ratio ``exp(sum logp - sum old)``,
+    ``-min(r A, clip(r) A)`` averaged over completions; and its clip shares, over completions."""
+    lp = logprobs.clone().requires_grad_(True)
+    coef_1 = torch.exp((lp * mask).sum(1) - (old * mask).sum(1))
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(coef_1 * advantages, coef_2 * advantages).mean()
+    (grad,) = torch.autograd.grad(loss, lp)
+    low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
+    high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
+    shares = {"low": float(low.double().mean()), "high": float(high.double().mean()),
+              "region": float((low | high).double().mean())}
+    return float(loss.detach()), grad, shares, coef_1.detach()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sequence_ppo_is_trls_rloo_loss(seed):
+    """The completion's ratio is the product of its token ratios, clipped once: value, gradient and the
+    clip shares (counted over completions, as TRL's) are TRL's; with ratios from e^-5 to e^5 the clip acts
+    on both sides and some completions keep their gradient."""
+    logprobs, old, _, advantages, mask = inputs(seed)
+    per_sequence = advantages[:, 0]
+    loss, grad, metrics = ours("sequence_ppo", logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28,
+                               aggregation="seq-mean-token-mean")
+    their_loss, their_grad, shares, ratio = trl_rloo(logprobs, old, per_sequence, mask, 0.2, 0.28)
+    assert loss == pytest.approx(their_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-9, atol=1e-12)
+    for theirs, ours_name in (("low", "loss/clip_low_frac"), ("high", "loss/clip_high_frac"),
+                              ("region", "loss/clip_frac")):
+        assert float(metrics[ours_name]) == pytest.approx(shares[theirs], abs=1e-12), theirs
+    assert float(metrics["loss/ratio_mean"]) == pytest.approx(float(ratio.mean()))
+    kept = (grad.abs().sum(1) > 0)
+    assert 0 < shares["region"] < 1 and kept.any() and not kept.all()
+    # a kept completion's gradient is -A r / B on each of its tokens: the whole ratio's, not one token's
+    b = int(kept.nonzero()[0])
+    want = -per_sequence[b] * ratio[b] / len(mask) * mask[b]
+    torch.testing.assert_close(grad[b], want, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -305,7 +305,8 @@ def test_rlhf_convert_trl_writes_the_config_trl_config_runs(rlhf, tmp_path):
         "reward_funcs": ["my_rewards.correct"], "learning_rate": 1e-3, "num_generations": 4,
         "per_device_train_batch_size": 16, "max_completion_length": 6, "max_steps": 2, "logging_steps": 1,
         "num_iterations": 2, "save_steps": 3}))
-    for argv, line in [(["convert", "trl"], "give one TRL GRPO YAML file, e.g. rlhf convert trl grpo.yaml"),
+    for argv, line in [(["convert", "trl"], "give one TRL YAML file, and rloo before it for a trl rloo config, "
+                                                 "e.g. rlhf convert trl grpo.yaml"),
                        (["convert", "trl", "gone.yaml"], "config file 'gone.yaml' does not exist")]:
         check_one_line_error(*rlhf(*argv)[::2], line)
     code, out, err = rlhf("convert", "trl", "-o", "ours.yaml", "grpo.yaml")
@@ -1066,7 +1067,9 @@ def test_trls_accuracy_reward_checks_latex_answers_with_math_verify_as_trl_calls
 
 def test_trls_accuracy_reward_without_math_verify_is_one_line_naming_the_extra(rlhf, monkeypatch):
     block_import(monkeypatch, "math_verify")
-    Path("grpo.yaml").write_text(yaml.safe_dump({"reward_funcs": ["accuracy_reward"], "max_steps": 1}))
+    Path("sums.jsonl").write_text('{"prompt": "1+2=", "solution": "3"}\n')
+    Path("grpo.yaml").write_text(yaml.safe_dump({"reward_funcs": ["accuracy_reward"], "max_steps": 1,
+                                                 "dataset_name": "sums.jsonl"}))
     code, _, err = rlhf("train", "--trl-config", "grpo.yaml")
     check_one_line_error(code, err, "reward function 'accuracy_reward' (plugin 'trl.rewards.accuracy_rewards') needs "
                                     "math_verify, which is not installed: pip install 'rlhf-plugins[math]'")

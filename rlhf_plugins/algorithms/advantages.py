@@ -38,6 +38,10 @@ class AdvantageInputs:
     std_norm: bool = True
     #: group_norm / group_mean_batch_std: added to the std they divide by (``None``: the estimator's own)
     std_eps: float | None = None
+    #: sequence advantages (those given to :meth:`sequence_to_tokens`) whitened over the batch's sequences
+    #: afterwards: ``(A - mean) / (std + eps)``, unbiased std, eps ``std_eps`` or 1e-4 (TRL RLOO's
+    #: normalize_advantages)
+    normalize: bool = False
 
     def whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantages over the batch: zero mean and unit variance, or zero mean alone without ``std_norm``."""
@@ -62,8 +66,12 @@ class AdvantageInputs:
         return self.scores - (self.kl_penalty * self.action_mask).sum(-1)
 
     def sequence_to_tokens(self, advantages: torch.Tensor) -> torch.Tensor:
-        """A sequence advantage ``[B]`` on every token, minus the KL penalty still to come
-        (reward-to-go, gamma 1) when KL is in the reward and not already in the baseline."""
+        """A sequence advantage ``[B]`` on every token (whitened over the batch first with ``normalize``), minus
+        the KL penalty still to come (reward-to-go, gamma 1) when KL is in the reward and not already in the
+        baseline."""
+        if self.normalize and advantages.numel() > 1:
+            eps = 1e-4 if self.std_eps is None else self.std_eps
+            advantages = (advantages - advantages.mean()) / (advantages.std() + eps)
         mask = self.action_mask.to(advantages.dtype)
         out = advantages[:, None] * mask
         if self.kl_penalty is not None and not self.kl_in_baseline:

@@ -73,6 +73,21 @@ def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     return loss, metrics
 
 
+def sequence_ppo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
+    """PPO with each completion as one action (TRL's RLOOTrainer): the sequence's ratio is the product of its
+    token ratios, ``exp(sum log pi - log pi_old)``, clipped once per sequence, its gradient reaching every
+    token through the sum. Each token carries its sequence's clipped surrogate, so seq-mean-token-mean (its
+    default) is the mean over sequences; the clip metrics count sequences, not tokens."""
+    mask = x.action_mask
+    seq_log_ratio, clamped = _clamp(((x.logprobs - x.old_logprobs) * mask).sum(-1))
+    ratio = torch.exp(seq_log_ratio)[:, None].expand_as(x.logprobs)
+    per_sequence = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # each sequence's tokens weigh 1 in all
+    loss, metrics = _clipped(ratio, x.advantages, per_sequence, o)
+    metrics["loss/ratio_mean"] = masked_mean(ratio.detach(), per_sequence)
+    metrics["loss/ratio_clamp_frac"] = masked_mean(clamped[:, None].expand_as(mask), per_sequence)
+    return loss, metrics
+
+
 def _log_ratio(x: PolicyLossInputs, o: Any, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The clamped log-ratio per token, or with ``ratio_level sequence`` each sequence's mean log-ratio on
     every one of its tokens (the gradient, where ``logprobs`` carries one, reaches every token through the

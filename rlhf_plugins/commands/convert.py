@@ -246,12 +246,14 @@ def render(conv: Converted) -> str:
 
 
 def add_parser(sub: Any, plugin_args: Any) -> None:
-    p = sub.add_parser("convert", allow_abbrev=False, help="an OpenRLHF command line or a TRL GRPO YAML as a config",
+    p = sub.add_parser("convert", allow_abbrev=False,
+                       help="an OpenRLHF command line or a TRL GRPO / RLOO YAML as a config",
                        description="rlhf convert openrlhf [-o FILE] -- <OpenRLHF command line>: the equivalent YAML "
                                    "config (run it with rlhf train --config FILE), OpenRLHF's defaults carried "
                                    "where ours differ, and the flags it could not convert, each with the reason. "
-                                   "rlhf convert trl GRPO.yaml [-o FILE]: a `trl grpo --config` YAML as our config "
-                                   "(what rlhf train --trl-config runs), its notes as comments.")
+                                   "rlhf convert trl [rloo] FILE.yaml [-o FILE]: a `trl grpo --config` YAML (with "
+                                   "rloo: `trl rloo --config`) as our config (what rlhf train --trl-config runs), its "
+                                   "notes as comments.")
     p.add_argument("source", choices=["openrlhf", "trl"], help="whose command line or config")
     p.add_argument("-o", "--output", type=Path, help="write the config here (default: print it)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="the command line, after -- (trl: the YAML file)")
@@ -273,8 +275,8 @@ def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
     if args.source == "trl":
         from .convert_trl import arguments, render_trl
 
-        source, args.output = arguments([*args.argv, *rest], args.output)
-        text = render_trl(source)
+        source, args.output, trainer = arguments([*args.argv, *rest], args.output)
+        text = render_trl(source, trainer)
     else:
         argv, args.output = _own_output([*args.argv, *rest], args.output)
         if not argv:

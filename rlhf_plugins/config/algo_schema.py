@@ -23,12 +23,16 @@ class AdvantageConfig:
     #: what group_norm and group_mean_batch_std add to the std they divide by; empty: 1e-6 and 1e-4
     #: (OpenRLHF's group_norm adds 1e-9, TRL 1e-4: the converters set it)
     std_eps: float | None = setting(None, ge=0)
+    #: the group estimators' sequence advantages whitened over the batch afterwards, (A - mean) / (std + eps)
+    #: with std_eps or 1e-4 (TRL RLOOTrainer's normalize_advantages); gae and reinforce(_baseline): std_norm
+    normalize_advantages: bool = False
 
 
 @dataclass
 class PolicyLossConfig:
-    #: ppo (token-level ratio) | gspo (sequence-level ratio) | cispo (capped ratio as a weight) |
-    #: sapo (soft gate) | vespo (sequence-weight shaped REINFORCE) or a plugin's
+    #: ppo (token-level ratio) | gspo (sequence-level ratio) | sequence_ppo (the completion as one action:
+    #: the product of token ratios, TRL's RLOO) | cispo (capped ratio as a weight) | sapo (soft gate) |
+    #: vespo (sequence-weight shaped REINFORCE) or a plugin's
     name: str = "ppo"
     #: ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_low: float = setting(0.2, ge=0, lt=1)

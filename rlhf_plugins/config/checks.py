@@ -10,6 +10,9 @@ from ..errors import ConfigError
 from ..settings import check_bounds
 from .schema import Config
 
+#: the estimators that whiten their token-level advantages over the batch themselves (std_norm)
+TOKEN_WHITENED = ("gae", "reinforce", "reinforce_baseline")
+
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -22,7 +25,7 @@ def check_ranges(c: Config) -> None:
     check_bounds(c)
     for name, section in c.extra.items():
         check_bounds(section, f"{name}.")
-    g, t, p, r, k = c.generation, c.train, c.algo.policy_loss, c.reward, c.algo.kl
+    g, t, p, r = c.generation, c.train, c.algo.policy_loss, c.reward
     _require(
         p.aggregation in AGGREGATIONS,
         f"unknown loss aggregation '{p.aggregation}'; choose one of: {', '.join(AGGREGATIONS)} "
@@ -54,7 +57,7 @@ def check_ranges(c: Config) -> None:
     _require(r.combine == "sum" or g.n_samples_per_prompt >= 2,
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")
-    _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
+    _check_advantage_and_kl(c)
     betas = c.learner.betas
     _require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
              f"config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
@@ -180,6 +183,14 @@ def _check_optimizer(c: Config) -> None:
              "learner.muon_nesterov at their defaults with --learner.backend deepspeed")
 
 
+def _check_advantage_and_kl(c: Config) -> None:
+    a, k = c.algo.advantage, c.algo.kl
+    _require(not a.normalize_advantages or a.estimator not in TOKEN_WHITENED,
+             f"algo.advantage.normalize_advantages whitens sequence advantages; estimator '{a.estimator}' whitens "
+             "its token advantages already (--algo.advantage.std_norm): drop --algo.advantage.normalize_advantages")
+    _require(k.controller != "adaptive" or k.coef > 0, "an adaptive KL controller needs a starting algo.kl.coef > 0")
+
+
 def _check_policy_loss(p: Any) -> None:
     """The rules among the policy loss's own keys."""
     _require(p.entropy_coef_min <= p.entropy_coef_max,
@@ -193,8 +204,8 @@ def _check_policy_loss(p: Any) -> None:
              f"seq_icepop keep; mismatch {p.mismatch} keeps no such choice: use --algo.policy_loss.mismatch icepop "
              "(per token) or seq_icepop (per sequence)")
     _require(p.ratio_level == "token" or p.name in ("cispo", "sapo"),
-             f"algo.policy_loss.ratio_level sequence applies to cispo and sapo; '{p.name}' has none (PPO's "
-             "sequence-level ratio is --algo.policy_loss.name gspo): drop --algo.policy_loss.ratio_level")
+             f"algo.policy_loss.ratio_level sequence applies to cispo and sapo; '{p.name}' has none (PPO on "
+             "sequence ratios is --algo.policy_loss.name gspo or sequence_ppo): drop --algo.policy_loss.ratio_level")
     _require(p.dual_clip is None or p.name not in ("cispo", "sapo", "vespo"),
-             f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo and gspo; '{p.name}' has no clip to "
-             "bound: remove --algo.policy_loss.dual_clip")
+             f"algo.policy_loss.dual_clip bounds the clipped surrogate of ppo, gspo and sequence_ppo; '{p.name}' has "
+             "no clip to bound: remove --algo.policy_loss.dual_clip")

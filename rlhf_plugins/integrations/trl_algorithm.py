@@ -32,6 +32,34 @@ def algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
         _sampling_correction(f, raw)
 
 
+def rloo_algorithm(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
+    """TRL's RLOOTrainer: the leave-one-out baseline over the group (the sequence advantages whitened over the
+    batch with normalize_advantages), PPO's clip on each completion's ratio -- the product of its token ratios --
+    averaged over completions, and with beta the KL in the reward: beta x the summed log-ratio to the reference
+    (k1) taken from each score before the baseline; reward_clip_range clamps the weighted sum of the rewards."""
+    high = float(f["epsilon_high"] if f["epsilon_high"] is not None else f["epsilon"])
+    _set(raw, "algo.policy_loss.clip_high", high)
+    _set(raw, "algo.policy_loss.name", "sequence_ppo")
+    _set(raw, "algo.policy_loss.aggregation", "seq-mean-token-mean")
+    _set(raw, "algo.advantage.estimator", "rloo")
+    if f["normalize_advantages"]:
+        _set(raw, "algo.advantage.normalize_advantages", True)
+    if float(f["beta"]):
+        for key, value in (("in_reward", True), ("estimator", "k1"), ("penalty_in_baseline", True)):
+            _set(raw, f"algo.kl.{key}", value)
+    if f.get("reward_clip_range") is not None:
+        try:
+            low, top = (float(x) for x in f["reward_clip_range"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"TRL field 'reward_clip_range' expects two numbers (low, high); got "
+                              f"{f['reward_clip_range']!r}") from None
+        if not low < top or top <= 0:
+            raise ConfigError(f"TRL reward_clip_range ({low:g}, {top:g}) has no equivalent here: --reward.clip "
+                              "takes a low bound below a high bound above 0")
+        _set(raw, "reward.clip", top)
+        _set(raw, "reward.clip_low", low)
+
+
 def _two_sided(delta: float, loss: str, high: float, raw: dict[str, Any], notes: list[str]) -> None:
     """TRL's ``delta`` (INTELLECT-2's two-sided clip: ``-min(min(r, delta) A, clip(r) A)``), which TRL applies
     to its clipped losses only. Above 1 + epsilon_high it is our dual clip with c = delta; from 1 up to there
@@ -123,7 +151,7 @@ def reference_sync(f: dict[str, Any], raw: dict[str, Any], notes: list[str], upd
 def adaptive_entropy(f: dict[str, Any], raw: dict[str, Any], notes: list[str], updates_per_rollout: int) -> None:
     """use_adaptive_entropy (Skywork-OR1): TRL moves the coefficient after every optimizer update, we
     after every rollout (the same when a rollout makes one update, TRL's default)."""
-    if not f["use_adaptive_entropy"]:
+    if not f.get("use_adaptive_entropy"):  # GRPOConfig's; RLOOConfig has none
         return
     _set(raw, "algo.policy_loss.entropy_target", float(f["entropy_target"]))
     for name in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"):

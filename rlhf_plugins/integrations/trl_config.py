@@ -1,4 +1,5 @@
-"""A TRL user's ``GRPOConfig`` (the object, or a ``trl grpo --config`` YAML) as our config.
+"""A TRL user's ``GRPOConfig`` or ``RLOOConfig`` (the object, or a ``trl grpo --config`` / ``trl rloo --config``
+YAML) as our config.
 
 Every field of TRL's config is accounted for: mapped to one of ours (``DIRECT``, or derived by
 hand), ignored with a reason (``IGNORED_WHY``, trainer bookkeeping), or -- when it changes
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .trl_algorithm import adaptive_entropy, algorithm, reference_sync
+from .trl_algorithm import adaptive_entropy, algorithm, reference_sync, rloo_algorithm
 from .trl_cadence import cadence, fields_read
 from .trl_fields import (
     BOOKKEEPING_PREFIXES,
@@ -28,12 +29,20 @@ from .trl_fields import (
 )
 from .trl_optimizer import optimizer
 
+#: the TRL trainers whose configs convert: name -> (trl's config class, trainer class)
+TRAINERS = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}
+
 
 def grpo_defaults() -> dict[str, Any]:
-    from trl import GRPOConfig
+    return trl_defaults("grpo")
+
+
+def trl_defaults(trainer: str) -> dict[str, Any]:
+    """Every field of the trainer's TRL config with TRL's default."""
+    import trl
 
     out = {}
-    for f in dataclasses.fields(GRPOConfig):
+    for f in dataclasses.fields(getattr(trl, TRAINERS[trainer][0])):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -49,9 +58,15 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """TRL GRPOConfig fields (missing ones take TRL's defaults) -> (our raw config, notes)."""
-    defaults = grpo_defaults()
+    return from_trl_fields(fields, "grpo")
+
+
+def from_trl_fields(fields: dict[str, Any], trainer: str) -> tuple[dict[str, Any], list[str]]:
+    """The fields of TRL's config for ``trainer`` (grpo or rloo; missing ones take TRL's defaults) -> (our raw
+    config, notes). The two share every field but their algorithms' (:mod:`.trl_algorithm`)."""
+    defaults = trl_defaults(trainer)
     fields, legacy = {k: v for k, v in fields.items() if k not in LEGACY}, _legacy(fields)
-    changed = _check_fields(fields, defaults)
+    changed = _check_fields(fields, defaults, trainer)
     f = {**defaults, **fields}
     raw: dict[str, Any] = {}
     # TRL's prompt formats: a plain string is tokenized as it is ("standard"), a list of messages is
@@ -69,7 +84,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                 _set(raw, key, conv(f[name]))
             except (TypeError, ValueError):
                 raise ConfigError(f"TRL field '{name}' expects {expected(conv)}; got {f[name]!r}") from None
-    algorithm(f, raw, notes)
+    (rloo_algorithm if trainer == "rloo" else algorithm)(f, raw, notes)
     updates_per_rollout = _batch_shape(f, raw, notes)
     reference_sync(f, raw, notes, updates_per_rollout)
     adaptive_entropy(f, raw, notes, updates_per_rollout)
@@ -97,15 +112,20 @@ def _legacy(fields: dict[str, Any]) -> list[tuple[str, Any, str]]:
     return out
 
 
-def _check_fields(fields: dict[str, Any], defaults: dict[str, Any]) -> set[str]:
-    """The fields a config changes from TRL's defaults; an unknown field is an error."""
+def _check_fields(fields: dict[str, Any], defaults: dict[str, Any], trainer: str) -> set[str]:
+    """The fields a config changes from TRL's defaults; an unknown field is an error (naming the other
+    trainer where the field is its config's)."""
     unknown = [k for k in fields if k not in defaults]
     if unknown:
         import difflib
 
+        other = "rloo" if trainer == "grpo" else "grpo"
         close = difflib.get_close_matches(unknown[0], list(defaults), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"'{unknown[0]}' is not a field of trl.GRPOConfig{hint}")
+        if unknown[0] in trl_defaults(other):
+            hint = (f"; it is a field of trl.{TRAINERS[other][0]}: run it with --trl-trainer {other} (or "
+                    f"{TRAINERS[other][1]} from rlhf_plugins.integrations.trl)")
+        raise ConfigError(f"'{unknown[0]}' is not a field of trl.{TRAINERS[trainer][0]}{hint}")
     return {k for k in fields if fields[k] != defaults.get(k)}
 
 
@@ -239,8 +259,9 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     return notes
 
 
-def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str]]:
-    """A ``trl grpo --config`` style YAML -> (raw config, notes, plugins for its reward_funcs)."""
+def from_trl_yaml(path: str | Path, trainer: str = "grpo") -> tuple[dict[str, Any], list[str], list[str]]:
+    """A ``trl grpo --config`` (or ``trl rloo --config``, with ``trainer`` rloo) style YAML -> (raw config, notes,
+    plugins for its reward_funcs)."""
     from ..config.loading import load_yaml, merge
     from .trl_open_r1 import open_r1_fields
     from .trl_script import script_rewards
@@ -261,12 +282,17 @@ def from_trl_yaml(path: str | Path) -> tuple[dict[str, Any], list[str], list[str
             script[key] = data.pop(key)
     open_r1: dict[str, Any] = {}
     open_r1_fields(data, open_r1, model_notes)
-    raw, notes = from_grpo_fields(data)
+    raw, notes = from_trl_fields(data, trainer)
     raw, notes = merge(merge(raw, model), open_r1), notes + model_notes
     if script.get("model_name_or_path"):
         _set(raw, "model.path", str(script["model_name_or_path"]))
     if script.get("dataset_name"):
         _set(raw, "data.path", str(script["dataset_name"]))
+    else:  # the embedded task's plain prompts are written for the chat template, as `rlhf train` renders them
+        raw["data"].pop("template_strings")
+        notes.append("no dataset_name: the embedded default task runs (single-digit sums), its prompts rendered "
+                     "with the chat template as `rlhf train` renders them; a dataset_name (a local file) is read "
+                     "as TRL reads it")
     plugins = script_rewards(script, raw)
     for key in ("dataset_train_split", "dataset_config"):
         if key in script:

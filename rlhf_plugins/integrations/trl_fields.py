@@ -135,7 +135,7 @@ DERIVED = {
     "torch_compile_mode", "model_init_kwargs", "train_sampling_strategy", "delta", "sync_ref_model",
     "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
     "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
-    "generation_kwargs", "num_train_epochs", "optim_args",
+    "generation_kwargs", "num_train_epochs", "optim_args", "normalize_advantages", "reward_clip_range",
 }
 #: generation_kwargs keys (transformers' GenerationConfig or vLLM's SamplingParams; they override TRL's own
 #: sampling fields, as in TRL) -> (our dotted key, converter); vLLM's top_k -1 and transformers' None: no top-k
