@@ -12,7 +12,7 @@ import yaml
 
 from rlhf_plugins.commands.convert import convert, render
 from rlhf_plugins.config.openrlhf_flags import lookup, markdown
-from tests.helpers import ROOT, make_reward_model, rollout_spy, short_run
+from tests.helpers import ROOT, check_one_line_error, make_reward_model, rollout_spy, short_run
 
 FLAGS = json.loads((Path(__file__).parent / "data" / "openrlhf_flags.json").read_text())["flags"]
 
@@ -205,6 +205,18 @@ def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tm
     assert config["learner"]["lr"] == 5e-7 and config["model"]["path"] == "M"
     code, _, err = rlhf("convert", "openrlhf", "-o", "--", "--pretrain", "M")
     assert code == 2 and "-o needs a file name" in err and [p.name for p in tmp_path.glob("*.yaml")] == ["ppo.yaml"]
+
+
+@pytest.mark.parametrize("module, name", [("openrlhf.cli.train_kto", "train_kto"),
+                                          ("/src/OpenRLHF/openrlhf/cli/train_prm.py", "train_prm")])
+def test_an_openrlhf_command_without_an_equivalent_is_one_line_not_a_ppo_config(tmp_path, rlhf, module, name):
+    """A command this project does not port (KTO, process reward models) was read as train_ppo_ray and
+    written as a PPO config; it is one line naming the commands that convert, and writes nothing."""
+    code, out, err = rlhf("convert", "openrlhf", "-o", "kto.yaml", "--", "python3", "-m", module, "--pretrain", "M",
+                          "--beta", "0.1")
+    check_one_line_error(code, err, f"OpenRLHF's {name} has no equivalent here: rlhf convert openrlhf converts "
+                                    "train_ppo_ray, train_sft, train_rm, train_dpo, serve_rm (docs/from_openrlhf.md)")
+    assert out == "" and not list(tmp_path.glob("*.yaml"))
 
 
 def test_input_template_and_max_samples_shape_the_prompts_the_engine_gets(rlhf, tmp_path, tiny_model):

@@ -44,10 +44,16 @@ class Converted:
 def split_command(argv: list[str]) -> tuple[str, list[str]]:
     """(our name of their command, their flags): the command from the ``openrlhf.cli.X`` module named
     on the line (train_ppo_ray when none is), the flags after it."""
+    import re
+
     for i, token in enumerate(argv):
-        for module, command in COMMANDS.items():
-            if token.endswith(f"openrlhf.cli.{module}") or token.endswith(f"openrlhf/cli/{module}.py"):
-                return command, argv[i + 1:]
+        named = re.search(r"openrlhf[./]cli[./](\w+?)(?:\.py)?$", token)
+        if named is None:
+            continue
+        if named.group(1) not in COMMANDS:
+            raise UsageError(f"OpenRLHF's {named.group(1)} has no equivalent here: rlhf convert openrlhf converts "
+                             f"{', '.join(COMMANDS)} (docs/from_openrlhf.md)")
+        return COMMANDS[named.group(1)], argv[i + 1:]
     first = next((i for i, t in enumerate(argv) if t.startswith("--")), len(argv))
     return "ppo", argv[first:]
 

@@ -135,7 +135,8 @@ rlhf convert openrlhf -o ppo.yaml -- <the same command>    # then: rlhf train --
 the other scripts; for `serve_rm`, the `rlhf serve-reward` command line), carries OpenRLHF's defaults
 where ours differ so the run means what the command meant, and lists every flag it converted with a
 difference or could not convert, with the reason. An OpenRLHF flag given to `rlhf` itself stops with one
-line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`).
+line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`). OpenRLHF's other
+scripts (`train_kto`, `train_prm`, `train_kd`, ...) have no equivalent: converting one is one line saying so.
 
 ## Where the semantics differ
 
