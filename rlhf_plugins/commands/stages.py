@@ -1,4 +1,4 @@
-"""``rlhf sft``, ``rlhf rm``, ``rlhf dpo``: the stages before RL, through TRL's trainers."""
+"""``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``: the stages before RL, through TRL's trainers."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ STAGES = {
     "sft": "supervised fine-tuning on demonstrations (TRL SFTTrainer)",
     "rm": "train a reward model on preference pairs (TRL RewardTrainer)",
     "dpo": "direct preference optimisation (TRL DPOTrainer)",
+    "kto": "Kahneman-Tversky optimisation on desirable and undesirable answers (TRL KTOTrainer)",
 }
 
 

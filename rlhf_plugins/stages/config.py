@@ -1,4 +1,4 @@
-"""The config of a stage before RL (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``): the same YAML +
+"""The config of a stage before RL (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``): the same YAML +
 dotted flags as ``rlhf train``, with TRL's own config fields under one ``trl:`` section."""
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ class StageData:
     prompt_key: str = "prompt"
     #: SFT: the demonstrated answer (or give ``messages`` rows)
     completion_key: str = "completion"
-    #: RM / DPO: the preferred and the other answer
+    #: RM / DPO / KTO: the preferred and the other answer
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    #: KTO without chosen / rejected columns: whether each row's completion is desirable (true / false, 1 / 0)
+    label_key: str = "label"
     #: a plain-text prompt is put in this text at its one ``{}`` (OpenRLHF's --input_template,
     #: e.g. "User: {}\nAssistant: "); chat-message prompts are rendered by the chat template
     input_template: str | None = None
@@ -61,7 +63,7 @@ class StageConfig:
     data: StageData = field(default_factory=StageData)
     train: StageTrain = field(default_factory=StageTrain)
     lora: LoraOptions = field(default_factory=LoraOptions)
-    #: fields of TRL's SFTConfig / RewardConfig / DPOConfig (checked against the installed TRL)
+    #: fields of TRL's SFTConfig / RewardConfig / DPOConfig / KTOConfig (checked against the installed TRL)
     trl: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +77,7 @@ DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "rm": ("RewardConfig", {"num_train_epochs": 4, "learning_rate": 1e-3, "per_device_train_batch_size": 32}),
     "dpo": ("DPOConfig", {"num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
                           "beta": 0.1}),
+    "kto": ("KTOConfig", {"num_train_epochs": 1, "learning_rate": 1e-4, "per_device_train_batch_size": 16}),
 }
 #: TRL fields this project owns (run directory, logging, saving, device): refused in ``trl:``
 OWNED = {"output_dir": "train.output_dir", "run_name": "train.run_name", "seed": "train.seed",

@@ -60,7 +60,41 @@ def _require(rows: list[dict[str, Any]], keys: list[str], path: str) -> None:
 
 
 def _flag(key: str) -> str:
-    return {"completion": "completion_key", "chosen": "chosen_key", "rejected": "rejected_key"}.get(key, "prompt_key")
+    return {"completion": "completion_key", "chosen": "chosen_key", "rejected": "rejected_key",
+            "label": "label_key"}.get(key, "prompt_key")
+
+
+def _columns(stage: str, rows: list[dict[str, Any]], d: Any, path: str) -> dict[str, str]:
+    """TRL's column -> the file's, for the stage: SFT's demonstrations (or ``messages`` rows), preference
+    pairs, or for KTO pairs or unpaired rows (a completion and whether it is desirable)."""
+    if stage == "sft":
+        if rows and "messages" in rows[0]:
+            return {"messages": "messages"}
+        _require(rows, [d.prompt_key, d.completion_key], path)
+        return {"prompt": d.prompt_key, "completion": d.completion_key}
+    if stage == "kto" and rows and not (d.chosen_key in rows[0] and d.rejected_key in rows[0]):
+        _require(rows, [d.prompt_key, d.completion_key, d.label_key], path)
+        return {"prompt": d.prompt_key, "completion": d.completion_key, "label": d.label_key}
+    _require(rows, [d.prompt_key, d.chosen_key, d.rejected_key], path)
+    return {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
+
+
+def _desirable(value: Any, path: str) -> bool:
+    """A KTO label: true / false, 1 / 0 (as JSON or text)."""
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise DataError(f"dataset '{path}' has a label {value!r}: a KTO label says whether the completion is desirable "
+                    "(true / false, or 1 / 0); set --data.label_key to that column")
+
+
+def _pick(rows: list[dict[str, Any]], keys: dict[str, str], template: str | None, path: str) -> list[dict[str, Any]]:
+    """The rows in TRL's column names (a KTO label as a bool), their prompts templated."""
+    picked = [{ours: r[theirs] for ours, theirs in keys.items()} for r in rows]
+    if "label" in keys:
+        picked = [{**r, "label": _desirable(r["label"], path)} for r in picked]
+    return templated(picked, template, path)
 
 
 def _split(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list, list]:
@@ -84,7 +118,8 @@ def templated(rows: list[dict[str, Any]], template: str | None, path: str) -> li
 
 def load(stage: str, cfg: StageConfig, tokenizer: Any = None
          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
-    """(training rows, held-out rows, counts to report) in TRL's column names."""
+    """(training rows, held-out rows, counts to report) in TRL's column names (KTO's embedded data: the
+    preference pairs, which TRL's KTOTrainer splits into a desirable and an undesirable row each)."""
     from ..models.tiny_model import task_rows
 
     d, seed = cfg.data, cfg.train.seed
@@ -95,18 +130,10 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
         markers = turn_markers(tokenizer) if tokenizer is not None else ()
         return (preference_pairs(train, d.pairs_per_prompt, seed, markers), preference_pairs(held, 4, seed + 1), {})
     rows = read_rows(d.path, d.probs, seed, d.max_samples)
-    if stage == "sft":
-        if rows and "messages" in rows[0]:
-            keys = {"messages": "messages"}
-        else:
-            _require(rows, [d.prompt_key, d.completion_key], d.path)
-            keys = {"prompt": d.prompt_key, "completion": d.completion_key}
-    else:
-        _require(rows, [d.prompt_key, d.chosen_key, d.rejected_key], d.path)
-        keys = {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
-    rows = templated([{ours: r[theirs] for ours, theirs in keys.items()} for r in rows], d.input_template, d.path)
+    keys = _columns(stage, rows, d, d.path)
+    rows = _pick(rows, keys, d.input_template, d.path)
     counts: dict[str, int] = {}
-    if stage != "sft":
+    if "chosen" in keys:
         same = [r for r in rows if r["chosen"] == r["rejected"]]
         if same:
             logger.warning("%d of %d preference rows in '%s' have chosen == rejected; they carry no preference and "
@@ -118,8 +145,6 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
     if d.eval_path:
         held_rows = read_rows(d.eval_path)
         _require(held_rows, list(keys.values()), d.eval_path)
-        held = templated([{ours: r[theirs] for ours, theirs in keys.items()} for r in held_rows], d.input_template,
-                         d.eval_path)
-        return rows, held, counts
+        return rows, _pick(held_rows, keys, d.input_template, d.eval_path), counts
     train, held = _split(rows, d.eval_split, seed)
     return train, held, counts

@@ -2,7 +2,8 @@
 (``config.yaml``, ``metrics.jsonl``, ``tensorboard/``, ``final/``, ``summary.json``), the progress
 bar, one-line errors (a failure leaves no run directory), ``--lora.*`` through PEFT, and a
 held-out figure: SFT exact-match accuracy, RM pairwise accuracy, DPO preference accuracy and
-reward margin. Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
+reward margin, KTO's reward margin and KL (with the embedded data its exact-match accuracy too).
+Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,7 @@ from . import data as stage_data
 from .config import StageConfig, check, trl_config
 
 logger = logging.getLogger("rlhf_plugins")
-TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer"}
+TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}
 
 
 #: what each stage's progress shows of TRL's logs (label, TRL's metric, digits, colour)
@@ -29,7 +30,8 @@ LOSS = ("loss", "loss", 4, "yellow")
 PROGRESS = {"sft": (LOSS, ("token accuracy", "mean_token_accuracy", 3, "cyan")),
             "rm": (LOSS, ("accuracy", "accuracy", 3, "cyan"), ("margin", "margin", 3, "magenta")),
             "dpo": (LOSS, ("reward accuracy", "rewards/accuracies", 3, "cyan"),
-                    ("margin", "rewards/margins", 3, "magenta"))}
+                    ("margin", "rewards/margins", 3, "magenta")),
+            "kto": (LOSS, ("margin", "rewards/margins", 3, "magenta"), ("kl", "kl", 4, "cyan"))}
 
 
 def _callback(run_dir: Path, stage: str, cfg: StageConfig, console: Console) -> Any:
@@ -117,17 +119,22 @@ def _save_final(trainer: Any, tokenizer: Any, run_dir: Path) -> Path:
     return final
 
 
-def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]]) -> dict[str, float]:
+def _exact_match(final: Path, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The saved policy's answers to held-out prompts against their ``label``: its accuracy as RL samples it
+    (temperature 1), and its greedy answer's."""
+    from .heldout import evaluate_model
+
+    figures = evaluate_model(str(final), rows, n=8)
+    return {"exact_match_accuracy": figures["pass@1"], "greedy_accuracy": figures["greedy"],
+            **{f"heldout/{k}": v for k, v in figures.items()}}
+
+
+def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], embedded: bool) -> dict[str, float]:
     if not held:
         return {}
     if stage == "sft":
-        from .heldout import evaluate_model
-
-        rows = [{"prompt": r["prompt"], "label": _text(r["completion"])} for r in held if "prompt" in r]
-        figures = evaluate_model(str(final), rows, n=8)
-        # accuracy of the policy as RL samples it (temperature 1), and of its greedy answer
-        return {"exact_match_accuracy": figures["pass@1"], "greedy_accuracy": figures["greedy"],
-                **{f"heldout/{k}": v for k, v in figures.items()}}
+        return _exact_match(final, [{"prompt": r["prompt"], "label": _text(r["completion"])} for r in held
+                                    if "prompt" in r])
     if stage == "rm":
         from ..models.reward_model import RewardModelScorer
 
@@ -139,6 +146,14 @@ def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]]) 
     from datasets import Dataset
 
     metrics = trainer.evaluate(eval_dataset=Dataset.from_list(held))
+    if stage == "kto":  # the implied reward of the desirable answers over the undesirable ones, TRL's KL estimate
+        out = {"kl": float(metrics["eval_kl"])} if "eval_kl" in metrics else {}
+        if "eval_rewards/chosen" in metrics and "eval_rewards/rejected" in metrics:
+            out["reward_margin"] = float(metrics["eval_rewards/chosen"]) - float(metrics["eval_rewards/rejected"])
+        if embedded:  # the embedded task's pairs hold each sum's right answer: how often the policy gives it
+            answers = {str(r["prompt"]): {"prompt": r["prompt"], "label": _text(r["chosen"])} for r in held}
+            out.update(_exact_match(final, list(answers.values())))
+        return out
     return {"preference_accuracy": float(metrics["eval_rewards/accuracies"]),
             "reward_margin": float(metrics["eval_rewards/margins"])}
 
@@ -180,7 +195,7 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
         trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl say it
         result = trainer.train()
         final = _save_final(trainer, tokenizer, run_dir)
-        figures = _heldout(stage, trainer, final, held)
+        figures = _heldout(stage, trainer, final, held, embedded=cfg.data.path is None)
         callback.close()
         callback = None
         shutil.rmtree(run_dir / "trl", ignore_errors=True)
@@ -188,7 +203,8 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
                    "training_rows": len(train), "heldout_rows": len(held), **counts, **figures,
                    "final_model": str(final)}
         write_json(run_dir / "summary.json", summary)
-        keys = ("exact_match_accuracy", "greedy_accuracy", "pairwise_accuracy", "preference_accuracy", "reward_margin")
+        keys = ("exact_match_accuracy", "greedy_accuracy", "pairwise_accuracy", "preference_accuracy", "reward_margin",
+                "kl")
         shown = {k: v for k, v in summary.items() if k in keys}
         console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out "
                       + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items())
