@@ -1,5 +1,5 @@
-"""TRL's YAML files (``trl sft`` / ``trl reward`` / ``trl dpo`` / ``trl grpo --config FILE``): the fields of
-TRL's ``ModelConfig`` every such file may hold (the model's dtype, PEFT with ``use_peft``) on our keys
+"""TRL's YAML files (``trl sft`` / ``trl reward`` / ``trl dpo`` / ``trl kto`` / ``trl grpo --config FILE``): the
+fields of TRL's ``ModelConfig`` every such file may hold (the model's dtype, PEFT with ``use_peft``) on our keys
 (:func:`model_fields`, shared with ``rlhf train --trl-config``), and a stage's file as a stage config
 (:func:`from_trl_stage_yaml`): the script's model, dataset and bookkeeping on ours, every other field of
 TRL's config under ``trl:``, checked against the installed TRL when the stage starts."""
