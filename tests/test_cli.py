@@ -242,10 +242,13 @@ def test_config_template_round_trips_to_the_defaults(rlhf, tmp_path, capsys):
     "torch.tensor([float(len(c) % 3) for c in completions])",
     "[torch.tensor(len(c) % 3) for c in completions]",
     "[len(c) % 3 for c in completions]",
-], ids=["numpy-scalars", "numpy-array", "tensor", "0-d-tensors", "ints"])
+    "[True if len(c) % 3 == 1 else len(c) % 3 for c in completions]",
+    "np.array([len(c) % 3 for c in completions]) == 1",
+], ids=["numpy-scalars", "numpy-array", "tensor", "0-d-tensors", "ints", "bools", "numpy-bools"])
 def test_a_reward_may_return_the_numbers_trl_takes(tmp_path, body):
     """TRL turns a reward function's output into a float tensor; so do we, from a list of Python or
-    numpy numbers or 0-d tensors, a numpy array or a tensor: the same scores each way."""
+    numpy numbers, booleans (a check's outcome: 1 or 0) or 0-d tensors, a numpy array or a tensor: the same
+    scores each way."""
     from rlhf_plugins.api import prepare
     from rlhf_plugins.training.reward_role import RewardBatch, RewardRole
 
@@ -255,4 +258,5 @@ def test_a_reward_may_return_the_numbers_trl_takes(tmp_path, body):
     role = RewardRole(cfg, pm.spec, plan.rewards, plan.weights)
     completions = ["a", "bb", "ccc", "dddd"]
     result = role.score(RewardBatch(["p"] * 4, completions, [[1]] * 4))
-    assert result.scores == [1.0, 2.0, 0.0, 1.0] and all(type(v) is float for v in result.scores)
+    want = [1.0, 0.0, 0.0, 1.0] if body.endswith("== 1") else [1.0, 2.0, 0.0, 1.0]
+    assert result.scores == want and all(type(v) is float for v in result.scores)

@@ -52,7 +52,7 @@ def _checked(values: list[Any], where: str, n: int) -> list[float | None]:
     for i, v in enumerate(values):
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if not isinstance(v, (int, float)):  # a bool too: a check's outcome, 1 or 0 (TRL's float tensor of it)
             raise RewardError(f"{where} returned {type(v).__name__} {v!r} for sample {i}; expected a number")
         if not math.isfinite(v) or abs(v) > 1e12:
             raise RewardError(f"{where} returned {v} for sample {i}; scores must be finite numbers within +-1e12")
