@@ -950,7 +950,8 @@ def test_a_trl_yamls_model_config_fields_convert_with_use_peft(tmp_path):
 def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_does(tmp_path, tiny_model, monkeypatch):
     """eval_dataset is the held-out set; a model loaded from a folder is that folder; train(
     resume_from_checkpoint=True) continues the newest run under output_dir to a larger max_steps;
-    TrainerCallbacks and ready-made optimizers, which only TRL's loop would call, are one line each."""
+    TrainerCallbacks and ready-made optimizers, which only TRL's loop would call, and a dict of eval datasets
+    (TRL's evaluations by name) are one line each."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
@@ -987,6 +988,9 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
         trainer(2, optimizers=(object(), None))
     with pytest.raises(ConfigError, match="reward_funcs entry 'Qwen/Qwen2.5-0.5B-RM' is not a local folder; download"):
         GRPOTrainer(model=tiny_model, reward_funcs="Qwen/Qwen2.5-0.5B-RM", train_dataset=rows)
+    with pytest.raises(ConfigError, match=r"^eval_dataset is a dict of datasets \(sums, hard\), which TRL evaluates "):
+        trainer(2, eval_dataset={"sums": held_out, "hard": held_out})
+    assert len((tmp_path / "out" / "eval_dataset.jsonl").read_text().splitlines()) == 6  # nothing written over it
 
 
 #: a stand-in for open-r1's reward module (open-r1 is installed from its repository, not from PyPI): the names

@@ -107,9 +107,14 @@ def refuse_hooks(callbacks: Any, optimizers: Any, quantization_config: Any) -> N
 
 def eval_file(eval_dataset: Any, fields: dict[str, Any]) -> str:
     """The eval_dataset's rows as ``<output_dir>/eval_dataset.jsonl`` (the run reads held-out prompts
-    from a file, as it does on Ray workers)."""
+    from a file, as it does on Ray workers). A dict of datasets (TRL evaluates each under its name) is one
+    line: a run here has one held-out set."""
     import json
 
+    if isinstance(eval_dataset, dict):  # datasets' DatasetDict is a dict too
+        raise ConfigError(f"eval_dataset is a dict of datasets ({', '.join(map(str, eval_dataset))}), which TRL "
+                          "evaluates one by one under their names; a run here evaluates one held-out set: pass one "
+                          "dataset (concatenate them, or pick one)")
     folder = Path(fields.get("output_dir") or "trainer_output")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "eval_dataset.jsonl"
