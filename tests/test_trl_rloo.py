@@ -16,20 +16,24 @@ from tests.helpers import check_one_line_error, in_process_trainer, metrics_of, 
 
 
 def trl_rloo_advantages(rewards, group: int, normalize: bool, clip=None, kl=None, beta: float = 0.0):
-    """TRL 1.16's ``RLOOTrainer._generate_and_score_completions``: the weighted reward sum clamped to
-    ``reward_clip_range``, minus ``beta`` x the completion's summed ``old - ref`` log-probs, minus the mean
-    of the other samples of its prompt; with ``normalize_advantages`` over the batch's std (+ 1e-4)."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    """TRL 1.16's ``RLOOTrainer._generate_and_score_completions``: the weighted reward sum (None -- every
+    function abstained -- as NaN) clamped to ``reward_clip_range``, minus ``beta`` x the completion's summed
+    ``old - ref`` log-probs, minus the mean of the other scorable samples of its prompt; with
+    ``normalize_advantages`` over the scorable samples' std (+ 1e-4); NaN advantages 0."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([math.nan if r is None else r for r in rewards], dtype=torch.float64)
     if clip is not None:
         rewards = rewards.clamp(min=clip[0], max=clip[1])
     if kl is not None:
         rewards = rewards - beta * kl
     grouped = rewards.view(-1, group)
-    baselines = (grouped.sum(1, keepdim=True) - grouped) / (group - 1)
-    advantages = (grouped - baselines).reshape(-1)
+    counts = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    baselines = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (counts - 1)
+    advantages = rewards - baselines.reshape(-1)
     if normalize:
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
-    return advantages
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
 
 
 def test_rloo_fields_map_to_trls_algorithm():
@@ -91,12 +95,14 @@ def test_rloo_advantages_with_the_kl_in_the_reward_are_trls(tiny_model, tmp_path
     assert (want - without_kl).abs().max() > 1e-3
 
 
-def _rewards():
+def _rewards(abstain: bool = False):
+    """Two TRL reward functions; with ``abstain`` both say None on completions of three or more characters."""
     def correct(prompts, completions, label, **kwargs):
-        return [1.0 if c.strip() == str(want) else 0.0 for c, want in zip(completions, label)]
+        return [None if abstain and len(c) >= 3 else 1.0 if c.strip() == str(want) else 0.0
+                for c, want in zip(completions, label)]
 
     def brief(prompts, completions, **kwargs):
-        return [0.3 if len(c.strip()) <= 1 else -0.2 for c in completions]
+        return [None if abstain and len(c) >= 3 else 0.3 if len(c.strip()) <= 1 else -0.2 for c in completions]
 
     return [correct, brief]
 
@@ -115,16 +121,19 @@ def test_the_rloo_drop_in_runs_trls_algorithm_and_logs_trls_names(tiny_model, tm
                       max_completion_length=4, max_steps=3, normalize_advantages=True, reward_weights=[1.0, 0.5],
                       reward_clip_range=(-0.05, 0.9), beta=0.0, use_cpu=True, bf16=False, report_to="none",
                       log_completions=True, logging_steps=1)
-    trainer = RLOOTrainer(model=tiny_model, reward_funcs=_rewards(), args=args, train_dataset=dataset)
+    trainer = RLOOTrainer(model=tiny_model, reward_funcs=_rewards(abstain=True), args=args, train_dataset=dataset)
     trainer.train()
     rows = samples_of(trainer.run_dir)
     assert sorted({r["step"] for r in rows}) == [0, 1, 2] and len(rows) == 3 * 16
     for step in range(3):
         mine = [r for r in rows if r["step"] == step]
-        summed = [r["rewards"]["correct"] + 0.5 * r["rewards"]["brief"] for r in mine]
+        summed = [None if r["rewards"]["correct"] is None else r["rewards"]["correct"] + 0.5 * r["rewards"]["brief"]
+                  for r in mine]
         want = trl_rloo_advantages(summed, 4, True, (-0.05, 0.9))
         assert [r["advantage"] for r in mine] == pytest.approx(want.tolist(), abs=1e-6), step
     assert any(r["reward"] > 0.9 or r["reward"] < -0.05 for r in rows)  # the clip bit
+    unscored = [r for r in rows if r["rewards"]["correct"] is None]
+    assert unscored and all(r["advantage"] == 0 for r in unscored)  # in no baseline, no advantage
     history = trainer.state.log_history
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(0 <= h["clip_ratio/region_mean"] <= 1 and h["entropy"] > 0 and "kl" not in h for h in history)
@@ -212,6 +221,32 @@ def test_rlhf_convert_trl_reads_trls_own_rloo_command_line(rlhf, tmp_path):
                                     "trl.RLOOConfig: run it with --trl-trainer rloo")
     code, _, err = rlhf("train", "--trl-trainer", "rloo", *short_run())
     check_one_line_error(code, err, "--trl-trainer rloo says whose config --trl-config holds; give --trl-config FILE")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rloo_leaves_samples_no_reward_scored_out_as_trl_does(seed, normalize):
+    """Samples every reward function abstained on: in no sibling's baseline, advantage 0, out of the
+    whitening; a group with one scored sample gives it 0 too (TRL's 0/0) -- against TRL's arithmetic on random
+    groups, some with every sample scored (whose advantages are plain RLOO's)."""
+    from rlhf_plugins.algorithms.advantages import AdvantageInputs, rloo
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(24, generator=g, dtype=torch.float64)
+    scored = torch.rand(24, generator=g) > 0.3
+    scored[:4], scored[4:8] = True, torch.tensor([True, False, False, False])  # a whole group, a lone scored one
+    mask = (torch.arange(6)[None, :] < torch.randint(1, 7, (24,), generator=g)[:, None]).double()
+    rewards = [float(s) if k else None for s, k in zip(scores, scored)]
+    want = trl_rloo_advantages(rewards, 4, normalize)
+    got, _ = rloo(AdvantageInputs(torch.where(scored, scores, 0.0), mask, group_size=4, normalize=normalize,
+                                  scored=scored))
+    # TRL's nanstd takes its Bessel factor count / (count - 1) in float32: 1e-8 apart when whitened
+    tol = 1e-7 if normalize else 1e-12
+    torch.testing.assert_close(got, want[:, None] * mask, rtol=tol, atol=tol)
+    assert (want[~scored] == 0).all() and want[4] == 0 and (want[scored][2:] != 0).any()
+    plain, _ = rloo(AdvantageInputs(scores[:4], mask[:4], group_size=4))
+    if not normalize:
+        torch.testing.assert_close(got[:4], plain, rtol=1e-12, atol=1e-12)
 
 
 def test_normalize_advantages_whitens_any_group_estimators_sequence_advantages():

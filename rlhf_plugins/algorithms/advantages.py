@@ -42,6 +42,9 @@ class AdvantageInputs:
     #: afterwards: ``(A - mean) / (std + eps)``, unbiased std, eps ``std_eps`` or 1e-4 (TRL RLOO's
     #: normalize_advantages)
     normalize: bool = False
+    #: ``[B]`` bool, False on a sample no reward source scored (every one abstained); None: every sample was.
+    #: rloo leaves such samples out of their siblings' baselines and gives them advantage 0 (TRL's RLOO)
+    scored: torch.Tensor | None = None
 
     def whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantages over the batch: zero mean and unit variance, or zero mean alone without ``std_norm``."""
@@ -65,13 +68,19 @@ class AdvantageInputs:
             return self.scores
         return self.scores - (self.kl_penalty * self.action_mask).sum(-1)
 
-    def sequence_to_tokens(self, advantages: torch.Tensor) -> torch.Tensor:
+    def sequence_to_tokens(self, advantages: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """A sequence advantage ``[B]`` on every token (whitened over the batch first with ``normalize``), minus
         the KL penalty still to come (reward-to-go, gamma 1) when KL is in the reward and not already in the
-        baseline."""
-        if self.normalize and advantages.numel() > 1:
-            eps = 1e-4 if self.std_eps is None else self.std_eps
-            advantages = (advantages - advantages.mean()) / (advantages.std() + eps)
+        baseline. ``valid`` (``[B]`` bool): the sequences whose advantage counts; the others get 0 and stay out
+        of the whitening."""
+        if valid is not None:
+            advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+        if self.normalize:
+            keep = torch.ones_like(advantages, dtype=torch.bool) if valid is None else valid
+            if int(keep.sum()) > 1:
+                eps = 1e-4 if self.std_eps is None else self.std_eps
+                kept = advantages[keep]
+                advantages = torch.where(keep, (advantages - kept.mean()) / (kept.std() + eps), advantages)
         mask = self.action_mask.to(advantages.dtype)
         out = advantages[:, None] * mask
         if self.kl_penalty is not None and not self.kl_in_baseline:
@@ -196,8 +205,17 @@ def batch_mean(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO: score minus the mean of the *other* samples of the same prompt."""
+    """RLOO: score minus the mean of the *other* samples of the same prompt. A sample no reward source
+    scored (``x.scored``) is in no baseline and gets advantage 0, as is the only scored sample of its group
+    (TRL's RLOO)."""
     scores = x.grouped(x.sequence_scores())
-    g = scores.shape[-1]
-    baseline = (scores.sum(-1, keepdim=True) - scores) / (g - 1)
-    return _group_done(x, scores - baseline)
+    if x.scored is None:
+        g = scores.shape[-1]
+        return _group_done(x, scores - (scores.sum(-1, keepdim=True) - scores) / (g - 1))
+    scored = x.grouped(x.scored.to(scores.device))
+    kept = torch.where(scored, scores, torch.zeros_like(scores))
+    others = scored.sum(-1, keepdim=True) - 1
+    baseline = (kept.sum(-1, keepdim=True) - kept) / others.clamp(min=1)
+    valid = (scored & (others > 0)).reshape(-1)
+    adv = x.sequence_to_tokens((scores - baseline).reshape(-1), valid)
+    return adv, adv

@@ -234,7 +234,7 @@ class Trainer:
         batch["advantages"], batch["returns"] = self.estimator(AdvantageInputs(
             scores=batch["scores"], action_mask=batch["action_mask"], group_size=rollout.group_size, gamma=a.gamma,
             lam=a.lam, values=batch.get("values"), kl_penalty=kl_penalty, kl_in_baseline=c.algo.kl.penalty_in_baseline,
-            std_norm=a.std_norm, std_eps=a.std_eps, normalize=a.normalize_advantages))
+            std_norm=a.std_norm, std_eps=a.std_eps, normalize=a.normalize_advantages, scored=rollout.scored()))
         return kl_penalty
 
     def sync_engine(self, step: int) -> None:

@@ -45,6 +45,12 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.completion_ids)
 
+    def scored(self) -> torch.Tensor | None:
+        """``[B]`` bool: False on a sample every reward source abstained on (None); None when none did."""
+        parts = list(self.reward_components.values())
+        flags = [any(p[i] is not None for p in parts) for i in range(len(self))] if parts else []
+        return None if all(flags) else torch.tensor(flags)
+
     def select_groups(self, groups: list[int] | range) -> Rollout:
         """The samples of the given prompt groups, in that order."""
         g = self.group_size
