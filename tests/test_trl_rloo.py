@@ -54,7 +54,8 @@ def test_rloo_fields_map_to_trls_algorithm():
 
 @pytest.mark.parametrize("fields, trainer, message", [
     ({"loss_type": "dapo"}, "rloo", "'loss_type' is not a field of trl.RLOOConfig; it is a field of trl.GRPOConfig: "
-                                    "run it with --trl-trainer grpo (or GRPOTrainer from rlhf_plugins.integrations.trl)"),
+                                    "run it with --trl-trainer grpo (rlhf convert trl grpo FILE, or GRPOTrainer from "
+                                    "rlhf_plugins.integrations.trl)"),
     ({"normalize_advantages": True}, "grpo", "'normalize_advantages' is not a field of trl.GRPOConfig; it is a field "
                                              "of trl.RLOOConfig: run it with --trl-trainer rloo"),
     ({"reward_clip_range": (1.0, 0.5)}, "rloo", "TRL reward_clip_range (1, 0.5) has no equivalent here"),

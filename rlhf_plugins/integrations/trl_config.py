@@ -123,8 +123,8 @@ def _check_fields(fields: dict[str, Any], defaults: dict[str, Any], trainer: str
         close = difflib.get_close_matches(unknown[0], list(defaults), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         if unknown[0] in trl_defaults(other):
-            hint = (f"; it is a field of trl.{TRAINERS[other][0]}: run it with --trl-trainer {other} (or "
-                    f"{TRAINERS[other][1]} from rlhf_plugins.integrations.trl)")
+            hint = (f"; it is a field of trl.{TRAINERS[other][0]}: run it with --trl-trainer {other} (rlhf convert "
+                    f"trl {other} FILE, or {TRAINERS[other][1]} from rlhf_plugins.integrations.trl)")
         raise ConfigError(f"'{unknown[0]}' is not a field of trl.{TRAINERS[trainer][0]}{hint}")
     return {k for k in fields if fields[k] != defaults.get(k)}
 
