@@ -74,13 +74,15 @@ def test_dpo_with_no_arguments_reports_preference_accuracy_and_margin(rlhf):
     assert float(last.split(" reward accuracy ")[1].split()[0]) >= 0 and " margin " in last
     s = summary_of(the_run())
     assert s["preference_accuracy"] >= 0.7 and s["reward_margin"] > 0, s
+    # the policy's sampled answers to held-out sums: 0.30 before, 0.85 to 0.86 after (seeds 0-1, no vector kernels)
+    assert s["exact_match_accuracy"] >= 0.7, s
 
 
 def test_kto_with_no_arguments_prefers_the_right_sums_on_held_out_rows(rlhf):
     """KTO on the embedded pairs (TRL splits each into a desirable and an undesirable row): the progress shows
     its margin and KL; on held-out sums the policy's implied reward of the right answer beats the wrong
-    ones', and its sampled answers are right more often than the base model's 0.30 (0.556 to 0.575 over
-    seeds 0-2, and without vector kernels)."""
+    ones', and its sampled answers are right more often than the base model's 0.30 (0.72 to 0.74 over seeds
+    0-2 and without vector kernels; reward margins 0.41 to 0.47)."""
     code, out, err = rlhf("kto")
     assert code == 0, err
     run = the_run()
@@ -88,7 +90,7 @@ def test_kto_with_no_arguments_prefers_the_right_sums_on_held_out_rows(rlhf):
     last = [line for line in out.splitlines() if line.startswith("step ")][-1]
     assert " margin " in last and " kl " in last
     s = summary_of(run)
-    assert s["reward_margin"] > 0 and s["kl"] >= 0 and s["exact_match_accuracy"] >= 0.45, s
+    assert s["reward_margin"] > 0.2 and s["kl"] >= 0 and s["exact_match_accuracy"] >= 0.6, s
     assert "held-out kl" in out and "reward margin" in out
 
 

@@ -77,7 +77,7 @@ DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "rm": ("RewardConfig", {"num_train_epochs": 4, "learning_rate": 1e-3, "per_device_train_batch_size": 32}),
     "dpo": ("DPOConfig", {"num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
                           "beta": 0.1}),
-    "kto": ("KTOConfig", {"num_train_epochs": 1, "learning_rate": 1e-4, "per_device_train_batch_size": 16}),
+    "kto": ("KTOConfig", {"num_train_epochs": 2, "learning_rate": 2e-4, "per_device_train_batch_size": 16}),
 }
 #: TRL fields this project owns (run directory, logging, saving, device): refused in ``trl:``
 OWNED = {"output_dir": "train.output_dir", "run_name": "train.run_name", "seed": "train.seed",

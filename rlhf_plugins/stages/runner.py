@@ -2,7 +2,7 @@
 (``config.yaml``, ``metrics.jsonl``, ``tensorboard/``, ``final/``, ``summary.json``), the progress
 bar, one-line errors (a failure leaves no run directory), ``--lora.*`` through PEFT, and a
 held-out figure: SFT exact-match accuracy, RM pairwise accuracy, DPO preference accuracy and
-reward margin, KTO's reward margin and KL (with the embedded data its exact-match accuracy too).
+reward margin, KTO's reward margin and KL (DPO and KTO with the embedded data: exact-match accuracy too).
 Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
 from __future__ import annotations
 
@@ -150,12 +150,13 @@ def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], 
         out = {"kl": float(metrics["eval_kl"])} if "eval_kl" in metrics else {}
         if "eval_rewards/chosen" in metrics and "eval_rewards/rejected" in metrics:
             out["reward_margin"] = float(metrics["eval_rewards/chosen"]) - float(metrics["eval_rewards/rejected"])
-        if embedded:  # the embedded task's pairs hold each sum's right answer: how often the policy gives it
-            answers = {str(r["prompt"]): {"prompt": r["prompt"], "label": _text(r["chosen"])} for r in held}
-            out.update(_exact_match(final, list(answers.values())))
-        return out
-    return {"preference_accuracy": float(metrics["eval_rewards/accuracies"]),
-            "reward_margin": float(metrics["eval_rewards/margins"])}
+    else:
+        out = {"preference_accuracy": float(metrics["eval_rewards/accuracies"]),
+               "reward_margin": float(metrics["eval_rewards/margins"])}
+    if embedded:  # the embedded task's pairs hold each sum's right answer: how often the policy gives it
+        answers = {str(r["prompt"]): {"prompt": r["prompt"], "label": _text(r["chosen"])} for r in held}
+        out.update(_exact_match(final, list(answers.values())))
+    return out
 
 
 def _text(value: Any) -> str:
