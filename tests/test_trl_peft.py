@@ -1077,3 +1077,38 @@ def test_trls_accuracy_reward_without_math_verify_is_one_line_naming_the_extra(r
     code, _, err = rlhf("train", "--trl-config", "grpo.yaml")
     check_one_line_error(code, err, "reward function 'accuracy_reward' (plugin 'trl.rewards.accuracy_rewards') needs "
                                     "math_verify, which is not installed: pip install 'rlhf-plugins[math]'")
+
+
+def test_partials_and_callable_instances_reward_under_the_names_trl_gives_them(tmp_path, tiny_model, monkeypatch):
+    """TRL takes a ``functools.partial`` (named after its function, its bound keywords applied) and a callable
+    class instance (named after its class) as reward functions; so does the drop-in, and log_history carries
+    each under TRL's name (``rewards/Brief/mean``), with the scores the callables gave."""
+    import functools
+
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from tests.helpers import samples_of
+
+    def scaled(prompts, completions, label, scale=1.0, **kwargs):
+        return [scale * (c.strip() == want) for c, want in zip(completions, label)]
+
+    class Brief:
+        def __call__(self, prompts, completions, **kwargs):
+            return [0.1 if len(c) < 3 else 0.0 for c in completions]
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(10)]
+    args = GRPOConfig(output_dir="out", learning_rate=1e-3, num_generations=4, per_device_train_batch_size=16,
+                      max_completion_length=4, max_steps=2, use_cpu=True, bf16=False, report_to="none",
+                      log_completions=True, logging_steps=1)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[functools.partial(scaled, scale=2.0), Brief()], args=args,
+                          train_dataset=rows, rlhf={"train": {"progress": False}})
+    trainer.train()
+    samples = samples_of(trainer.run_dir)
+    assert {r["rewards"]["scaled"] for r in samples} <= {0.0, 2.0}  # the partial's scale=2.0 applied
+    assert all(r["rewards"]["brief"] == (0.1 if len(r["completion"]) < 3 else 0.0) for r in samples)
+    for h in trainer.state.log_history:
+        mine = [r for r in samples if r["step"] == h["step"] - 1]
+        assert h["rewards/Brief/mean"] == pytest.approx(sum(r["rewards"]["brief"] for r in mine) / len(mine))
+        assert h["rewards/scaled/mean"] == pytest.approx(sum(r["rewards"]["scaled"] for r in mine) / len(mine))

@@ -82,9 +82,12 @@ class GRPOTrainer(AfterTraining):
         funcs = reward_models(funcs, raw)
         self.plugins = [f.rpartition(".")[0] for f in funcs if isinstance(f, str)]
         callables = [f for f in funcs if not isinstance(f, str)]
-        from ..rewards.callables import component_name
+        from ..rewards.callables import callable_name, component_name
 
-        names = [f.rpartition(".")[2] if isinstance(f, str) else component_name(f.__name__) for f in funcs]
+        names = [f.rpartition(".")[2] if isinstance(f, str) else component_name(callable_name(f)) for f in funcs]
+        #: our reward names -> TRL's, where they differ (a callable class's, a capitalised function's)
+        self.reward_names = {component_name(callable_name(f)): callable_name(f) for f in callables
+                             if component_name(callable_name(f)) != callable_name(f)}
         n = int(raw.get("generation", {}).get("n_samples_per_prompt", 8))
         self.rollouts = TRLRollouts(tools, environment_factory, rollout_func, RolloutTrainer(args, n))
         if self.rollouts.factories and self.rollouts.owns_reward():
@@ -151,7 +154,7 @@ class GRPOTrainer(AfterTraining):
         """TRL's ``trainer.state``: ``global_step``, ``max_steps`` and ``log_history`` (one dict per step)."""
         from .trl_state import trainer_state
 
-        return trainer_state(self.run_dir, self.raw)
+        return trainer_state(self.run_dir, self.raw, self.reward_names)
 
     @property
     def model(self) -> Any:

@@ -48,12 +48,14 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
 CLIP_NAMES = {"low": "loss/clip_low_frac", "high": "loss/clip_high_frac", "region": "loss/clip_frac"}
 
 
-def _trl_row(row: dict[str, Any]) -> dict[str, Any]:
+def _trl_row(row: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
     """A ``metrics.jsonl`` row with TRL's names added (``rewards/<function>/mean`` and ``/std`` for each function,
-    ``clip_ratio/*_mean`` for a clipped surrogate's)."""
-    named = {f"rewards/{k[7:]}/mean": v for k, v in row.items()
+    under the name TRL gives it -- ``names``: ours -> TRL's, e.g. a callable class's -- and ``clip_ratio/*_mean``
+    for a clipped surrogate's)."""
+    names = names or {}
+    named = {f"rewards/{names.get(k[7:], k[7:])}/mean": v for k, v in row.items()
              if k.startswith("reward/") and k[7:] not in ("mean", "std", "shaped_mean", "retries", "zero_std_frac")}
-    named.update({f"rewards/{k[11:]}/std": v for k, v in row.items() if k.startswith("reward_std/")})
+    named.update({f"rewards/{names.get(k[11:], k[11:])}/std": v for k, v in row.items() if k.startswith("reward_std/")})
     if "completion/stopped" in row:  # TRL's share of completions that reached the length limit
         named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
     if "loss/clip_low_frac" in row:  # the PPO-clip family's (TRL's loss types grpo, bnpo, dr_grpo, dapo, luspo)
@@ -71,13 +73,13 @@ def _trl_eval_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**named, **({"eval_reward": mean} if mean is not None else {})}
 
 
-def trainer_state(run_dir: Path | None, raw: dict[str, Any]) -> TrainerStateView:
+def trainer_state(run_dir: Path | None, raw: dict[str, Any], names: dict[str, str] | None = None) -> TrainerStateView:
     """``trainer.state``: the updates made and planned, the epoch, and ``log_history`` -- a dict per step and
     one per held-out evaluation after it (the one before the first step at step 0), at TRL's steps."""
     every = _rows(run_dir)
     rows = [r for r in every if "reward/mean" in r]
     per_step, steps = _steps(run_dir, raw, len(rows))
-    trained = [((int(r.get("step", i)) + 1) * per_step, 0, _trl_row(r)) for i, r in enumerate(rows)]
+    trained = [((int(r.get("step", i)) + 1) * per_step, 0, _trl_row(r, names)) for i, r in enumerate(rows)]
     evals = [(int(r.get("step", 0)) * per_step, 1, _trl_eval_row(r)) for r in every if is_eval_row(r)]
     history = [{**row, "step": step} for step, _, row in sorted(trained + evals, key=lambda t: t[:2])]
     epoch = float(rows[-1].get("epoch", 0.0)) if rows else 0.0  # passes over the prompts (runs before it: 0)
@@ -120,11 +122,13 @@ class AfterTraining:
     """What transformers' Trainer offers scripts after ``train()`` (TRL's own ``grpo.py``, open-r1's):
     ``accelerator``, ``log_metrics`` / ``save_metrics`` / ``save_state``, ``evaluate``,
     ``create_model_card``, ``end``; ``push_to_hub`` is one line (nothing is uploaded from here).
-    The class that mixes it in sets ``run_dir`` (None before training), ``raw`` and ``model_path``."""
+    The class that mixes it in sets ``run_dir`` (None before training), ``raw``, ``model_path`` and
+    ``reward_names`` (ours -> TRL's, where they differ)."""
 
     run_dir: Path | None
     raw: dict[str, Any]
     model_path: str
+    reward_names: dict[str, str]
     accelerator = DriverAccelerator()
     hub_model_id: str | None = None
 
@@ -152,7 +156,7 @@ class AfterTraining:
         from dataclasses import asdict
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        state = trainer_state(self.run_dir, self.raw)
+        state = trainer_state(self.run_dir, self.raw, self.reward_names)
         (self.output_dir / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2, default=str))
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -35,6 +36,20 @@ def looks_like_reward(fn: Callable[..., Any]) -> bool:
 
 def component_name(name: str) -> str:
     return re.sub(r"[^a-z0-9_\-]", "_", name.lower()).lstrip("_-0123456789") or "reward"
+
+
+def unwrapped(fn: Callable[..., Any]) -> Any:
+    """The function a ``functools.partial`` (nested or not) wraps; anything else as it is."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def callable_name(fn: Callable[..., Any]) -> str:
+    """A reward callable's name as TRL gives it: a function's own, a partial's wrapped function's, a callable
+    instance's class name."""
+    inner = unwrapped(fn)
+    return getattr(inner, "__name__", type(inner).__name__)
 
 
 class TRLReward:
@@ -120,9 +135,10 @@ NEEDS = {"trl.rewards.accuracy_rewards": ("math_verify", "math")}
 
 
 def as_reward_function(fn: Callable[..., Any], name: str | None = None) -> RewardFunction:
-    doc = (inspect.getdoc(fn) or "").splitlines()
-    module, extra = NEEDS.get(getattr(fn, "__module__", None) or "", (None, None))
-    return RewardFunction(component_name(name or fn.__name__), wrap_reward(fn), description=doc[0] if doc else "",
+    inner = unwrapped(fn)  # a partial's name, docstring and module are its function's
+    doc = (inspect.getdoc(inner) or "").splitlines()
+    module, extra = NEEDS.get(getattr(inner, "__module__", None) or "", (None, None))
+    return RewardFunction(component_name(name or callable_name(fn)), wrap_reward(fn), description=doc[0] if doc else "",
                           requires=(module,) if module else (), extra=extra)
 
 
