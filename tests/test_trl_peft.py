@@ -206,16 +206,18 @@ def test_fields_of_earlier_trl_releases_convert_with_a_note():
 
 
 def test_model_init_kwargs_and_the_sampler_carry_over_and_speed_knobs_are_notes():
-    """from_pretrained's dtype and trust_remote_code become ours (bf16 still wins, as TRL's autocast
-    would); attention and device placement are notes; anything else in it, an unknown dtype or a
-    sampler we do not have is one error naming it."""
+    """from_pretrained's dtype and trust_remote_code (and TRL's own trust_remote_code) become ours (bf16 still
+    wins, as TRL's autocast would); attention and device placement are notes; anything else in it, an unknown
+    dtype or a sampler we do not have is one error naming it."""
     raw, notes = from_grpo_fields({"model_init_kwargs": {"dtype": "float16", "attn_implementation": "sdpa",
                                                          "trust_remote_code": True}})
     assert raw["model"] == {"dtype": "float16", "trust_remote_code": True, "fp32_lm_head": False}
     assert notes == ["TRL model_init_kwargs 'attn_implementation' is ignored: this package's attention (SDPA with "
                      "its own masks and KV caches) runs"]
     raw, _ = from_grpo_fields({"model_init_kwargs": {"torch_dtype": "float32"}, "bf16": True})
-    assert raw["model"]["dtype"] == "bfloat16"
+    assert raw["model"]["dtype"] == "bfloat16" and "trust_remote_code" not in raw["model"]
+    raw, notes = from_grpo_fields({"trust_remote_code": True})  # TRL 1.x's own field: the model's and reward models'
+    assert raw["model"]["trust_remote_code"] is True and not any("trust_remote_code" in n for n in notes)
     raw, notes = from_grpo_fields({"model_init_kwargs": {"torch_dtype": "auto"}, "train_sampling_strategy": "sequential",
                                    "enable_jit_checkpoint": True, "use_transformers_continuous_batching": True})
     assert "dtype" not in raw.get("model", {}) and raw["data"]["shuffle"] is False

@@ -180,7 +180,7 @@ def _run_settings(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> N
 
 
 def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
-    """model_init_kwargs (from_pretrained's arguments): what carries over."""
+    """model_init_kwargs (from_pretrained's arguments) and trust_remote_code: what carries over."""
     kwargs = dict(f.get("model_init_kwargs") or {})
     dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", "auto"))).removeprefix("torch.")
     if dtype in DTYPES:
@@ -188,7 +188,7 @@ def _model_init(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> Non
     elif dtype != "auto":
         raise ConfigError(f"TRL model_init_kwargs dtype {dtype!r} has no equivalent; choose one of: "
                           f"{', '.join(DTYPES)}")
-    if kwargs.pop("trust_remote_code", False):
+    if kwargs.pop("trust_remote_code", False) or f.get("trust_remote_code"):  # from_pretrained's, or TRL 1.x's
         _set(raw, "model.trust_remote_code", True)
     for key, why in INIT_IGNORED.items():
         if kwargs.pop(key, None) is not None:

@@ -13,7 +13,6 @@ IGNORED_WHY = {
     "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
     "use_cache": "the learner never caches; generation always does",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
-    "trust_remote_code": "set --model.trust_remote_code",
     "use_liger_kernel": "the output head, log-softmax and gather already run as one fused, chunked function; "
                         "--learner.compile fuses the norms and MLPs Liger's other kernels cover",
     "liger_kernel_config": "Liger's kernels are not used (see use_liger_kernel)",
@@ -136,6 +135,7 @@ DERIVED = {
     "ref_model_sync_steps", "ref_model_mixup_alpha", "use_bias_correction_kl", "multi_objective_aggregation",
     "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
     "generation_kwargs", "num_train_epochs", "optim_args", "normalize_advantages", "reward_clip_range",
+    "trust_remote_code",
 }
 #: generation_kwargs keys (transformers' GenerationConfig or vLLM's SamplingParams; they override TRL's own
 #: sampling fields, as in TRL) -> (our dotted key, converter); vLLM's top_k -1 and transformers' None: no top-k
