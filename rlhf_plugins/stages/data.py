@@ -86,7 +86,7 @@ def _desirable(value: Any, path: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
     raise DataError(f"dataset '{path}' has a label {value!r}: a KTO label says whether the completion is desirable "
-                    "(true / false, or 1 / 0); set --data.label_key to that column")
+                    "(true / false, or 1 / 0); mend the row, or point --data.label_key at the column that says so")
 
 
 def _pick(rows: list[dict[str, Any]], keys: dict[str, str], template: str | None, path: str) -> list[dict[str, Any]]:
