@@ -952,8 +952,8 @@ def test_a_trl_yamls_model_config_fields_convert_with_use_peft(tmp_path):
 def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_does(tmp_path, tiny_model, monkeypatch):
     """eval_dataset is the held-out set; a model loaded from a folder is that folder; train(
     resume_from_checkpoint=True) continues the newest run under output_dir to a larger max_steps;
-    TrainerCallbacks and ready-made optimizers, which only TRL's loop would call, and a dict of eval datasets
-    (TRL's evaluations by name) are one line each."""
+    TrainerCallbacks and ready-made optimizers, which only TRL's loop would call, a dict of eval datasets
+    (TRL's evaluations by name) and an image column (TRL's vision-language input) are one line each."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
@@ -990,6 +990,9 @@ def test_the_trl_drop_in_takes_eval_dataset_a_loaded_model_and_resumes_as_trl_do
         trainer(2, optimizers=(object(), None))
     with pytest.raises(ConfigError, match="reward_funcs entry 'Qwen/Qwen2.5-0.5B-RM' is not a local folder; download"):
         GRPOTrainer(model=tiny_model, reward_funcs="Qwen/Qwen2.5-0.5B-RM", train_dataset=rows)
+    with pytest.raises(ConfigError, match=r"^train_dataset has an 'images' column, which TRL feeds to a vision-"):
+        GRPOTrainer(model=tiny_model, reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match",
+                    train_dataset=[{**r, "images": ["sum.png"]} for r in rows])
     with pytest.raises(ConfigError, match=r"^eval_dataset is a dict of datasets \(sums, hard\), which TRL evaluates "):
         trainer(2, eval_dataset={"sums": held_out, "hard": held_out})
     assert len((tmp_path / "out" / "eval_dataset.jsonl").read_text().splitlines()) == 6  # nothing written over it

@@ -105,6 +105,10 @@ class GRPOTrainer(AfterTraining):
         if eval_dataset is not None:  # held-out prompts, evaluated before the first step and after the last
             self.raw = merge(self.raw, {"eval": {"enabled": True, "path": eval_file(eval_dataset, fields)}})
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
+        visual = sorted({k for r in (self.rows or [])[:1] for k in ("image", "images") if r.get(k) is not None})
+        if visual:  # TRL hands these columns to a vision-language model; here they would be silently unused
+            raise ConfigError(f"train_dataset has an '{visual[0]}' column, which TRL feeds to a vision-language model; "
+                              "training here is text-only: drop the column (or rename it if it holds no image)")
         self.model_path, self.run_dir, self.args, self._tokenizer = str(model), None, args, processing_class
         template = own_template(processing_class, self.model_path)
         if template is not None and not self.raw.get("data", {}).get("chat_template"):  # open-r1's --chat_template
