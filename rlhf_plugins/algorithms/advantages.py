@@ -209,10 +209,7 @@ def rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     scored (``x.scored``) is in no baseline and gets advantage 0, as is the only scored sample of its group
     (TRL's RLOO)."""
     scores = x.grouped(x.sequence_scores())
-    if x.scored is None:
-        g = scores.shape[-1]
-        return _group_done(x, scores - (scores.sum(-1, keepdim=True) - scores) / (g - 1))
-    scored = x.grouped(x.scored.to(scores.device))
+    scored = torch.ones_like(scores, dtype=torch.bool) if x.scored is None else x.grouped(x.scored.to(scores.device))
     kept = torch.where(scored, scores, torch.zeros_like(scores))
     others = scored.sum(-1, keepdim=True) - 1
     baseline = (kept.sum(-1, keepdim=True) - kept) / others.clamp(min=1)

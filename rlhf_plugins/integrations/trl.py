@@ -85,9 +85,9 @@ class GRPOTrainer(AfterTraining):
         from ..rewards.callables import callable_name, component_name
 
         names = [f.rpartition(".")[2] if isinstance(f, str) else component_name(callable_name(f)) for f in funcs]
+        trl_names = [callable_name(f) for f in callables]
         #: our reward names -> TRL's, where they differ (a callable class's, a capitalised function's)
-        self.reward_names = {component_name(callable_name(f)): callable_name(f) for f in callables
-                             if component_name(callable_name(f)) != callable_name(f)}
+        self.reward_names = {component_name(n): n for n in trl_names if component_name(n) != n}
         n = int(raw.get("generation", {}).get("n_samples_per_prompt", 8))
         self.rollouts = TRLRollouts(tools, environment_factory, rollout_func, RolloutTrainer(args, n))
         if self.rollouts.factories and self.rollouts.owns_reward():
