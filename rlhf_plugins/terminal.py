@@ -43,6 +43,9 @@ def quiet_third_party() -> None:
 
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=NOISY)
+    # TRL's check of the installed vLLM against the range its own vLLM client was tested with: TRL's client is
+    # never used here (the engines are this project's), so a newer vLLM says nothing about a run
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..config.loading import set_dotted
-from ..config.openrlhf_flags import COMMANDS, OURS, PPO_DEFAULTS, Flag, lookup
+from ..config.openrlhf_flags import COMMANDS, NEARBY, OURS, PPO_DEFAULTS, Flag, lookup
 from ..errors import UsageError
 from .convert_correction import FLAGS as CORRECTION_FLAGS
 from .convert_correction import convert_correction
@@ -51,8 +51,9 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
         if named is None:
             continue
         if named.group(1) not in COMMANDS:
+            hint = NEARBY.get(named.group(1), "")
             raise UsageError(f"OpenRLHF's {named.group(1)} has no equivalent here: rlhf convert openrlhf converts "
-                             f"{', '.join(COMMANDS)} (docs/from_openrlhf.md)")
+                             f"{', '.join(COMMANDS)} (docs/from_openrlhf.md){hint}")
         return COMMANDS[named.group(1)], argv[i + 1:]
     first = next((i for i, t in enumerate(argv) if t.startswith("--")), len(argv))
     return "ppo", argv[first:]

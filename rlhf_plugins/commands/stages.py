@@ -1,4 +1,5 @@
-"""``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``: the stages before RL, through TRL's trainers."""
+"""``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``: the stages before RL, and ``rlhf distill``, through TRL's
+trainers."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,11 @@ STAGES = {
     "rm": "train a reward model on preference pairs (TRL RewardTrainer)",
     "dpo": "direct preference optimisation (TRL DPOTrainer)",
     "kto": "Kahneman-Tversky optimisation on desirable and undesirable answers (TRL KTOTrainer)",
+    "distill": "on-policy distillation: the student matches a teacher's next-token distribution on its own samples "
+               "(TRL DistillationTrainer)",
 }
+#: TRL's command of each stage (``trl reward --config``, ``trl distillation --config``)
+TRL_COMMANDS = {"rm": "reward", "distill": "distillation"}
 
 
 def add_parser(sub: Any, plugin_args: Any) -> None:
@@ -24,7 +29,7 @@ def add_parser(sub: Any, plugin_args: Any) -> None:
                                        "arguments it trains the embedded tiny Llama on data made for the default task.")
         p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
         p.add_argument("--trl-config", metavar="FILE",
-                       help=f"a TRL YAML (as for `trl {stage if stage != 'rm' else 'reward'} --config`); --config and "
+                       help=f"a TRL YAML (as for `trl {TRL_COMMANDS.get(stage, stage)} --config`); --config and "
                             "flags override it")
         p.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace, rest: list[str], console: Console) -> int:
             console.print(f"[dim]{note}[/]", highlight=False)
     raw = merge(merge(raw, load_yaml(args.config) if args.config else {}), parse_overrides(rest))
     cfg = build_dataclass(raw, StageConfig)
-    check(cfg)
+    check(cfg, args.command)
     console.rule(f"[bold]rlhf {args.command}")
     console.print(Syntax(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "yaml", background_color="default"))
     if args.dry_run:

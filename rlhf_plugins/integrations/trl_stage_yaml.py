@@ -1,4 +1,4 @@
-"""TRL's YAML files (``trl sft`` / ``trl reward`` / ``trl dpo`` / ``trl kto`` / ``trl grpo --config FILE``): the
+"""TRL's YAML files (``trl sft`` / ``reward`` / ``dpo`` / ``kto`` / ``distillation`` / ``grpo --config FILE``): the
 fields of TRL's ``ModelConfig`` every such file may hold (the model's dtype, PEFT with ``use_peft``) on our keys
 (:func:`model_fields`, shared with ``rlhf train --trl-config``), and a stage's file as a stage config
 (:func:`from_trl_stage_yaml`): the script's model, dataset and bookkeeping on ours, every other field of
@@ -21,7 +21,7 @@ QUANTISED = {"load_in_4bit": "4-bit loading (QLoRA)", "load_in_8bit": "8-bit loa
 MODEL_KEYS = (*PEFT, *ADAPTER_ONLY, *QUANTISED, "dtype", "torch_dtype", "trust_remote_code")
 #: TRL script fields of a stage's file -> our stage keys
 SCRIPT = {"model_name_or_path": "model.path", "dataset_name": "data.path", "output_dir": "train.output_dir",
-          "run_name": "train.run_name", "seed": "train.seed"}
+          "run_name": "train.run_name", "seed": "train.seed", "teacher_model_name_or_path": "model.teacher"}
 #: fields that change nothing here, and why (one note each)
 IGNORED = {
     "dataset_train_split": "dataset_name is read as a local file or folder",
@@ -34,6 +34,7 @@ IGNORED = {
     "use_cpu": "the device is chosen by what the machine has",
     "disable_tqdm": "see --train.progress",
     "model_revision": "model_name_or_path is a local folder",
+    "teacher_model_revision": "teacher_model_name_or_path is a local folder",
     "lora_task_type": "the task follows the model",
     "max_prompt_length": "TRL 1.x's trainers bound prompt and answer together by max_length (truncation_mode "
                          "says which end is cut)",

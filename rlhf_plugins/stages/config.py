@@ -1,10 +1,13 @@
-"""The config of a stage before RL (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``): the same YAML +
+"""The config of a stage before RL (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``) or beside it (``rlhf
+distill``): the same YAML +
 dotted flags as ``rlhf train``, with TRL's own config fields under one ``trl:`` section."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ..builtin_plugins.lora import LoraOptions
@@ -17,6 +20,9 @@ class StageModel:
     #: a local save_pretrained folder; empty: the embedded tiny Llama
     path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: rlhf distill: the teacher, a local save_pretrained folder whose vocabulary is the student's (e.g. the
+    #: final/ folder of rlhf sft); loaded in model.dtype, without gradients
+    teacher: str | None = None
 
 
 @dataclass
@@ -63,7 +69,8 @@ class StageConfig:
     data: StageData = field(default_factory=StageData)
     train: StageTrain = field(default_factory=StageTrain)
     lora: LoraOptions = field(default_factory=LoraOptions)
-    #: fields of TRL's SFTConfig / RewardConfig / DPOConfig / KTOConfig (checked against the installed TRL)
+    #: fields of TRL's SFTConfig / RewardConfig / DPOConfig / KTOConfig / DistillationConfig (checked against the
+    #: installed TRL)
     trl: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,11 +85,15 @@ DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpo": ("DPOConfig", {"num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
                           "beta": 0.1}),
     "kto": ("KTOConfig", {"num_train_epochs": 2, "learning_rate": 2e-4, "per_device_train_batch_size": 16}),
+    "distill": ("DistillationConfig", {"num_train_epochs": 4, "learning_rate": 1e-3, "per_device_train_batch_size": 16,
+                                       "max_completion_length": 8, "gradient_checkpointing": False}),
 }
 #: TRL fields this project owns (run directory, logging, saving, device): refused in ``trl:``
 OWNED = {"output_dir": "train.output_dir", "run_name": "train.run_name", "seed": "train.seed",
          "report_to": "the run directory's metrics.jsonl and TensorBoard", "logging_dir": "train.output_dir",
-         "save_strategy": "final/ is always written", "disable_tqdm": "train.progress", "use_cpu": "chosen by device"}
+         "save_strategy": "final/ is always written", "disable_tqdm": "train.progress", "use_cpu": "chosen by device",
+         "teacher_model_name_or_path": "model.teacher",
+         "teacher_model_init_kwargs": "the teacher loads from model.teacher in model.dtype"}
 
 
 def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
@@ -103,7 +114,8 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
             raise ConfigError(f"'{key}' is not a field of trl.{name}{hint}")
     embedded = defaults if cfg.data.path is None else {}
     # logged from the first step on, every 5 steps and at the last (the run's callback asks for it)
-    values = {"max_length": 256, "logging_steps": 5, "logging_first_step": True, **embedded,
+    bound = {"max_length": 256} if "max_length" in fields else {}  # distillation bounds only the completion
+    values = {**bound, "logging_steps": 5, "logging_first_step": True, **embedded,
               **{k: _typed(name, k, v, fields[k].default) for k, v in cfg.trl.items()}}
     try:
         return cls(output_dir=out, seed=cfg.train.seed, report_to="none", save_strategy="no", disable_tqdm=True,
@@ -124,8 +136,9 @@ def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
-def check(cfg: StageConfig) -> None:
-    """Every key within its declared bounds (LoRA's included), the input template's one ``{}``."""
+def check(cfg: StageConfig, stage: str) -> None:
+    """Every key within its declared bounds (LoRA's included), the input template's one ``{}``, a
+    teacher for ``rlhf distill`` (and for no other stage)."""
     from ..data.prompts import check_input_template
     from ..data.sources import check_datasets
 
@@ -135,3 +148,36 @@ def check(cfg: StageConfig) -> None:
     if cfg.data.input_template is not None and cfg.data.path is None:
         raise ConfigError("data.input_template puts the plain-text prompts of --data.path in place; the embedded data "
                           "is chat messages: give --data.path or drop --data.input_template")
+    _check_teacher(cfg, stage)
+
+
+def _check_teacher(cfg: StageConfig, stage: str) -> None:
+    """``rlhf distill`` needs a teacher folder sharing the student's vocabulary (TRL compares the full
+    next-token distributions); another stage has no use for one."""
+    teacher = cfg.model.teacher
+    if stage != "distill":
+        if teacher is not None:
+            raise ConfigError(f"model.teacher is the teacher of rlhf distill; rlhf {stage} has none: drop "
+                              "--model.teacher")
+        return
+    if teacher is None:
+        raise ConfigError("rlhf distill needs a teacher: give --model.teacher FOLDER, a save_pretrained folder with "
+                          "the student's vocabulary (e.g. the final/ folder of rlhf sft)")
+    if not (Path(teacher) / "config.json").is_file():
+        raise ConfigError(f"model.teacher '{teacher}' is not a save_pretrained folder (no config.json there)")
+    from ..models.tiny_model import default_model_path
+
+    student = cfg.model.path or default_model_path()
+    sizes = [_vocab_size(Path(p) / "config.json") for p in (student, teacher)]
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ConfigError(f"model.teacher '{teacher}' has a vocabulary of {sizes[1]} tokens and the student "
+                          f"{sizes[0]}; distillation matches the teacher's whole next-token distribution, so both "
+                          "need the same tokenizer: pick a teacher of the student's family")
+
+
+def _vocab_size(path: Path) -> int | None:
+    """A config.json's vocabulary size (a multimodal model's in its text config); None where unread."""
+    if not path.is_file():
+        return None  # a student folder without one is the model loader's line to give
+    config = json.loads(path.read_text())
+    return config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))

@@ -66,7 +66,10 @@ def _flag(key: str) -> str:
 
 def _columns(stage: str, rows: list[dict[str, Any]], d: Any, path: str) -> dict[str, str]:
     """TRL's column -> the file's, for the stage: SFT's demonstrations (or ``messages`` rows), preference
-    pairs, or for KTO pairs or unpaired rows (a completion and whether it is desirable)."""
+    pairs, for KTO pairs or unpaired rows (a completion and whether it is desirable), distillation's prompts."""
+    if stage == "distill":  # the student writes the answers: any other column is left unread
+        _require(rows, [d.prompt_key], path)
+        return {"prompt": d.prompt_key}
     if stage == "sft":
         if rows and "messages" in rows[0]:
             return {"messages": "messages"}
@@ -127,6 +130,8 @@ def load(stage: str, cfg: StageConfig, tokenizer: Any = None
         train, held = task_rows("train"), task_rows("test")
         if stage == "sft":
             return demonstrations(train), demonstrations(held), {}
+        if stage == "distill":
+            return [{"prompt": r["prompt"]} for r in demonstrations(train)], demonstrations(held), {}
         markers = turn_markers(tokenizer) if tokenizer is not None else ()
         return (preference_pairs(train, d.pairs_per_prompt, seed, markers), preference_pairs(held, 4, seed + 1), {})
     rows = read_rows(d.path, d.probs, seed, d.max_samples)

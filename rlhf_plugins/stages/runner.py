@@ -2,8 +2,9 @@
 (``config.yaml``, ``metrics.jsonl``, ``tensorboard/``, ``final/``, ``summary.json``), the progress
 bar, one-line errors (a failure leaves no run directory), ``--lora.*`` through PEFT, and a
 held-out figure: SFT exact-match accuracy, RM pairwise accuracy, DPO preference accuracy and
-reward margin, KTO's reward margin and KL (DPO and KTO with the embedded data: exact-match accuracy too).
-Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
+reward margin, KTO's reward margin and KL (DPO and KTO with the embedded data: exact-match accuracy too), the
+divergence of a distilled student from its teacher on held-out prompts (with the embedded data: both one's
+exact-match accuracy). Multi-GPU is TRL's: launch the same command under ``accelerate launch``."""
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,8 @@ from . import data as stage_data
 from .config import StageConfig, check, trl_config
 
 logger = logging.getLogger("rlhf_plugins")
-TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}
+TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer",
+            "distill": "DistillationTrainer"}
 
 
 #: what each stage's progress shows of TRL's logs (label, TRL's metric, digits, colour)
@@ -31,7 +33,8 @@ PROGRESS = {"sft": (LOSS, ("token accuracy", "mean_token_accuracy", 3, "cyan")),
             "rm": (LOSS, ("accuracy", "accuracy", 3, "cyan"), ("margin", "margin", 3, "magenta")),
             "dpo": (LOSS, ("reward accuracy", "rewards/accuracies", 3, "cyan"),
                     ("margin", "rewards/margins", 3, "magenta")),
-            "kto": (LOSS, ("margin", "rewards/margins", 3, "magenta"), ("kl", "kl", 4, "cyan"))}
+            "kto": (LOSS, ("margin", "rewards/margins", 3, "magenta"), ("kl", "kl", 4, "cyan")),
+            "distill": (LOSS, ("entropy", "entropy", 3, "cyan"), ("length", "completions/mean_length", 1, "magenta"))}
 
 
 def _callback(run_dir: Path, stage: str, cfg: StageConfig, console: Console) -> Any:
@@ -129,7 +132,8 @@ def _exact_match(final: Path, rows: list[dict[str, Any]]) -> dict[str, float]:
             **{f"heldout/{k}": v for k, v in figures.items()}}
 
 
-def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], embedded: bool) -> dict[str, float]:
+def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], cfg: StageConfig) -> dict[str, float]:
+    embedded = cfg.data.path is None
     if not held:
         return {}
     if stage == "sft":
@@ -145,6 +149,8 @@ def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], 
                 "heldout/score_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(held)}
     from datasets import Dataset
 
+    if stage == "distill":
+        return _distilled(trainer, final, held, cfg.model.teacher if embedded else None)
     metrics = trainer.evaluate(eval_dataset=Dataset.from_list(held))
     if stage == "kto":  # the implied reward of the desirable answers over the undesirable ones, TRL's KL estimate
         out = {"kl": float(metrics["eval_kl"])} if "eval_kl" in metrics else {}
@@ -159,19 +165,50 @@ def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], 
     return out
 
 
+def _distilled(trainer: Any, final: Path, held: list[dict[str, Any]], teacher: str | None) -> dict[str, float]:
+    """TRL's divergence (its loss, at its beta) of the student from the teacher on completions the student
+    samples for held-out prompts; with the embedded data (``teacher`` given), both models' exact-match accuracy."""
+    from datasets import Dataset
+
+    metrics = trainer.evaluate(eval_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in held]))
+    out = {"divergence": float(metrics["eval_loss"])}
+    if teacher is not None:
+        answers = [{"prompt": r["prompt"], "label": _text(r["completion"])} for r in held]
+        out.update(_exact_match(final, answers))
+        out["teacher_exact_match_accuracy"] = _exact_match(Path(teacher), answers)["exact_match_accuracy"]
+    return out
+
+
+def _trainer(stage: str, cfg: StageConfig, path: str, tokenizer: Any, args: Any, train: list[dict[str, Any]],
+             callback: Any) -> Any:
+    """TRL's trainer of ``stage`` on the training rows (distillation's with its teacher beside the student)."""
+    import trl
+    from datasets import Dataset
+    from transformers import set_seed
+    from transformers.trainer_callback import PrinterCallback
+
+    set_seed(cfg.train.seed)  # a new head (the reward model's) starts the same every time
+    extra = {}
+    if stage == "distill":
+        extra["teacher_model"] = _model(stage, str(cfg.model.teacher), cfg, tokenizer)
+    trainer = getattr(trl, TRAINERS[stage])(
+        model=_model(stage, path, cfg, tokenizer), args=args, train_dataset=Dataset.from_list(train),
+        processing_class=tokenizer, peft_config=_peft(stage, cfg), callbacks=[callback], **extra)
+    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl say it
+    return trainer
+
+
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else value[-1]["content"]
 
 
 def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
-    import trl
-    from datasets import Dataset
     from transformers import AutoTokenizer
 
     from ..models.tiny_model import default_model_path
     from ..training.state import write_json
 
-    check(cfg)
+    check(cfg, stage)
     with tempfile.TemporaryDirectory() as tmp:
         trl_config(stage, cfg, tmp)  # TRL's own checks, before anything is written
     quiet_libraries()
@@ -186,17 +223,10 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
         console.print(f"run directory: [bold]{escape(str(run_dir))}[/]  {stage}: {len(train)} training rows, "
                       f"{len(held)} held out  model: {escape(path)}")
         callback = _callback(run_dir, stage, cfg, console)
-        from transformers import set_seed
-        from transformers.trainer_callback import PrinterCallback
-
-        set_seed(cfg.train.seed)  # a new head (the reward model's) starts the same every time
-        trainer = getattr(trl, TRAINERS[stage])(
-            model=_model(stage, path, cfg, tokenizer), args=args, train_dataset=Dataset.from_list(train),
-            processing_class=tokenizer, peft_config=_peft(stage, cfg), callbacks=[callback])
-        trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl say it
+        trainer = _trainer(stage, cfg, path, tokenizer, args, train, callback)
         result = trainer.train()
         final = _save_final(trainer, tokenizer, run_dir)
-        figures = _heldout(stage, trainer, final, held, embedded=cfg.data.path is None)
+        figures = _heldout(stage, trainer, final, held, cfg)
         callback.close()
         callback = None
         shutil.rmtree(run_dir / "trl", ignore_errors=True)
@@ -204,8 +234,8 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
                    "training_rows": len(train), "heldout_rows": len(held), **counts, **figures,
                    "final_model": str(final)}
         write_json(run_dir / "summary.json", summary)
-        keys = ("exact_match_accuracy", "greedy_accuracy", "pairwise_accuracy", "preference_accuracy", "reward_margin",
-                "kl")
+        keys = ("exact_match_accuracy", "greedy_accuracy", "teacher_exact_match_accuracy", "pairwise_accuracy",
+                "preference_accuracy", "reward_margin", "kl", "divergence")
         shown = {k: v for k, v in summary.items() if k in keys}
         console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out "
                       + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items())
