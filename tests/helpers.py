@@ -447,6 +447,25 @@ def cuda_graph_gaps(dtype: str) -> dict[str, float]:
     return update_gaps(plain, {"graphed": graphed})["graphed"]
 
 
+def random_llama(out: Path, **sizes: Any) -> str:
+    """A random Llama of the given sizes (else the tiny model's), the tiny model's tokenizer beside it."""
+    import contextlib
+    import io
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
+    from rlhf_plugins.testing import tiny_model_path
+
+    config = AutoConfig.from_pretrained(tiny_model_path())
+    for key, value in sizes.items():
+        setattr(config, key, value)
+    with contextlib.redirect_stderr(io.StringIO()):  # the writer's progress bar: not the CLI's stderr under test
+        save_pretrained(AutoModelForCausalLM.from_config(config), out)
+    save_tokenizer(AutoTokenizer.from_pretrained(tiny_model_path()), out)
+    return str(out)
+
+
 def hybrid_model_path() -> str:
     """A cached random Granite-4.0-H-like model (transformers' ``granitemoehybrid``): a Mamba-2 layer,
     then an attention layer, experts in each; 128 wide, weights drawn ten times wider than transformers'

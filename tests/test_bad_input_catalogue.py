@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics_of, short_run, the_run
+from tests.helpers import metrics_of, random_llama, short_run, the_run
 
 #: (id, arguments, the whole error line after "rlhf: error: ") -- plain flags
 FLAGS = [
@@ -487,6 +487,27 @@ def _files() -> list:
              f"'{tiny_model}' has no routers that report it (no output_router_logits in its config); drop "
              "--learner.router_aux_loss_coef")
 
+    @case("reference-path-unused")
+    def _(t, tiny_model):
+        return ["--model.reference_path", tiny_model, "--algo.kl.coef", "0"], \
+            (f"model.reference_path '{tiny_model}' is the KL's reference model, and algo.kl.coef 0 runs without one; "
+             "set --algo.kl.coef above 0 or drop --model.reference_path")
+
+    @case("reference-path-small-vocabulary")
+    def _(t):
+        small = random_llama(t / "small", vocab_size=100)
+        return ["--model.reference_path", small], \
+            (f"model.reference_path '{small}' has a vocabulary of 100 tokens and the policy's tokenizer 366; the "
+             "reference scores the policy's tokens, so it needs the policy's tokenizer: pick a reference of the "
+             "policy's family")
+
+    @case("reference-path-mixed-of-another-shape")
+    def _(t):
+        wider = random_llama(t / "wider", hidden_size=192)
+        return ["--model.reference_path", wider, "--algo.kl.coef", "0.01", "--algo.kl.ref_sync_steps", "2"], \
+            (f"algo.kl.ref_sync_steps mixes the policy's weights into the reference model, and model.reference_path "
+             f"'{wider}' has another shape than the policy; drop one of them")
+
     return cases
 
 
@@ -652,11 +673,22 @@ def rule_messages(source: str) -> list[tuple[int, str]]:
     return out
 
 
-def test_every_rule_of_the_config_checks_has_a_catalogue_entry():
-    """Each rule config/checks.py enforces is run above (the catalogue asserts its whole line)."""
+def test_every_rule_of_the_config_checks_has_a_catalogue_entry(tmp_path, tiny_model, monkeypatch):
+    """Each rule config/checks.py enforces is run above (the catalogue asserts its whole line; a file
+    case's line is the one its builder returns)."""
+    import inspect
+
     from tests.helpers import ROOT
 
-    lines = " ".join(str(entry[-1]) for group in (FLAGS, EVAL_FLAGS, FILES, RUNTIME) for entry in group)
+    monkeypatch.chdir(tmp_path)  # where the builders write, as under the rlhf fixture
+    built = []
+    for i, (_, builder) in enumerate(FILES):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        two = len(inspect.signature(builder).parameters) == 2
+        built.append(builder(folder, tiny_model)[1] if two else builder(folder)[1])
+    lines = " ".join([*(str(entry[-1]) for group in (FLAGS, EVAL_FLAGS, RUNTIME) for entry in group),
+                      *(str(line) for line in built)])
     rules = rule_messages((ROOT / "rlhf_plugins" / "config" / "checks.py").read_text())
     missing = [f"checks.py:{line}: {text}" for line, text in rules if text not in lines]
     assert len(rules) >= 12 and not missing, missing

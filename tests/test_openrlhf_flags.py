@@ -20,7 +20,8 @@ FLAGS = json.loads((Path(__file__).parent / "data" / "openrlhf_flags.json").read
 PPO_FLAT = """python3 -m openrlhf.cli.train_ppo_ray --ref_num_nodes 1 --ref_num_gpus_per_node 2 --reward_num_nodes 1
  --reward_num_gpus_per_node 2 --critic_num_nodes 1 --critic_num_gpus_per_node 2 --actor_num_nodes 1
  --actor_num_gpus_per_node 2 --vllm_num_engines 2 --vllm_tensor_parallel_size 1 --colocate_all_models
- --vllm_gpu_memory_utilization 0.5 --pretrain MODEL --reward_pretrain RM --save_path /tmp/out --micro_train_batch_size 4
+ --vllm_gpu_memory_utilization 0.5 --pretrain MODEL --ref_pretrain MODEL --reward_pretrain RM --save_path /tmp/out
+ --micro_train_batch_size 4
  --train_batch_size 32 --micro_rollout_batch_size 8 --rollout_batch_size 8 --n_samples_per_prompt 4 --max_epochs 1
  --prompt_max_len 64 --max_samples 1000 --generate_max_len 16 --zero_stage 3 --bf16 --actor_learning_rate 5e-7
  --critic_learning_rate 9e-6 --init_kl_coef 0.01 --prompt_data DATA --input_key prompt --apply_chat_template
@@ -29,7 +30,7 @@ PPO_FLAT = """python3 -m openrlhf.cli.train_ppo_ray --ref_num_nodes 1 --ref_num_
  --freezing_actor_steps -1""".split()
 PPO_DOTTED = """python3 -m openrlhf.cli.train_ppo_ray --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1
  --actor.num_gpus_per_node 2 --vllm.num_engines 2 --train.colocate_all --actor.model_name_or_path MODEL
- --reward.model_name_or_path RM --train.micro_batch_size 4 --train.batch_size 32 --rollout.batch_size 8
+ --ref.model_name_or_path MODEL --reward.model_name_or_path RM --train.micro_batch_size 4 --train.batch_size 32 --rollout.batch_size 8
  --rollout.n_samples_per_prompt 4 --rollout.max_new_tokens 16 --ds.zero_stage 3 --ds.param_dtype bf16
  --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset DATA
  --data.input_key prompt --data.apply_chat_template --reward.normalize_enable --actor.gradient_checkpointing_enable
@@ -86,6 +87,7 @@ def test_openrlhfs_readme_command_converts_to_a_config_rlhf_train_accepts(tmp_pa
     conv, config, code, out, err = _accepted(tmp_path, rlhf, tiny_model, monkeypatch, PPO_FLAT)
     assert code == 0, err
     assert config["learner"]["lr"] == 5e-7 and config["critic"]["lr"] == 9e-6
+    assert config["model"]["reference_path"] == tiny_model  # --ref_pretrain
     assert config["ray"] == {"colocate": "all", "reference_workers": 2, "reward_workers": 2, "critic_workers": 2,
                              "actor_workers": 2}
     assert config["generation"]["backend"] == "vllm" and config["vllm"]["num_engines"] == 2
@@ -107,6 +109,7 @@ def test_the_dotted_spelling_converts_the_same(tmp_path, rlhf, tiny_model, monke
     conv, config, code, out, err = _accepted(tmp_path, rlhf, tiny_model, monkeypatch, PPO_DOTTED)
     assert code == 0, err
     assert config["learner"]["lr"] == 5e-7 and config["model"]["dtype"] == "bfloat16"
+    assert config["model"]["reference_path"] == tiny_model  # --ref.model_name_or_path
     assert config["algo"]["kl"]["in_reward"] is False and config["algo"]["kl"]["estimator"] == "k3"
     assert (config["algo"]["policy_loss"]["clip_low"], config["algo"]["policy_loss"]["clip_high"]) == (0.2, 0.28)
     assert config["ray"]["actor_workers"] == 2 and config["ray"]["colocate"] == "all"
@@ -159,7 +162,7 @@ STAGE_FLAGS = ("--pretrain MODEL --max_len 64 --train_batch_size 16 --micro_trai
     ("sft", "--dataset DATA --input_key question --output_key answer --adam_betas 0.9 0.95"),
     ("rm", "--dataset DATA --prompt_key prompt --chosen_key chosen --rejected_key rejected --loss sigmoid"),
     ("dpo", "--dataset DATA --prompt_key prompt --chosen_key chosen --rejected_key rejected --beta 0.1 "
-            "--nll_loss_coef 0.2 --label_smoothing 0"),
+            "--nll_loss_coef 0.2 --label_smoothing 0 --ref_pretrain MODEL"),
 ])
 def test_openrlhfs_stage_commands_convert_to_configs_their_stage_runs(tmp_path, rlhf, tiny_model, stage, extra):
     """What OpenRLHF's stage scripts pass (checkpoint counts, warm-up ratios, the RPO weight) converts to
@@ -173,6 +176,7 @@ def test_openrlhfs_stage_commands_convert_to_configs_their_stage_runs(tmp_path, 
     assert trl["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1} and "--max_ckpt_num" in dict(conv.skipped)
     if stage == "dpo":
         assert (trl["loss_type"], trl["loss_weights"]) == (["sigmoid", "sft"], [1.0, 0.2])
+        assert conv.raw["model"]["reference_path"] == "MODEL"  # --ref_pretrain: DPO's reference
     (tmp_path / "c.yaml").write_text(render(conv).replace("MODEL", tiny_model).replace("DATA", "data.jsonl"))
     code, out, err = rlhf(stage, "--config", "c.yaml", *(["--dry-run"] if stage != "dpo" else []))
     assert code == 0, err

@@ -1,15 +1,18 @@
-"""The reference model moving towards the policy (--algo.kl.ref_sync_steps, TRL's sync_ref_model):
-the mixing rule on random tensors, when it happens in a run and what the reference then holds, its
-effect on the KL, exact resume across a move, TRL's fields, the refusals, and the Ray path."""
+"""The reference model: a folder of its own (--model.reference_path, OpenRLHF's --ref_pretrain) -- what
+scores the rollout, in process and on Ray, and the refusals -- and moving towards the policy
+(--algo.kl.ref_sync_steps, TRL's sync_ref_model): the mixing rule on random tensors, when it happens in a
+run and what the reference then holds, its effect on the KL, exact resume across a move, TRL's fields, the
+refusals, and the Ray path."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_plugins.training.runlog import MEASURED
-from tests.helpers import in_process_trainer, metrics_of, short_run, the_run
+from tests.helpers import check_one_line_error, in_process_trainer, metrics_of, random_llama, short_run, the_run
 
 
 def _reference_weights(ctx):
@@ -18,6 +21,99 @@ def _reference_weights(ctx):
 
 def _policy_weights(ctx):
     return {name: t.detach().clone() for name, t in ctx.backend.named_weights()}
+
+
+@pytest.fixture(scope="module")
+def other_reference(tiny_model, tmp_path_factory):
+    """The tiny model with every weight moved by noise, saved with its tokenizer: a reference of its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
+
+    folder = tmp_path_factory.mktemp("reference")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    save_pretrained(model, folder)
+    save_tokenizer(AutoTokenizer.from_pretrained(tiny_model), folder)
+    return str(folder)
+
+
+def _saved_weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def test_a_reference_of_its_own_scores_the_rollout_and_the_kl_is_taken_to_it(tiny_model, other_reference, tmp_path,
+                                                                              monkeypatch):
+    """--model.reference_path: the reference role holds that folder's weights (the policy its own), the
+    rollout's reference log-probs are that model's forward, not the policy's, and the KL measured before
+    the first update -- zero when the reference is the initial policy -- is the distance to it."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.forward import policy_forward
+    from rlhf_plugins.training.rollout import make_batch
+
+    monkeypatch.chdir(tmp_path)
+    raw = {"train": {"prompts_per_step": 4, "steps": 1}, "generation": {"n_samples_per_prompt": 4},
+           "algo": {"kl": {"coef": 0.05}}}
+    t = in_process_trainer(tiny_model, {**raw, "model": {"reference_path": other_reference}})
+    try:
+        held = t.reference.run(_reference_weights, rank=0)
+        rollout, _ = t.collect(0)
+        batch = make_batch(rollout, t.pad_id, **t.widths)
+        t.forward_passes(batch)
+        kl = t.learn(0, rollout, {}, 0.0, sync=False)["kl"]
+    finally:
+        t.shutdown()
+    saved = _saved_weights(other_reference)
+    assert set(saved) <= set(held) and all(torch.equal(held[k], v) for k, v in saved.items())
+    mask = batch["action_mask"].bool()
+    for folder, same in ((other_reference, True), (tiny_model, False)):
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            want = policy_forward(model, batch, temperature=t.config.generation.temperature)["logprobs"]
+        gap = (batch["ref_logprobs"][mask] - want[mask]).abs().max().item()
+        assert gap < 1e-5 if same else gap > 1e-2, (folder, gap)
+    assert kl > 1e-3
+    t = in_process_trainer(tiny_model, raw)
+    try:
+        assert abs(t.step(0)["kl"]) < 1e-6  # the initial policy as reference: nothing yet between them
+    finally:
+        t.shutdown()
+
+
+def test_a_reference_of_its_own_that_is_unused_or_unfit_is_one_line(rlhf, other_reference, tmp_path):
+    """Unused (KL off) it is refused; it must score every token of the policy's tokenizer; mixed with the policy
+    (ref_sync_steps) it must have the policy's shape: one of the same shape is accepted, a wider one refused."""
+    code, _, err = rlhf("train", "--model.reference_path", other_reference, "--algo.kl.coef", "0", "--dry-run")
+    check_one_line_error(code, err, f"model.reference_path '{other_reference}' is the KL's reference model, and "
+                                    "algo.kl.coef 0 runs without one; set --algo.kl.coef above 0 or drop "
+                                    "--model.reference_path")
+    small = random_llama(tmp_path / "small", vocab_size=100)
+    code, _, err = rlhf("train", "--model.reference_path", small, "--dry-run")
+    check_one_line_error(code, err, f"model.reference_path '{small}' has a vocabulary of 100 tokens and the policy's "
+                                    "tokenizer 366; the reference scores the policy's tokens")
+    code, _, err = rlhf("train", "--model.reference_path", other_reference, "--algo.kl.ref_sync_steps", "2", "--dry-run")
+    assert code == 0, err
+    wider = random_llama(tmp_path / "wider", hidden_size=384, intermediate_size=1024)
+    code, _, err = rlhf("train", "--model.reference_path", wider, "--algo.kl.ref_sync_steps", "2", "--dry-run")
+    check_one_line_error(code, err, "algo.kl.ref_sync_steps mixes the policy's weights into the reference model, and "
+                                    f"model.reference_path '{wider}' has another shape than the policy; drop one of "
+                                    "them")
+    code, out, err = rlhf("train", "--model.reference_path", wider, "--dry-run")
+    assert code == 0, err  # a reference of another size is fine where nothing mixes into it
+    code, plain, err = rlhf("train", "--dry-run")
+    assert code == 0, err
+
+    def reference_weights_mb(text):
+        return int(re.search(r"\] reference \d+ MB: .*weights (\d+) MB", text).group(1))
+
+    # the memory plan sizes the reference's own weights: 384 wide against the tiny policy's 128
+    assert reference_weights_mb(out) >= 3 * reference_weights_mb(plain) > 0
 
 
 def test_mixing_gives_alpha_policy_plus_the_rest_of_the_reference_and_a_tied_tensor_once():
@@ -181,6 +277,23 @@ def test_on_ray_the_reference_actor_receives_the_policy(local_ray, tiny_model, t
         t.shutdown()
     assert policy and all(torch.equal(ref[name], p) for name, p in policy.items())
     assert any(not torch.equal(ref[k], first[k]) for k in policy)
+
+
+@pytest.mark.integration
+def test_on_ray_the_reference_actor_loads_a_reference_of_its_own(local_ray, tiny_model, other_reference, tmp_path,
+                                                                 monkeypatch):
+    """--model.reference_path on Ray: the reference actor holds that folder's weights and a step runs with them."""
+    monkeypatch.chdir(tmp_path)
+    t = in_process_trainer(tiny_model, {"placement": {"strategy": "ray"}, "model": {"reference_path": other_reference},
+                                        "train": {"prompts_per_step": 2, "steps": 1},
+                                        "generation": {"n_samples_per_prompt": 2}, "algo": {"kl": {"coef": 0.05}}})
+    try:
+        held = t.reference.run(_reference_weights, rank=0)
+        kl = t.step(0)["kl"]
+    finally:
+        t.shutdown()
+    saved = _saved_weights(other_reference)
+    assert all(torch.equal(held[k], v) for k, v in saved.items()) and kl > 1e-3
 
 
 def _gathered_reference(ctx):

@@ -3,12 +3,13 @@ directory, held-out figures, TRL fields under `trl:` checked against TRL, LoRA, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import metrics_of, the_run
+from tests.helpers import metrics_of, random_llama, the_run
 
 pytest.importorskip("trl")
 
@@ -169,11 +170,42 @@ def test_a_distillation_teacher_must_share_the_students_vocabulary(rlhf, tmp_pat
     code, _, err = rlhf("distill", "--model.teacher", str(teacher))
     assert code == 2
     (line,) = err.strip().splitlines()
-    assert (f"model.teacher '{teacher}' has a vocabulary of {config['vocab_size'] + 64} tokens and the student "
-            f"{config['vocab_size']}; distillation matches the teacher's whole next-token distribution") in line
+    assert line == (f"rlhf: error: model.teacher '{teacher}' has a vocabulary of {config['vocab_size'] + 64} tokens "
+                    f"and the policy {config['vocab_size']}; distillation matches the teacher's whole next-token "
+                    "distribution, so both need the same tokenizer: pick a teacher of the student's family")
     code, _, err = rlhf("distill", "--model.teacher", tiny_model, "--trl.teacher_model_name_or_path", tiny_model)
     assert code == 2 and "trl.teacher_model_name_or_path is set by rlhf-plugins (model.teacher)" in err
     assert not Path("runs").exists()
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_dpo_and_kto_take_a_reference_of_their_own(rlhf, tmp_path, stage):
+    """--model.reference_path (OpenRLHF's --ref_pretrain): the implied reward of the first step's chosen
+    answers, taken before any update, is zero against the initial policy and not against another model."""
+    other = random_llama(tmp_path / "reference")
+
+    def first_rewards(*extra):
+        code, _, err = rlhf(stage, "--trl.max_steps", "1", "--train.progress", "false", *extra)
+        assert code == 0, err
+        run = the_run()
+        logged = next(r for r in metrics_of(run) if "rewards/chosen" in r)
+        shutil.rmtree("runs")
+        return logged["rewards/chosen"]
+
+    assert first_rewards() == 0.0
+    assert abs(first_rewards("--model.reference_path", other)) > 1e-3
+
+
+def test_a_trl_without_the_stages_trainer_is_one_line(rlhf, tiny_model, monkeypatch):
+    """TRL's DistillationTrainer came with TRL 1.10 and this project admits TRL 1.0: an older TRL is one line."""
+    import trl
+
+    monkeypatch.setattr(trl, "DistillationConfig", None)
+    code, _, err = rlhf("distill", "--model.teacher", tiny_model, "--dry-run")
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line == (f"rlhf: error: rlhf distill runs on trl.DistillationConfig, which the installed TRL {trl.__version__} "
+                    "does not have: pip install -U trl")
 
 
 def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
@@ -194,8 +226,11 @@ def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
     (["distill"], "rlhf distill needs a teacher: give --model.teacher FOLDER, a save_pretrained folder with the "
                   "student's vocabulary (e.g. the final/ folder of rlhf sft)"),
     (["distill", "--model.teacher", "nowhere"], "model.teacher 'nowhere' is not a save_pretrained folder"),
-    (["sft", "--model.teacher", "x"], "model.teacher is the teacher of rlhf distill; rlhf sft has none: drop "
+    (["sft", "--model.teacher", "x"], "model.teacher is for rlhf distill; rlhf sft has no use for it: drop "
                                       "--model.teacher"),
+    (["rm", "--model.reference_path", "x"], "model.reference_path is for rlhf dpo / rlhf kto; rlhf rm has no use for "
+                                            "it: drop --model.reference_path"),
+    (["dpo", "--model.reference_path", "nowhere"], "model.reference_path 'nowhere' is not a save_pretrained folder"),
 ])
 def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
     code, _, err = rlhf(*args)

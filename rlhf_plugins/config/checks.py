@@ -71,11 +71,39 @@ def check_ranges(c: Config) -> None:
             inspect_reward_model(path, r.value_head_prefix)
     from ..models.folder import check_model_folder
 
-    for key, folder in (("model.path", c.model.path), ("critic.path", c.critic.path)):
+    for key, folder in (("model.path", c.model.path), ("critic.path", c.critic.path),
+                        ("model.reference_path", c.model.reference_path)):
         if folder:
             check_model_folder(folder, key, trust_remote_code=c.model.trust_remote_code, tokenizer=key == "model.path")
+    _check_reference(c)
     check_data(c)
     check_best_metric(c)
+
+
+def _check_reference(c: Config) -> None:
+    """A reference model of its own (--model.reference_path) is used (KL on), scores every token of the
+    policy's tokenizer, and has the policy's shape where the policy's weights are mixed into it."""
+    path = c.model.reference_path
+    if not path:
+        return
+    _require(c.algo.kl.coef > 0, f"model.reference_path '{path}' is the KL's reference model, and algo.kl.coef 0 runs "
+                                 "without one; set --algo.kl.coef above 0 or drop --model.reference_path")
+    from transformers import AutoTokenizer
+
+    from ..models.model_shape import ModelShape
+    from ..models.tiny_model import default_model_path
+
+    remote = c.model.trust_remote_code
+    policy = c.model.path or default_model_path(quiet=True)
+    reference = ModelShape.of_folder(path, remote)
+    tokens = len(AutoTokenizer.from_pretrained(policy, trust_remote_code=remote))
+    _require(reference.vocab >= tokens,
+             f"model.reference_path '{path}' has a vocabulary of {reference.vocab} tokens and the policy's tokenizer "
+             f"{tokens}; the reference scores the policy's tokens, so it needs the policy's tokenizer: pick a "
+             "reference of the policy's family")
+    _require(not c.algo.kl.ref_sync_steps or reference == ModelShape.of_folder(policy, remote),
+             f"algo.kl.ref_sync_steps mixes the policy's weights into the reference model, and model.reference_path "
+             f"'{path}' has another shape than the policy; drop one of them")
 
 
 def _check_train(t: Any) -> None:

@@ -30,6 +30,10 @@ class ModelConfig:
     #: the transformers engine; vLLM computes float32 logits from its 16-bit head (ScaleRL; TRL's
     #: cast_lm_head_to_fp32; a tied input embedding becomes float32 too)
     fp32_lm_head: bool = False
+    #: the KL's reference model, a local save_pretrained folder with the policy's tokenizer (OpenRLHF's
+    #: --ref_pretrain: e.g. the SFT model while the policy starts from a later checkpoint, or a teacher);
+    #: empty: the initial policy
+    reference_path: str | None = None
     #: run Python code that ships with a model folder (custom architectures); never asked interactively
     trust_remote_code: bool = False
 

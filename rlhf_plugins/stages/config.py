@@ -23,6 +23,9 @@ class StageModel:
     #: rlhf distill: the teacher, a local save_pretrained folder whose vocabulary is the student's (e.g. the
     #: final/ folder of rlhf sft); loaded in model.dtype, without gradients
     teacher: str | None = None
+    #: rlhf dpo / rlhf kto: the reference model, a local save_pretrained folder with the policy's tokenizer
+    #: (OpenRLHF's --ref_pretrain); empty: the initial policy (with LoRA: the policy without its adapters)
+    reference_path: str | None = None
 
 
 @dataclass
@@ -103,7 +106,10 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
     import trl
 
     name, defaults = DEFAULTS[stage]
-    cls = getattr(trl, name)
+    cls = getattr(trl, name, None)
+    if cls is None:  # DistillationConfig came with TRL 1.10
+        raise ConfigError(f"rlhf {stage} runs on trl.{name}, which the installed TRL {trl.__version__} does not have: "
+                          "pip install -U trl")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in cfg.trl:
         if key in OWNED:
@@ -153,26 +159,47 @@ def check(cfg: StageConfig, stage: str) -> None:
 
 def _check_teacher(cfg: StageConfig, stage: str) -> None:
     """``rlhf distill`` needs a teacher folder sharing the student's vocabulary (TRL compares the full
-    next-token distributions); another stage has no use for one."""
-    teacher = cfg.model.teacher
-    if stage != "distill":
-        if teacher is not None:
-            raise ConfigError(f"model.teacher is the teacher of rlhf distill; rlhf {stage} has none: drop "
-                              "--model.teacher")
-        return
-    if teacher is None:
-        raise ConfigError("rlhf distill needs a teacher: give --model.teacher FOLDER, a save_pretrained folder with "
-                          "the student's vocabulary (e.g. the final/ folder of rlhf sft)")
-    if not (Path(teacher) / "config.json").is_file():
-        raise ConfigError(f"model.teacher '{teacher}' is not a save_pretrained folder (no config.json there)")
+    next-token distributions); a reference of its own is for DPO and KTO, whose vocabulary covers the
+    policy's; another stage has no use for either."""
     from ..models.tiny_model import default_model_path
 
-    student = cfg.model.path or default_model_path()
-    sizes = [_vocab_size(Path(p) / "config.json") for p in (student, teacher)]
-    if None not in sizes and sizes[0] != sizes[1]:
-        raise ConfigError(f"model.teacher '{teacher}' has a vocabulary of {sizes[1]} tokens and the student "
-                          f"{sizes[0]}; distillation matches the teacher's whole next-token distribution, so both "
-                          "need the same tokenizer: pick a teacher of the student's family")
+    student = Path(cfg.model.path or default_model_path()) / "config.json"
+    for key, folder, stages in (("teacher", cfg.model.teacher, ("distill",)),
+                                ("reference_path", cfg.model.reference_path, ("dpo", "kto"))):
+        if folder is None or stage not in stages:
+            if folder is not None:
+                raise ConfigError(f"model.{key} is for rlhf {' / rlhf '.join(stages)}; rlhf {stage} has no use for it: "
+                                  f"drop --model.{key}")
+            continue
+        if not (Path(folder) / "config.json").is_file():
+            raise ConfigError(f"model.{key} '{folder}' is not a save_pretrained folder (no config.json there)")
+        # distillation compares the two heads' rows (the same size); DPO / KTO score the policy's tokens
+        theirs = _vocab_size(Path(folder) / "config.json")
+        ours = _vocab_size(student) if stage == "distill" else _tokens(student.parent)
+        if None not in (ours, theirs) and not (theirs == ours if stage == "distill" else theirs >= ours):
+            why = NEEDS[stage].format(ours=ours)
+            raise ConfigError(f"model.{key} '{folder}' has a vocabulary of {theirs} tokens and the policy{why}")
+    if stage == "distill" and cfg.model.teacher is None:
+        raise ConfigError("rlhf distill needs a teacher: give --model.teacher FOLDER, a save_pretrained folder with "
+                          "the student's vocabulary (e.g. the final/ folder of rlhf sft)")
+
+
+#: the policy's side of a vocabulary mismatch, and why it matters, per stage
+REFERENCE = ("'s tokenizer {ours}; the reference scores the policy's tokens, so it needs the policy's tokenizer: "
+             "pick a reference of the policy's family")
+NEEDS = {"distill": " {ours}; distillation matches the teacher's whole next-token distribution, so both need the "
+                    "same tokenizer: pick a teacher of the student's family",
+         "dpo": REFERENCE, "kto": REFERENCE}
+
+
+def _tokens(folder: Path) -> int | None:
+    """The size of the tokenizer saved in ``folder``; None where there is none to read."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
+    except (OSError, ValueError):
+        return None  # the stage's own loading gives the line
 
 
 def _vocab_size(path: Path) -> int | None:

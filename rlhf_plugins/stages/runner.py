@@ -191,6 +191,8 @@ def _trainer(stage: str, cfg: StageConfig, path: str, tokenizer: Any, args: Any,
     extra = {}
     if stage == "distill":
         extra["teacher_model"] = _model(stage, str(cfg.model.teacher), cfg, tokenizer)
+    if cfg.model.reference_path:  # DPO / KTO against a reference of its own (OpenRLHF's --ref_pretrain)
+        extra["ref_model"] = _model(stage, cfg.model.reference_path, cfg, tokenizer)
     trainer = getattr(trl, TRAINERS[stage])(
         model=_model(stage, path, cfg, tokenizer), args=args, train_dataset=Dataset.from_list(train),
         processing_class=tokenizer, peft_config=_peft(stage, cfg), callbacks=[callback], **extra)

@@ -1,7 +1,6 @@
-"""The memory plan of a run: each role's analytic need, grouped into the processes the placement
-makes, next to the memory of the node they are placed on -- printed by ``rlhf train --dry-run``
-and at the start of every run, and a layout whose minimum cannot fit is refused before anything
-starts, naming the flags that would make it fit.
+"""The memory plan of a run: each role's analytic need, grouped into the processes the placement makes, next to
+the memory of the node they are placed on -- printed by ``rlhf train --dry-run`` and at the start of every run,
+and a layout whose minimum cannot fit is refused before anything starts, naming the flags that would make it fit.
 
 None of OpenRLHF, verl or TRL plans memory before launch: there, a layout that cannot fit is found
 out by the out-of-memory killer, minutes in.
@@ -25,7 +24,6 @@ from .remedies import REMEDIES
 PROCESS_IMPORTS = int(0.45 * GIB)
 #: Ray's own processes on a node (GCS, raylet, dashboard agent; STACK.md)
 RAY_NODE = int(1.3 * GIB)
-
 
 #: above this share of the node's memory the plan's minimum is likely not enough in practice
 TIGHT = 0.8
@@ -159,7 +157,9 @@ def memory_plan(config: Config, plan: Plan, prompt_tokens: int | None = None) ->
     groups = [(roles, plan.engine_workers if roles == ("generation",) else n)
               for roles, n in plan.placement.process_groups(c, plan.roles)]
     ranks = {role: n for roles, n in groups for role in roles}
-    needs = {role: _role_need(c, plan, shape, role, ranks[role], prompt, completion) for role in plan.roles}
+    reference = c.model.reference_path  # a reference model of its own has its own size
+    shapes = {"reference": ModelShape.of_folder(reference, c.model.trust_remote_code)} if reference else {}
+    needs = {r: _role_need(c, plan, shapes.get(r, shape), r, ranks[r], prompt, completion) for r in plan.roles}
     if "generation" in needs and shares_weights(c, plan):
         parts = needs["generation"].parts
         parts["weights (the actor's, shared)"] = parts.pop("weights", 0) * 0

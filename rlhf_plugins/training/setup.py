@@ -52,7 +52,9 @@ def create_roles(trainer: Trainer) -> None:
     learner = (plan.learner, plan.provider(plan.learner))
     trainer.actor = create("actor", PolicyRole, c, spec, path, *learner)
     sharded = learner if plan.learner.shards_reference else ()  # the reference on the learner's sharding
-    trainer.reference = create("reference", ReferenceRole, c, spec, path, *sharded) if plan.needs_reference else None
+    reference = c.model.reference_path or path  # OpenRLHF's --ref_pretrain; else the initial policy
+    trainer.reference = create("reference", ReferenceRole, c, spec, reference,
+                               *sharded) if plan.needs_reference else None
     trainer.critic = create("critic", CriticRole, c, spec, c.critic.path or path,
                             *learner) if plan.needs_critic else None
     trainer.reward = create("reward", RewardRole, c, spec, plan.rewards, plan.weights)
