@@ -117,6 +117,10 @@ def test_sequence_ppo_is_trls_rloo_loss(seed):
                               ("region", "loss/clip_frac")):
         assert float(metrics[ours_name]) == pytest.approx(shares[theirs], abs=1e-12), theirs
     assert float(metrics["loss/ratio_mean"]) == pytest.approx(float(ratio.mean()))
+    # RLOO's clip_ratio/low_min and /high_max: the extremes over completions of each one's clipped flag
+    low, high = (ratio < 0.8) & (per_sequence < 0), (ratio > 1.28) & (per_sequence > 0)
+    assert (float(metrics["loss/clip_low_seq_min"]), float(metrics["loss/clip_high_seq_max"])) == \
+        (float(low.double().min()), float(high.double().max()))
     kept = (grad.abs().sum(1) > 0)
     assert 0 < shares["region"] < 1 and kept.any() and not kept.all()
     # a kept completion's gradient is -A r / B on each of its tokens: the whole ratio's, not one token's
@@ -343,13 +347,44 @@ def test_vespo_is_trls_gamma_weighted_reinforce(seed, mismatch):
     assert float(metrics["loss/vespo_phi_mean"]) == pytest.approx(phi_mean) and abs(phi_mean - 1) > 0.005
 
 
+def trl_nan_extreme(values: torch.Tensor, largest: bool) -> float:
+    """TRL's nanmin / nanmax: the extreme of the values that are not NaN."""
+    kept = [v for v in values.tolist() if not math.isnan(v)]
+    return max(kept) if largest else min(kept)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_clips_extremes_over_sequences_are_trls_low_min_and_high_max(seed):
+    """TRL 1.16's GRPO clip_ratio/low_min and /high_max: nanmin and nanmax over the micro batch's sequences of
+    each one's share of tokens clipped below the band with a negative advantage (above it with a positive);
+    a sequence of no tokens -- TRL's 0/0, a NaN -- is left out."""
+    logprobs, old, _, advantages, mask = inputs(seed)
+    mask[2] = 0  # a completion of no tokens
+    advantages = advantages * mask
+    _, _, metrics = ours("ppo", logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    coef_1 = torch.exp(logprobs - old)
+    with torch.no_grad():
+        low = ((coef_1 < 0.8) & (advantages < 0)).double()
+        high = ((coef_1 > 1.28) & (advantages > 0)).double()
+        low_seq, high_seq = ((x * mask).sum(-1) / mask.sum(-1) for x in (low, high))  # TRL's masked_seq_mean
+    assert math.isnan(float(low_seq[2]))
+    assert float(metrics["loss/clip_low_seq_min"]) == pytest.approx(trl_nan_extreme(low_seq, False), abs=1e-12)
+    assert float(metrics["loss/clip_high_seq_max"]) == pytest.approx(trl_nan_extreme(high_seq, True), abs=1e-12)
+    # the extremes bound the token shares: nothing the min / max of a mean could not be
+    assert float(metrics["loss/clip_low_seq_min"]) <= float(metrics["loss/clip_low_frac"])
+    assert 0 < float(metrics["loss/clip_high_frac"]) < float(metrics["loss/clip_high_seq_max"]) <= 1
+
+
 def test_the_drop_ins_clip_names_follow_the_loss_as_trls_do():
     """log_history names the clip's shares as TRL does for the loss that ran: ``clip_ratio/*_mean`` for the
-    clipped surrogate (below the band, above it, either), ``cispo_clip_ratio`` for CISPO's cap."""
+    clipped surrogate (below the band, above it, either) with ``low_min`` / ``high_max``, ``cispo_clip_ratio`` for
+    CISPO's cap."""
     from rlhf_plugins.integrations.trl_state import _trl_row
 
-    clipped = _trl_row({"loss/clip_frac": 0.3, "loss/clip_low_frac": 0.1, "loss/clip_high_frac": 0.2})
+    clipped = _trl_row({"loss/clip_frac": 0.3, "loss/clip_low_frac": 0.1, "loss/clip_high_frac": 0.2,
+                        "loss/clip_low_seq_min": 0.0, "loss/clip_high_seq_max": 0.5})
     assert (clipped["clip_ratio/low_mean"], clipped["clip_ratio/high_mean"], clipped["clip_ratio/region_mean"]) == \
         (0.1, 0.2, 0.3) and "cispo_clip_ratio" not in clipped
+    assert (clipped["clip_ratio/low_min"], clipped["clip_ratio/high_max"]) == (0.0, 0.5)
     capped = _trl_row({"loss/clip_frac": 0.3, "loss/clip_high_frac": 0.2})
     assert capped["cispo_clip_ratio"] == 0.2 and not any(k.startswith("clip_ratio/") for k in capped)

@@ -662,6 +662,8 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     # TRL's default loss (dapo) clips: the shares clipped below and above the band, and either
     assert last["clip_ratio/region_mean"] == last["loss/clip_frac"]
     assert last["clip_ratio/low_mean"] + last["clip_ratio/high_mean"] == pytest.approx(last["clip_ratio/region_mean"])
+    assert 0 <= last["clip_ratio/low_min"] <= last["clip_ratio/low_mean"]  # extremes over sequences
+    assert last["clip_ratio/high_mean"] <= last["clip_ratio/high_max"] <= 1
     assert "rewards/zero_std_frac/mean" not in last  # a metric of ours, not a reward function's
     assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())

@@ -46,6 +46,8 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
              "frac_reward_zero_std": "reward/zero_std_frac"}
 #: TRL's clip_ratio/<name>_mean: the share of tokens clipped below the band, above it, and either
 CLIP_NAMES = {"low": "loss/clip_low_frac", "high": "loss/clip_high_frac", "region": "loss/clip_frac"}
+#: TRL's clip_ratio/low_min and /high_max: the smallest low share and the largest high share of a sequence
+CLIP_EXTREMES = {"low_min": "loss/clip_low_seq_min", "high_max": "loss/clip_high_seq_max"}
 
 
 def _trl_row(row: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
@@ -60,6 +62,7 @@ def _trl_row(row: dict[str, Any], names: dict[str, str] | None = None) -> dict[s
         named["completions/clipped_ratio"] = 1.0 - row["completion/stopped"]
     if "loss/clip_low_frac" in row:  # the PPO-clip family's (TRL's loss types grpo, bnpo, dr_grpo, dapo, luspo)
         named.update({f"clip_ratio/{theirs}_mean": row[ours] for theirs, ours in CLIP_NAMES.items()})
+        named.update({f"clip_ratio/{theirs}": row[ours] for theirs, ours in CLIP_EXTREMES.items() if ours in row})
     elif "loss/clip_high_frac" in row:  # CISPO's cap, where the advantage is positive
         named["cispo_clip_ratio"] = row["loss/clip_high_frac"]
     return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}}
