@@ -212,10 +212,11 @@ def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tm
 
 
 @pytest.mark.parametrize("module, name, hint", [
-    ("openrlhf.cli.train_kto", "train_kto", "; rlhf kto runs TRL's KTOTrainer, with TRL's fields under --trl.*"),
+    ("openrlhf.cli.train_kto", "train_kto", "; it left OpenRLHF in 0.9: rlhf kto runs TRL's KTOTrainer, with TRL's "
+                                            "fields under --trl.*"),
     ("/src/OpenRLHF/openrlhf/cli/train_prm.py", "train_prm", ""),
-    ("openrlhf.cli.train_kd", "train_kd", "; rlhf distill distils on the student's own samples (TRL's on-policy "
-                                          "distillation), not on the dataset's answers")])
+    ("openrlhf.cli.train_kd", "train_kd", "; it left OpenRLHF in 0.9: rlhf distill distils on the student's own "
+                                          "samples (TRL's on-policy distillation), not on the dataset's answers")])
 def test_an_openrlhf_command_without_an_equivalent_is_one_line_not_a_ppo_config(tmp_path, rlhf, module, name, hint):
     """A command this project does not convert (KTO, process reward models, off-policy distillation) was read as
     train_ppo_ray and written as a PPO config; it is one line naming the commands that convert (and the stage

@@ -52,10 +52,10 @@ PPO_DEFAULTS: dict[str, Any] = {
 COMMANDS = {"train_ppo_ray": "ppo", "train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "serve_rm": "serve_rm"}
 #: our command for each of theirs
 OURS = {"ppo": "rlhf train", "sft": "rlhf sft", "rm": "rlhf rm", "dpo": "rlhf dpo", "serve_rm": "rlhf serve-reward"}
-#: OpenRLHF commands without a conversion that have a neighbour here (their flags are not mapped)
-NEARBY = {"train_kto": "; rlhf kto runs TRL's KTOTrainer, with TRL's fields under --trl.*",
-          "train_kd": "; rlhf distill distils on the student's own samples (TRL's on-policy distillation), not on "
-                      "the dataset's answers"}
+#: OpenRLHF commands without a conversion that have a neighbour here (OpenRLHF 0.8's, whose flags are not mapped)
+NEARBY = {"train_kto": "; it left OpenRLHF in 0.9: rlhf kto runs TRL's KTOTrainer, with TRL's fields under --trl.*",
+          "train_kd": "; it left OpenRLHF in 0.9: rlhf distill distils on the student's own samples (TRL's on-policy "
+                      "distillation), not on the dataset's answers"}
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,9 @@ the other scripts; for `serve_rm`, the `rlhf serve-reward` command line), carrie
 where ours differ so the run means what the command meant, and lists every flag it converted with a
 difference or could not convert, with the reason. An OpenRLHF flag given to `rlhf` itself stops with one
 line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`). OpenRLHF's other
-scripts (`train_kto`, `train_prm`, `train_kd`, ...) have no equivalent: converting one is one line saying so
-(`train_kd` distils on a dataset's answers; `rlhf distill`, TRL's on-policy distillation, on the student's own).
+scripts (`train_kto`, `train_prm`, `train_kd`, ... -- OpenRLHF 0.8's, gone from 0.9) have no equivalent: converting
+one is one line saying so and naming the stage nearest to it (`rlhf kto`; for `train_kd`, which distils on a dataset's
+answers, `rlhf distill`, TRL's on-policy distillation on the student's own).
 
 ## Where the semantics differ
 
