@@ -143,8 +143,8 @@ def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
 
 
 def check(cfg: StageConfig, stage: str) -> None:
-    """Every key within its declared bounds (LoRA's included), the input template's one ``{}``, a
-    teacher for ``rlhf distill`` (and for no other stage)."""
+    """Every key within its declared bounds (LoRA's included), the input template's one ``{}``, the second
+    model a stage takes (distillation's teacher, DPO's and KTO's own reference) and no other."""
     from ..data.prompts import check_input_template
     from ..data.sources import check_datasets
 
@@ -154,10 +154,10 @@ def check(cfg: StageConfig, stage: str) -> None:
     if cfg.data.input_template is not None and cfg.data.path is None:
         raise ConfigError("data.input_template puts the plain-text prompts of --data.path in place; the embedded data "
                           "is chat messages: give --data.path or drop --data.input_template")
-    _check_teacher(cfg, stage)
+    _check_second_model(cfg, stage)
 
 
-def _check_teacher(cfg: StageConfig, stage: str) -> None:
+def _check_second_model(cfg: StageConfig, stage: str) -> None:
     """``rlhf distill`` needs a teacher folder sharing the student's vocabulary (TRL compares the full
     next-token distributions); a reference of its own is for DPO and KTO, whose vocabulary covers the
     policy's; another stage has no use for either."""
