@@ -664,6 +664,10 @@ def test_trl_steps_are_optimizer_updates_where_a_generation_feeds_several(tmp_pa
     assert last["clip_ratio/low_mean"] + last["clip_ratio/high_mean"] == pytest.approx(last["clip_ratio/region_mean"])
     assert 0 <= last["clip_ratio/low_min"] <= last["clip_ratio/low_mean"]  # extremes over sequences
     assert last["clip_ratio/high_mean"] <= last["clip_ratio/high_max"] <= 1
+    rows = [r for r in metrics_of(trainer.run_dir) if "reward/mean" in r]
+    assert last["num_tokens"] == sum(r["tokens/step"] for r in rows) > 0  # TRL's: the tokens of the steps so far
+    assert last["completions/mean_terminated_length"] == last["completion/terminated_length"]
+    assert last["policy_loss"] == last["loss/policy"] and "aux_loss" not in last and "tools/call_frequency" not in last
     assert "rewards/zero_std_frac/mean" not in last  # a metric of ours, not a reward function's
     assert [r["step"] for r in eval_rows_of(trainer.run_dir)] == [0, 2, 3]  # in rollouts: TRL's 0, 4 and the end
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
@@ -685,6 +689,47 @@ def test_completion_length_range_is_the_model_tokens_of_the_shortest_and_longest
     got = rollout_metrics(rollout, batch, None, 0.0)
     assert (got["completion/min_length"], got["completion/max_length"]) == (min(lengths), max(lengths))
     assert got["completion/length"] == pytest.approx(sum(lengths) / len(lengths)) and min(lengths) < max(lengths)
+
+
+def test_terminated_lengths_and_the_steps_tokens_are_trls():
+    """TRL's ``completions/mean_terminated_length`` (and min / max): the lengths of the completions that stopped
+    of themselves -- 0 when none did, as TRL's -- and ``tokens/step``, the prompt and completion tokens that TRL's
+    ``num_tokens`` adds up step by step."""
+    import statistics
+
+    import torch
+
+    from rlhf_plugins.training.rollout import make_batch, rollout_metrics
+    from tests.helpers import random_rollout
+
+    rollout = random_rollout(group=3, prompts=4, seed=7)
+    lengths = [len(c) for c in rollout.completion_ids]
+    rollout.finish_reasons = ["length" if n == max(lengths) else "stop" for n in lengths]  # the budget cut the longest
+    ended = [n for n, r in zip(lengths, rollout.finish_reasons) if r == "stop"]
+    batch = make_batch(rollout, pad_id=0)
+    batch["advantages"] = torch.zeros_like(batch["action_mask"], dtype=torch.float32)
+    got = rollout_metrics(rollout, batch, None, 0.0)
+    assert got["completion/terminated_length"] == pytest.approx(statistics.fmean(ended), rel=1e-12)
+    assert (got["completion/min_terminated_length"], got["completion/max_terminated_length"]) == (min(ended), max(ended))
+    assert max(ended) < max(lengths) and min(ended) == min(lengths)  # the cut ones are left out
+    assert got["tokens/step"] == sum(len(p) for p in rollout.prompt_ids) + sum(lengths)
+    rollout.finish_reasons = ["length"] * 12
+    got = rollout_metrics(rollout, batch, None, 0.0)
+    assert [got[f"completion/{k}terminated_length"] for k in ("", "min_", "max_")] == [0.0, 0.0, 0.0]
+
+
+def test_log_history_names_tool_use_and_the_extra_loss_terms_as_trl_does():
+    """Where a run has them: TRL's tools/call_frequency (calls per completion) and /failure_frequency (failures
+    per call), entropy_coef, aux_loss and policy_loss, beside ours; absent where the run has none."""
+    from rlhf_plugins.integrations.trl_state import _trl_row
+
+    row = {"reward/mean": 1.0, "env/tool_calls": 1.5, "env/tool_failure_rate": 0.25, "entropy/coef": 0.01,
+           "loss/router_aux": 0.3, "loss/policy": -0.1}
+    named = _trl_row(row)
+    assert (named["tools/call_frequency"], named["tools/failure_frequency"], named["entropy_coef"],
+            named["aux_loss"], named["policy_loss"]) == (1.5, 0.25, 0.01, 0.3, -0.1)
+    plain = _trl_row({"reward/mean": 1.0})
+    assert not {"tools/call_frequency", "entropy_coef", "aux_loss", "policy_loss"} & set(plain)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

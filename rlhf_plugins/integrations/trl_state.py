@@ -2,6 +2,7 @@
 ``trainer.state`` with its ``log_history``, made from a finished run directory."""
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,13 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
              "completions/mean_length": "completion/length", "completions/min_length": "completion/min_length",
              "completions/max_length": "completion/max_length", "reward_std": "reward/std",
              "frac_reward_zero_std": "reward/zero_std_frac"}
+#: the same where the run has them: terminated lengths, the policy term, the entropy bonus's coefficient, the
+#: load-balancing loss, tool use (TRL's calls per completion and failures per call)
+TRL_NAMES_IF = {"completions/mean_terminated_length": "completion/terminated_length",
+                "completions/min_terminated_length": "completion/min_terminated_length",
+                "completions/max_terminated_length": "completion/max_terminated_length",
+                "policy_loss": "loss/policy", "entropy_coef": "entropy/coef", "aux_loss": "loss/router_aux",
+                "tools/call_frequency": "env/tool_calls", "tools/failure_frequency": "env/tool_failure_rate"}
 #: TRL's clip_ratio/<name>_mean: the share of tokens clipped below the band, above it, and either
 CLIP_NAMES = {"low": "loss/clip_low_frac", "high": "loss/clip_high_frac", "region": "loss/clip_frac"}
 #: TRL's clip_ratio/low_min and /high_max: the smallest low share and the largest high share of a sequence
@@ -65,6 +73,7 @@ def _trl_row(row: dict[str, Any], names: dict[str, str] | None = None) -> dict[s
         named.update({f"clip_ratio/{theirs}": row[ours] for theirs, ours in CLIP_EXTREMES.items() if ours in row})
     elif "loss/clip_high_frac" in row:  # CISPO's cap, where the advantage is positive
         named["cispo_clip_ratio"] = row["loss/clip_high_frac"]
+    named.update({theirs: row[ours] for theirs, ours in TRL_NAMES_IF.items() if ours in row})
     return {**row, **named, **{theirs: row.get(ours) for theirs, ours in TRL_NAMES.items()}}
 
 
@@ -77,12 +86,15 @@ def _trl_eval_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def trainer_state(run_dir: Path | None, raw: dict[str, Any], names: dict[str, str] | None = None) -> TrainerStateView:
-    """``trainer.state``: the updates made and planned, the epoch, and ``log_history`` -- a dict per step and
-    one per held-out evaluation after it (the one before the first step at step 0), at TRL's steps."""
+    """``trainer.state``: the updates made and planned, the epoch, and ``log_history`` -- a dict per step (with
+    TRL's ``num_tokens``, the prompt and completion tokens of the steps so far) and one per held-out evaluation
+    after it (the one before the first step at step 0), at TRL's steps."""
     every = _rows(run_dir)
     rows = [r for r in every if "reward/mean" in r]
     per_step, steps = _steps(run_dir, raw, len(rows))
-    trained = [((int(r.get("step", i)) + 1) * per_step, 0, _trl_row(r, names)) for i, r in enumerate(rows)]
+    seen = itertools.accumulate(r.get("tokens/step", 0.0) for r in rows)  # TRL's num_tokens: the tokens so far
+    trained = [((int(r.get("step", i)) + 1) * per_step, 0, {**_trl_row(r, names), "num_tokens": n})
+               for i, (r, n) in enumerate(zip(rows, seen))]
     evals = [(int(r.get("step", 0)) * per_step, 1, _trl_eval_row(r)) for r in every if is_eval_row(r)]
     history = [{**row, "step": step} for step, _, row in sorted(trained + evals, key=lambda t: t[:2])]
     epoch = float(rows[-1].get("epoch", 0.0)) if rows else 0.0  # passes over the prompts (runs before it: 0)

@@ -199,10 +199,7 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     adv_mean = masked_mean(batch["advantages"], mask)
     out = {
         "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
-        "completion/length": float(mask.sum(-1).mean()),  # the model's tokens (multi-turn: all its turns)
-        "completion/min_length": float(mask.sum(-1).min()),
-        "completion/max_length": float(mask.sum(-1).max()),
-        "completion/stopped": sum(r == "stop" for r in rollout.finish_reasons) / len(rollout),
+        **_lengths(rollout, mask),
         "advantage/mean": float(adv_mean),
         "advantage/std": float(masked_mean((batch["advantages"] - adv_mean) ** 2, mask).sqrt()),
     }
@@ -219,6 +216,21 @@ def rollout_metrics(rollout: Rollout, batch: dict[str, torch.Tensor], kl_penalty
     if kl_penalty is not None:
         out["kl/rollout"] = float(masked_mean(kl_penalty, mask)) / max(kl_coef, 1e-12)
     return out
+
+
+def _lengths(rollout: Rollout, mask: torch.Tensor) -> dict[str, float]:
+    """The completions' lengths in the model's tokens (multi-turn: all its turns) -- all of them, and those that
+    stopped of themselves (TRL's terminated lengths, 0 when none did) -- the share that stopped, and the prompt and
+    completion tokens of the step (TRL's num_tokens counts them up)."""
+    lengths = mask.sum(-1)
+    stopped = torch.tensor([r == "stop" for r in rollout.finish_reasons], dtype=torch.bool)
+    ended = lengths[stopped] if stopped.any() else lengths.new_zeros(1)
+    return {"completion/length": float(lengths.mean()), "completion/min_length": float(lengths.min()),
+            "completion/max_length": float(lengths.max()), "completion/stopped": float(stopped.double().mean()),
+            "completion/terminated_length": float(ended.double().mean()),
+            "completion/min_terminated_length": float(ended.min()),
+            "completion/max_terminated_length": float(ended.max()),
+            "tokens/step": float(sum(len(p) for p in rollout.prompt_ids) + lengths.sum())}
 
 
 def mask_truncated(batch: dict[str, Any], rollout: Rollout) -> dict[str, Any]:
