@@ -37,6 +37,9 @@ def test_the_flash_reinforce_recipe_trains_with_one_sample_per_prompt(rlhf):
     rows = metrics_of(the_run())
     assert all(r["mismatch/dropped_frac"] == 0.0 and r["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
                and "kl" not in r for r in rows)  # all admitted, no KL term
+    # the mismatch as TRL logs it (sampling/*): the learner recomputes the engine's log-probs, all admitted
+    assert all(0 <= r["mismatch/abs_log_ratio"] <= r["mismatch/abs_log_ratio_max"] < 1e-3 and
+               r["mismatch/weight_min"] <= r["mismatch/weight_mean"] <= r["mismatch/weight_max"] for r in rows)
     spread = [r for r in rows if r["reward/std"] > 0]
     assert spread and all(r["grad_norm"] > 0 and r["advantage/std"] > 0 for r in spread)
 

@@ -290,7 +290,9 @@ def trl_is_ratio(old, sampling, mask, mode: str, clip_min, clip_max):
 ])
 def test_trls_sampling_corrections_map_to_the_same_weights(mode, clip_min, clip_max):
     """Each vllm_importance_sampling_mode with its band, through the converter: the weights that multiply
-    our per-token loss are TRL's importance_sampling_ratio."""
+    our per-token loss are TRL's importance_sampling_ratio, and the batch's mismatch figures are what TRL
+    logs as sampling/sampling_logp_difference/{mean,max} and sampling/importance_sampling_ratio/{min,mean,max}
+    (over the completion tokens, or over the sequences for the sequence modes)."""
     from rlhf_plugins.algorithms.mismatch import importance_weights
     from rlhf_plugins.integrations.trl_config import from_grpo_fields
 
@@ -304,10 +306,17 @@ def test_trls_sampling_corrections_map_to_the_same_weights(mode, clip_min, clip_
     shift = torch.linspace(-1.2, 1.2, len(old), dtype=old.dtype)[:, None] * mask / mask.sum(-1, keepdim=True)
     rollout = old - shift + 0.1 * (rollout - old) * mask
     weights, metrics = importance_weights(old, rollout, mask, o.mismatch, o.mismatch_low, o.mismatch_high, o.tis_floor)
-    theirs = trl_is_ratio(old, rollout, mask, mode, clip_min, clip_max).expand_as(mask)
-    torch.testing.assert_close(weights, theirs * mask, rtol=1e-9, atol=1e-12)
+    ratio = trl_is_ratio(old, rollout, mask, mode, clip_min, clip_max)
+    torch.testing.assert_close(weights, ratio.expand_as(mask) * mask, rtol=1e-9, atol=1e-12)
     if mode.endswith("mask") and clip_max is not None:
         assert 0 < float(metrics["mismatch/dropped_frac"]) < 1
+    flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask.bool()]  # TRL's flat_is_ratio
+    delta = (old - rollout).abs()[mask.bool()]
+    theirs = {"abs_log_ratio": delta.mean(), "abs_log_ratio_max": delta.max(), "weight_min": flat.min(),
+              "weight_mean": flat.mean(), "weight_max": flat.max()}
+    for name, value in theirs.items():
+        assert float(metrics[f"mismatch/{name}"]) == pytest.approx(float(value), rel=1e-9, abs=1e-12), name
+    assert len({float(v) for v in theirs.values()}) == 5  # five different figures: nothing compared with itself
 
 
 def test_trls_deprecated_cap_is_the_upper_bound():

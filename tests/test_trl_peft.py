@@ -720,16 +720,22 @@ def test_terminated_lengths_and_the_steps_tokens_are_trls():
 
 def test_log_history_names_tool_use_and_the_extra_loss_terms_as_trl_does():
     """Where a run has them: TRL's tools/call_frequency (calls per completion) and /failure_frequency (failures
-    per call), entropy_coef, aux_loss and policy_loss, beside ours; absent where the run has none."""
+    per call), entropy_coef, aux_loss, policy_loss and the importance sampling's sampling/*, beside ours; absent
+    where the run has none."""
     from rlhf_plugins.integrations.trl_state import _trl_row
 
     row = {"reward/mean": 1.0, "env/tool_calls": 1.5, "env/tool_failure_rate": 0.25, "entropy/coef": 0.01,
-           "loss/router_aux": 0.3, "loss/policy": -0.1}
+           "loss/router_aux": 0.3, "loss/policy": -0.1, "mismatch/abs_log_ratio": 0.02,
+           "mismatch/abs_log_ratio_max": 0.4, "mismatch/weight_min": 0.0, "mismatch/weight_mean": 0.9,
+           "mismatch/weight_max": 1.7}
     named = _trl_row(row)
     assert (named["tools/call_frequency"], named["tools/failure_frequency"], named["entropy_coef"],
             named["aux_loss"], named["policy_loss"]) == (1.5, 0.25, 0.01, 0.3, -0.1)
+    assert [named[f"sampling/sampling_logp_difference/{k}"] for k in ("mean", "max")] == [0.02, 0.4]
+    assert [named[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")] == [0.0, 0.9, 1.7]
     plain = _trl_row({"reward/mean": 1.0})
-    assert not {"tools/call_frequency", "entropy_coef", "aux_loss", "policy_loss"} & set(plain)
+    assert not {"tools/call_frequency", "entropy_coef", "aux_loss", "policy_loss",
+                "sampling/importance_sampling_ratio/mean"} & set(plain)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

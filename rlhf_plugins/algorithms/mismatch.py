@@ -16,8 +16,9 @@ sampled tokens, the per-token loss is reweighted by ``r = pi_learner / pi_engine
   ``[floor, high]`` / zero outside ``[low, high]`` (TRL's ``sequence_truncate`` / ``sequence_mask``,
   the latter TRL's default with vLLM).
 
-Metrics: the mean ratio, the share of tokens dropped, the mean |log ratio|, and for the sequence gates the
-share of sequences dropped (``mismatch/dropped_seq_frac``).
+Metrics: the mean ratio, the share of tokens dropped, the mean and largest |log ratio|, the weights' smallest,
+mean and largest (per sequence for ``seq_tis`` / ``seq_mask``; TRL's ``sampling/*``), and for the sequence gates
+the share of sequences dropped (``mismatch/dropped_seq_frac``).
 
 ``icepop`` and ``seq_icepop`` gate on the ratio by default; ``gate`` ``binary_kl`` / ``tv`` gates them
 instead on a divergence between the engine's and the learner's probabilities of the sampled token ``p``,
@@ -75,11 +76,27 @@ def importance_weights(
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/dropped_frac": masked_mean(dropped, mask),
         "mismatch/abs_log_ratio": masked_mean(log_ratio.abs(), mask),
+        **_spread(log_ratio, weights, mask, per_sequence=mode in ("seq_tis", "seq_mask")),
     }
     if mode in ("seq_icepop", "seq_mask_tis", "seq_mask"):  # whole sequences dropped (OpenRLHF's is_filter_ratio,
         rows = (mask.sum(-1) > 0).to(ratio.dtype)         # FlashREINFORCE's 1 - acceptance_rate)
         metrics["mismatch/dropped_seq_frac"] = masked_mean(dropped[:, 0], rows)
     return weights * mask, metrics
+
+
+def _spread(log_ratio: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+            per_sequence: bool) -> dict[str, torch.Tensor]:
+    """What TRL logs of its vLLM importance sampling (``sampling/*``): the largest |log ratio| of a completion
+    token, and the weights' smallest, mean and largest -- over the tokens, or over the sequences where the
+    weight is one per sequence; 0 in a batch without completion tokens."""
+    kept = mask.bool()
+    names = ("abs_log_ratio_max", "weight_min", "weight_mean", "weight_max")
+    if not kept.any():  # the same keys on every micro batch and rank (they are averaged together)
+        return {f"mismatch/{name}": weights.new_zeros(()) for name in names}
+    rows = kept.any(-1)
+    flat = (weights * mask).sum(-1)[rows] / mask.sum(-1)[rows] if per_sequence else weights[kept]
+    return {"mismatch/abs_log_ratio_max": log_ratio.abs()[kept].max(), "mismatch/weight_min": flat.min(),
+            "mismatch/weight_mean": flat.mean(), "mismatch/weight_max": flat.max()}
 
 
 def weights_for(options, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

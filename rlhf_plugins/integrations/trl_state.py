@@ -46,12 +46,15 @@ TRL_NAMES = {"loss": "loss/total", "reward": "reward/mean", "learning_rate": "lr
              "completions/max_length": "completion/max_length", "reward_std": "reward/std",
              "frac_reward_zero_std": "reward/zero_std_frac"}
 #: the same where the run has them: terminated lengths, the policy term, the entropy bonus's coefficient, the
-#: load-balancing loss, tool use (TRL's calls per completion and failures per call)
+#: load-balancing loss, tool use (TRL's calls per completion and failures per call), the engine / learner mismatch
 TRL_NAMES_IF = {"completions/mean_terminated_length": "completion/terminated_length",
                 "completions/min_terminated_length": "completion/min_terminated_length",
                 "completions/max_terminated_length": "completion/max_terminated_length",
                 "policy_loss": "loss/policy", "entropy_coef": "entropy/coef", "aux_loss": "loss/router_aux",
-                "tools/call_frequency": "env/tool_calls", "tools/failure_frequency": "env/tool_failure_rate"}
+                "tools/call_frequency": "env/tool_calls", "tools/failure_frequency": "env/tool_failure_rate",
+                "sampling/sampling_logp_difference/mean": "mismatch/abs_log_ratio",
+                "sampling/sampling_logp_difference/max": "mismatch/abs_log_ratio_max",
+                **{f"sampling/importance_sampling_ratio/{k}": f"mismatch/weight_{k}" for k in ("min", "mean", "max")}}
 #: TRL's clip_ratio/<name>_mean: the share of tokens clipped below the band, above it, and either
 CLIP_NAMES = {"low": "loss/clip_low_frac", "high": "loss/clip_high_frac", "region": "loss/clip_frac"}
 #: TRL's clip_ratio/low_min and /high_max: the smallest low share and the largest high share of a sequence
