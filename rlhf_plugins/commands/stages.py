@@ -22,11 +22,13 @@ TRL_COMMANDS = {"rm": "reward", "distill": "distillation"}
 
 def add_parser(sub: Any, plugin_args: Any) -> None:
     for stage, what in STAGES.items():
+        alone = ("With --model.teacher FOLDER alone (e.g. the final/ folder of rlhf sft) it distils into the "
+                 "embedded tiny Llama on the default task's prompts." if stage == "distill" else
+                 "With no arguments it trains the embedded tiny Llama on data made for the default task.")
         p = sub.add_parser(stage, allow_abbrev=False, help=what,
                            description=f"{what[0].upper()}{what[1:]}. Every config key is a flag (--section.key "
-                                       "VALUE); "
-                                       "TRL's own fields go under --trl.FIELD (e.g. --trl.learning_rate 1e-4). With no "
-                                       "arguments it trains the embedded tiny Llama on data made for the default task.")
+                                       "VALUE); TRL's own fields go under --trl.FIELD (e.g. --trl.learning_rate "
+                                       f"1e-4). {alone}")
         p.add_argument("--config", metavar="FILE", help="YAML config; flags override it")
         p.add_argument("--trl-config", metavar="FILE",
                        help=f"a TRL YAML (as for `trl {TRL_COMMANDS.get(stage, stage)} --config`); --config and "
