@@ -139,6 +139,7 @@ def test_the_kl_to_a_teacher_as_the_only_reward_distils_it(rlhf):
                         "--eval.reward_functions", "exact_match", "--train.steps", "100", "--train.progress", "false",
                         "--train.run_name", "student")
     assert code == 0, err
+    assert "weighted 0" not in err  # the held-out prompts are judged: no warning
     rows = metrics_of(Path("runs/student"))
     before, after = (r["eval/pass@1"] for r in eval_rows_of(Path("runs/student")))
     teacher = evaluate_model("runs/teacher/final", task_rows("test"), n=8)["pass@1"]
@@ -146,6 +147,16 @@ def test_the_kl_to_a_teacher_as_the_only_reward_distils_it(rlhf):
     kl = [r["kl/rollout"] for r in rows if "kl/rollout" in r]
     assert kl[0] > 0.1 and sum(kl[-10:]) / 10 < kl[0] / 5, (kl[0], kl[-10:])
     assert all(r["reward/mean"] == 0.0 for r in rows if "reward/mean" in r)  # the teacher was the only signal
+
+
+def test_a_run_whose_rewards_all_weigh_nothing_is_told_how_to_judge_its_held_out_prompts(rlhf):
+    """With every source weighted 0 the held-out evaluation, which judges with the run's reward, can only say 0:
+    one warning line names --eval.reward_functions (the distillation recipe above gives it and gets none)."""
+    code, out, err = rlhf("train", "--reward.weights", "0", "--train.steps", "1", "--train.progress", "false")
+    assert code == 0, err
+    assert ("rlhf: warning: every reward source is weighted 0 (reward.weights), and the held-out evaluation judges "
+            "with the run's reward: its pass@k will be 0; give --eval.reward_functions NAME to judge it") in err
+    assert "pass@1 0.000 -> 0.000" in " ".join(out.split())
 
 
 def test_mixing_gives_alpha_policy_plus_the_rest_of_the_reference_and_a_tied_tensor_once():

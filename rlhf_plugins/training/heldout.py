@@ -2,6 +2,7 @@
 rows in ``metrics.jsonl``, and the best policy in ``best/``."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ def make_evaluator(config: Any, pm: Any, tokenizer: Any, engine: Any, reward: An
     else:  # reward servers and OpenRLHF reward_func files see the prompt as the policy did (template included)
         judge, with_texts = reward, reads_texts(pm, list(config.reward.functions),
                                                    config.reward.remote_urls)
+        if config.reward.weights and not any(config.reward.weights):  # e.g. a teacher's KL as the only reward
+            logging.getLogger("rlhf_plugins").warning(
+                "every reward source is weighted 0 (reward.weights), and the held-out evaluation judges with the "
+                "run's reward: its pass@k will be 0; give --eval.reward_functions NAME to judge it")
 
     def score(index: list[int], samples: Any, texts: list[str], step: int, extra: dict[str, list[Any]]) -> list[float]:
         p = prompts
