@@ -384,6 +384,28 @@ def test_the_clips_extremes_over_sequences_are_trls_low_min_and_high_max(seed):
     assert 0 < float(metrics["loss/clip_high_frac"]) < float(metrics["loss/clip_high_seq_max"]) <= 1
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspos_clip_shares_count_sequences_as_trls_sequence_level(seed):
+    """TRL 1.16 with importance_sampling_level sequence (our gspo): one ratio per completion, the exp of its mean
+    log ratio, so clip_ratio/* count completions (its global_masked_mean over a (B, 1) tensor), not tokens; low_min
+    and high_max are the extremes of the completions' flags."""
+    logprobs, old, _, advantages, mask = inputs(seed)
+    old = logprobs + 3 * (old - logprobs)  # sequence ratios spread wide enough for the clip to act on some
+    _, _, m = ours("gspo", logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    coef_1 = torch.exp(((logprobs - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+    adv = advantages[:, :1]  # TRL's advantages.unsqueeze(1): one per completion
+    low, high = ((coef_1 < 0.8) & (adv < 0)).double(), ((coef_1 > 1.28) & (adv > 0)).double()
+    theirs = {"loss/clip_low_frac": low.mean(), "loss/clip_high_frac": high.mean(),
+              "loss/clip_frac": (low + high).mean(), "loss/clip_low_seq_min": low.min(),
+              "loss/clip_high_seq_max": high.max()}
+    for name, value in theirs.items():
+        assert float(m[name]) == pytest.approx(float(value), abs=1e-12), name
+    assert 0 < float(theirs["loss/clip_frac"]) < 1  # the clip acted on some completions, not all
+    by_tokens = float((((coef_1 < 0.8) & (adv < 0)) | ((coef_1 > 1.28) & (adv > 0))).double().mul(mask).sum()
+                      / mask.sum())
+    assert by_tokens != pytest.approx(float(theirs["loss/clip_frac"]), abs=1e-6)  # counting tokens would differ
+
+
 def test_the_drop_ins_clip_names_follow_the_loss_as_trls_do():
     """log_history names the clip's shares as TRL does for the loss that ran: ``clip_ratio/*_mean`` for the
     clipped surrogate (below the band, above it, either) with ``low_min`` / ``high_max``, ``cispo_clip_ratio`` for

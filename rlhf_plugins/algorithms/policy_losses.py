@@ -26,12 +26,17 @@ class PolicyLossInputs:
     rollout_logprobs: torch.Tensor | None = None
 
 
-def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any) -> tuple[torch.Tensor, dict]:
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any,
+             per_sequence: bool = False) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate per token, and the shares the clip held -- of tokens, or with ``per_sequence``
+    (a ratio per sequence) of sequences, each weighing 1 whatever its length."""
     surr1 = ratio * adv
     surr2 = ratio.clamp(1 - o.clip_low, 1 + o.clip_high) * adv
     loss = -torch.min(surr1, surr2)
     clipped = (surr2 < surr1).float()
     metrics = {}
+    if per_sequence:
+        mask = mask / mask.sum(-1, keepdim=True).clamp(min=1)
     if o.dual_clip is not None:
         bound = -o.dual_clip * adv
         dual = (adv < 0) & (loss > bound)
@@ -72,12 +77,13 @@ def _clamp(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gspo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
     """GSPO: one importance ratio per sequence (the geometric mean of token ratios),
-    clipped as in PPO; gradients flow through every token (GSPO-token form)."""
+    clipped as in PPO; gradients flow through every token (GSPO-token form). The clip acts on sequences,
+    so its shares count sequences (as TRL's with importance_sampling_level sequence)."""
     mask = x.action_mask
     seq_log_ratio, clamped = _clamp(masked_mean(x.logprobs - x.old_logprobs, mask, dim=-1))
     log_ratio = seq_log_ratio.detach()[:, None] + x.logprobs - x.logprobs.detach()
     ratio = torch.exp(log_ratio)
-    loss, metrics = _clipped(ratio, x.advantages, mask, o)
+    loss, metrics = _clipped(ratio, x.advantages, mask, o, per_sequence=True)
     metrics["loss/ratio_mean"] = seq_log_ratio.detach().exp().mean()
     metrics["loss/ratio_clamp_frac"] = clamped.mean()
     return loss, metrics
