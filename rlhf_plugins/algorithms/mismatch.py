@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import masked_mean
+from .numerics import masked_extreme, masked_mean
 
 MODES = ("none", "tis", "icepop", "seq_icepop", "seq_mask_tis", "seq_tis", "seq_mask")
 #: the statistics icepop and seq_icepop can gate on
@@ -88,15 +88,16 @@ def _spread(log_ratio: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
             per_sequence: bool) -> dict[str, torch.Tensor]:
     """What TRL logs of its vLLM importance sampling (``sampling/*``): the largest |log ratio| of a completion
     token, and the weights' smallest, mean and largest -- over the tokens, or over the sequences where the
-    weight is one per sequence; 0 in a batch without completion tokens."""
-    kept = mask.bool()
-    names = ("abs_log_ratio_max", "weight_min", "weight_mean", "weight_max")
-    if not kept.any():  # the same keys on every micro batch and rank (they are averaged together)
-        return {f"mismatch/{name}": weights.new_zeros(()) for name in names}
-    rows = kept.any(-1)
-    flat = (weights * mask).sum(-1)[rows] / mask.sum(-1)[rows] if per_sequence else weights[kept]
-    return {"mismatch/abs_log_ratio_max": log_ratio.abs()[kept].max(), "mismatch/weight_min": flat.min(),
-            "mismatch/weight_mean": flat.mean(), "mismatch/weight_max": flat.max()}
+    weight is one per sequence; 0 in a batch without completion tokens. Read on the device (no host sync)."""
+    kept = mask > 0
+    if per_sequence:  # each sequence's one weight, on every one of its tokens
+        values, keep = (weights * mask).sum(-1) / mask.sum(-1).clamp(min=1), kept.any(-1)
+    else:
+        values, keep = weights, kept
+    mean = (values * keep).sum() / keep.sum().clamp(min=1)
+    return {"mismatch/abs_log_ratio_max": masked_extreme(log_ratio.abs(), kept, True),
+            "mismatch/weight_min": masked_extreme(values, keep, False), "mismatch/weight_mean": mean,
+            "mismatch/weight_max": masked_extreme(values, keep, True)}
 
 
 def weights_for(options, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

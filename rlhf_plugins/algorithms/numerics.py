@@ -15,6 +15,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
+def masked_extreme(x: torch.Tensor, keep: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The largest (or smallest) entry of ``x`` where ``keep``, 0 where nothing is kept -- read on the device
+    (no boolean indexing, no host sync), so a loss can log it between a forward and its backward."""
+    fill = float("-inf") if largest else float("inf")
+    value = x.detach().masked_fill(~keep, fill)
+    value = value.max() if largest else value.min()
+    return torch.where(torch.isfinite(value), value, torch.zeros_like(value))
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
     """Normalise the masked entries of ``x`` to zero mean, unit (unbiased) variance."""
     mean = masked_mean(x, mask)

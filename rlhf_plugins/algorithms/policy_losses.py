@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .mismatch import weights_for
-from .numerics import masked_mean
+from .numerics import masked_extreme, masked_mean
 
 #: the policy's log ratio is clamped to +-this before ``exp`` (as OpenRLHF): one wild token cannot
 #: blow the loss up; ``loss/ratio_clamp_frac`` says how often it fired
@@ -47,16 +47,9 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: Any,
     low, high = ((ratio < 1 - o.clip_low) & (adv < 0)).float(), ((ratio > 1 + o.clip_high) & (adv > 0)).float()
     metrics["loss/clip_low_frac"], metrics["loss/clip_high_frac"] = masked_mean(low, mask), masked_mean(high, mask)
     # and its clip_ratio/low_min and /high_max: the extremes of those shares over the sequences
-    metrics["loss/clip_low_seq_min"] = _over_sequences(low, mask, torch.min)
-    metrics["loss/clip_high_seq_max"] = _over_sequences(high, mask, torch.max)
+    metrics["loss/clip_low_seq_min"] = masked_extreme(masked_mean(low, mask, dim=-1), mask.sum(-1) > 0, False)
+    metrics["loss/clip_high_seq_max"] = masked_extreme(masked_mean(high, mask, dim=-1), mask.sum(-1) > 0, True)
     return loss, metrics
-
-
-def _over_sequences(x: torch.Tensor, mask: torch.Tensor, extreme: Any) -> torch.Tensor:
-    """``extreme`` of each sequence's masked mean of ``x``, over the sequences with any token (TRL's nanmin /
-    nanmax of its masked_seq_mean); 0 where none has one."""
-    shares = masked_mean(x, mask, dim=-1)[mask.sum(-1) > 0]
-    return extreme(shares) if shares.numel() else shares.new_zeros(())
 
 
 def ppo(x: PolicyLossInputs, o: Any) -> tuple[torch.Tensor, dict]:
