@@ -1,6 +1,7 @@
 """A step's samples (the rows of ``samples.jsonl``, :mod:`rlhf_plugins.training.samples`) shown: as a table on
 the terminal (``train.print_samples``, ``rlhf samples``) and as the columns and data of a tracker's table (W&B,
-MLflow); a held-out evaluation's records (``eval_samples.jsonl``) as a table too."""
+MLflow); a held-out evaluation's records (``eval_samples.jsonl``) as a table too, on the terminal and in a
+tracker."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,17 @@ def table_of(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     columns = ["prompt", "completion", *names, "reward", "advantage", "finish_reason", *extra]
     data = [[as_text(r["prompt"]), as_text(r["completion"]), *(r["rewards"][n] for n in names), r["reward"],
              r["advantage"], r["finish_reason"], *(r["extra"][k] for k in extra)] for r in rows]
+    return columns, data
+
+
+def eval_table_of(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """One evaluation's records (``eval_samples.jsonl``) as a tracker's table: a row per prompt with its plain
+    columns, how many of its samples were correct, one wrong completion, and the greedy one and its verdict."""
+    columns = ["prompt", "columns", "correct", "samples", "a wrong sample", "greedy", "greedy correct"]
+    data = [[as_text(r["prompt"]), ", ".join(f"{k}={v}" for k, v in r["columns"].items()),
+             sum(s["correct"] for s in r["samples"]), len(r["samples"]),
+             next((s["completion"] for s in r["samples"] if not s["correct"]), ""), r["greedy"]["completion"],
+             bool(r["greedy"]["correct"])] for r in records]
     return columns, data
 
 

@@ -152,6 +152,12 @@ def samples_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
 
 
+def eval_samples_of(run: Path) -> list[dict]:
+    """The records of a run's ``eval_samples.jsonl`` (``--eval.log_samples``): one per held-out prompt of each
+    evaluation."""
+    return [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+
+
 def largest_allocation(fn: Any) -> int:
     """Bytes of the largest single CPU allocation while ``fn`` runs (torch's profiler also sees the
     buffers kernels allocate for themselves)."""

@@ -158,7 +158,7 @@ def test_evaluations_log_each_prompts_samples_which_give_the_metrics_resume_and_
     import json
 
     from rlhf_plugins.builtin_plugins.rewards import exact_match
-    from tests.helpers import eval_rows_of, with_eval
+    from tests.helpers import eval_rows_of, eval_samples_of, with_eval
 
     flags = with_eval("--train.steps", "3", "--eval.every", "2", "--eval.log_samples", "true",
                       "--train.save_every", "1", "--train.run_name", "r")
@@ -166,7 +166,7 @@ def test_evaluations_log_each_prompts_samples_which_give_the_metrics_resume_and_
     assert code == 0, err
     code, _, err = rlhf("train", "--resume", "runs/r", "--train.steps", "5")  # evaluations at 4 and 5 added
     assert code == 0, err
-    rows = [json.loads(line) for line in Path("runs/r/eval_samples.jsonl").read_text().splitlines()]
+    rows = eval_samples_of(Path("runs/r"))
     assert [r["step"] for r in rows] == [s for s in (0, 2, 3, 4, 5) for _ in range(20)]  # each prompt once a step
     for metrics in eval_rows_of(Path("runs/r")):
         mine = [r for r in rows if r["step"] == metrics["step"]]

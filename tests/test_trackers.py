@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import block_import, eval_rows_of, metrics_of, samples_of, short_run, with_eval
+from rlhf_plugins.tables import eval_table_of
+from tests.helpers import block_import, eval_rows_of, eval_samples_of, metrics_of, samples_of, short_run, with_eval
 
 
 def step_table(run: Path, step: int) -> tuple[list[str], list[list[Any]]]:
@@ -65,7 +66,7 @@ def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rl
 
     exit_before = sys.exit
     flags = ("--log.wandb", "true", "--log.wandb_mode", "offline", "--train.save_every", "1",
-             "--train.log_samples_every", "2")
+             "--train.log_samples_every", "2", "--eval.log_samples", "true")
     code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "w", *flags))
     assert code == 0, err
     code, _, err = rlhf("train", "--resume", "runs/w", "--train.steps", "3")
@@ -83,6 +84,11 @@ def test_wandb_offline_receives_every_step_and_evaluation_and_resumes_its_run(rl
     for step, table in tables.items():
         columns, data = step_table(run, step)
         assert table["columns"] == columns and table["data"] == data and len(data) == 16
+    held = wandb_tables(run, "eval_samples")  # each evaluation's records, as eval_samples.jsonl's
+    assert sorted(held) == [0, 2, 3]
+    for step, table in held.items():
+        columns, data = eval_table_of([r for r in eval_samples_of(run) if r["step"] == step])
+        assert table["columns"] == columns and table["data"] == data and len(data) == 20
     ids = {p.name.rsplit("-", 1)[1] for p in run.glob("wandb/offline-run-*")}
     assert len(list(run.glob("wandb/offline-run-*"))) == 2 and len(ids) == 1  # one W&B run, continued
     assert sys.exit is exit_before  # wandb's exit hook does not outlive the run
@@ -123,7 +129,8 @@ def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    flags = ("--log.mlflow", "true", "--train.save_every", "1", "--train.log_samples_every", "2")
+    flags = ("--log.mlflow", "true", "--train.save_every", "1", "--train.log_samples_every", "2",
+             "--eval.log_samples", "true")
     code, _, err = rlhf("train", *with_eval("--train.steps", "2", "--train.run_name", "m", *flags))
     assert code == 0, err
     code, _, err = rlhf("train", "--resume", "runs/m", "--train.steps", "3")
@@ -149,6 +156,11 @@ def test_mlflow_local_store_receives_metrics_params_and_resumes_its_run(rlhf):
             assert [x for x in got if isinstance(x, str)] == [x for x in want if isinstance(x, str)]
             numbers = [x for x in want if not isinstance(x, str)]
             assert [x for x in got if not isinstance(x, str)] == pytest.approx(numbers, rel=1e-9, abs=1e-10)
+    held = Path(client.download_artifacts(found.info.run_id, "eval_samples"))
+    assert sorted(p.name for p in held.iterdir()) == [f"step-{s:06d}.json" for s in (0, 2, 3)]
+    table = json.loads((held / "step-000003.json").read_text())
+    columns, data = eval_table_of([r for r in eval_samples_of(run) if r["step"] == 3])
+    assert table["columns"] == columns and table["data"] == data and len(data) == 20
 
 
 @pytest.mark.parametrize("package", ["wandb", "mlflow"])

@@ -52,7 +52,7 @@ class Tracker:
 
     def start(self, config: Any, run_dir: Path) -> None: ...
     def log(self, metrics: dict[str, float], step: int) -> None: ...
-    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None: ...
+    def samples(self, columns: list[str], data: list[list[Any]], step: int, key: str = "samples") -> None: ...
     def finish(self, failed: bool) -> None: ...
 
 
@@ -78,10 +78,10 @@ class WandbTracker(Tracker):
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log({**metrics, "step": step})
 
-    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None:
+    def samples(self, columns: list[str], data: list[list[Any]], step: int, key: str = "samples") -> None:
         import wandb
 
-        self.run.log({"samples": wandb.Table(columns=columns, data=data), "step": step})
+        self.run.log({key: wandb.Table(columns=columns, data=data), "step": step})
 
     def finish(self, failed: bool) -> None:
         import sys
@@ -136,11 +136,11 @@ class MlflowTracker(Tracker):
 
         mlflow.log_metrics({metric_name(k, self.file_store): v for k, v in metrics.items()}, step=step)
 
-    def samples(self, columns: list[str], data: list[list[Any]], step: int) -> None:
+    def samples(self, columns: list[str], data: list[list[Any]], step: int, key: str = "samples") -> None:
         import mlflow
 
         mlflow.log_table({c: [row[i] for row in data] for i, c in enumerate(columns)},
-                         artifact_file=f"samples/step-{step:06d}.json")
+                         artifact_file=f"{key}/step-{step:06d}.json")
 
     def finish(self, failed: bool) -> None:
         import mlflow
@@ -214,9 +214,14 @@ def rlhf_after_samples(step: int, samples: list[dict[str, Any]]) -> None:
 
 
 @hookimpl
-def rlhf_after_eval(step: int, metrics: Mapping[str, float]) -> None:
+def rlhf_after_eval(step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]]) -> None:
+    from ..tables import eval_table_of
+
+    table = eval_table_of(samples) if samples else None  # --eval.log_samples: the records, as eval_samples
     for tracker in _active.values():
         tracker.log(_finite(metrics), step)
+        if table is not None:
+            tracker.samples(*table, step, key="eval_samples")
 
 
 @hookimpl

@@ -72,10 +72,13 @@ def rlhf_after_samples(step: int, samples: list[dict[str, Any]]) -> None:
 
 
 @hookspec
-def rlhf_after_eval(step: int, metrics: Mapping[str, float]) -> None:
+def rlhf_after_eval(step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]]) -> None:
     """Called after each held-out evaluation with its metrics (``eval/pass@1``, ``eval/pass@8``,
     ``eval/mean@8``, ``eval/maj@8``, ``eval/greedy``); ``step`` is the number of updates the
-    evaluated policy has had (0: before training). Example::
+    evaluated policy has had (0: before training). ``samples``: with ``--eval.log_samples`` the records
+    ``eval_samples.jsonl`` gets, a row per prompt (``prompt``, ``columns``, ``samples`` -- each with its
+    ``completion``, ``score``, ``answer`` and whether it was ``correct`` -- and ``greedy``); else empty. The builtin
+    trackers log them as a table. An implementation may leave ``samples`` out of its signature. Example::
 
         @hookimpl
         def rlhf_after_eval(step, metrics):

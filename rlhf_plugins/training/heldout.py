@@ -83,7 +83,8 @@ def run_eval(trainer: Any, run_dir: Path, log: Any, console: Console, progress: 
     if improved(trainer, metrics):
         trainer.save_final(run_dir / "best", with_critic=False, averaged=False)  # the policy evaluated
         write_json(run_dir / "best.json", trainer.best)
-    trainer.pm.notify("rlhf_after_eval", step=step, metrics=metrics)
+    records = trainer.evaluator.samples if trainer.config.eval.log_samples else []
+    trainer.pm.notify("rlhf_after_eval", step=step, metrics=metrics, samples=records)
     return metrics
 
 
