@@ -94,9 +94,11 @@ def test_a_reference_of_its_own_scores_the_rollout_and_the_kl_is_taken_to_it(tin
         t.shutdown()
 
 
-def test_a_reference_of_its_own_that_is_unused_or_unfit_is_one_line(rlhf, other_reference, tmp_path):
+def test_a_reference_of_its_own_that_is_unused_or_unfit_is_one_line_and_one_that_fits_is_sized_as_it_is(
+        rlhf, other_reference, tmp_path):
     """Unused (KL off) it is refused; it must score every token of the policy's tokenizer; mixed with the policy
-    (ref_sync_steps) it must have the policy's shape: one of the same shape is accepted, a wider one refused."""
+    (ref_sync_steps) it must have the policy's shape: one of the same shape is accepted, a wider one refused. A
+    wider one where nothing mixes into it runs, and the memory plan counts its own weights."""
     code, _, err = rlhf("train", "--model.reference_path", other_reference, "--algo.kl.coef", "0", "--dry-run")
     check_one_line_error(code, err, f"model.reference_path '{other_reference}' is the KL's reference model, and "
                                     "algo.kl.coef 0 runs without one; set --algo.kl.coef above 0 or drop "
