@@ -289,3 +289,59 @@ def test_with_cuda_graphs_a_16_bit_learners_float32_parameters_keep_their_gradie
         assert ppo_update(learner, ppo_batch(seed))["grad_norm"] > 0
         assert head.grad.data_ptr() == allocated and not head.grad.any()
     assert not torch.equal(head, before)
+
+
+def test_a_compile_error_wrapped_by_ray_is_recognised_and_summed_up_in_its_compilers_first_error():
+    """What a role's torch.compile raises (dynamo's wrapper around inductor's C++ compile error, around
+    the compiler's exit status) reaches the driver inside Ray's RayTaskError: still a compile failure,
+    told by the C++ compile error's first line and the compiler's first error, not by the command."""
+    import subprocess
+
+    import ray.exceptions
+    from torch._inductor.exc import CppCompileError
+
+    from rlhf_plugins.training.compile_failure import is_compile_failure, what_failed
+
+    output = "k.cpp: In function 'void kernel()':\nk.cpp:86:45: error: 'at::vec' has not been declared\nmore"
+    try:
+        try:
+            raise subprocess.CalledProcessError(1, ["g++", "-O3", "k.cpp"])
+        except subprocess.CalledProcessError as called:
+            raise CppCompileError(["g++", "-O3", "k.cpp"], output) from called
+    except CppCompileError as raised:
+        compile_error = raised
+    wrapped = ray.exceptions.RayTaskError("call_function", "Traceback ...", compile_error).as_instanceof_cause()
+    assert is_compile_failure(wrapped) and is_compile_failure(compile_error)
+    assert what_failed(wrapped) == "CppCompileError: C++ compile error ('at::vec' has not been declared)"
+    assert not is_compile_failure(RuntimeError("C++ compile error"))  # told by the exception's type, not its text
+
+
+def test_a_half_written_compile_cache_stops_the_run_in_one_line_and_deleting_it_mends_it(tmp_path):
+    """A run killed while torch.compile wrote its kernels leaves them half-written in the cache, which
+    torch trusts: the next compiled run stops with exit 1 and one line naming the role, the compiler's
+    error, the cache folder and the flag, leaves no run folder; deleting the folder, as the line says,
+    lets the next run train."""
+    import shutil
+
+    cache = tmp_path / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "RLHF_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    flags = short_run("--learner.compile", "true", "--train.steps", "1")
+    (tmp_path / "a").mkdir()
+    first = run_subprocess("train", *flags, cwd=tmp_path / "a", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    kernels = list(cache.rglob("*.so"))
+    assert kernels
+    for kernel in kernels:  # what a kill in the middle of writing them leaves
+        kernel.write_bytes(kernel.read_bytes()[:100])
+    (tmp_path / "b").mkdir()
+    broken = run_subprocess("train", *flags, cwd=tmp_path / "b", env=env)
+    assert broken.returncode == 1, broken.stderr[-2000:]
+    last = broken.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlhf: error: torch.compile failed in role 'actor' -- "), last
+    assert f"torch.compile's cache ({cache}" in last and "delete" in last, last
+    assert last.endswith("; or run without --learner.compile (-v shows the traceback)"), last
+    assert "Traceback" not in broken.stderr
+    assert not list((tmp_path / "b" / "runs").glob("*"))
+    shutil.rmtree(cache)
+    mended = run_subprocess("train", *flags, cwd=tmp_path / "b", env=env)
+    assert mended.returncode == 0, mended.stderr[-2000:]

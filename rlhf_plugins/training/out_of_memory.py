@@ -31,7 +31,8 @@ class OutOfMemory(UsageError):
         self.role, self.peak_gb = role, peak_gb
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it, outermost first (a Ray error's ``cause``, ``__cause__``, ``__context__``)."""
     seen: list[BaseException] = []
     while exc is not None and exc not in seen:
         seen.append(exc)
@@ -40,7 +41,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    for e in _chain(exc):
+    for e in causes(exc):
         if isinstance(e, (MemoryError, OutOfMemory)) or type(e).__name__ == "OutOfMemoryError":
             return True
         text = f"{type(e).__name__}: {e}".lower()
@@ -55,7 +56,7 @@ def role_of(exc: BaseException) -> str | None:
     """The role whose code raised: named by the error (Ray), else the innermost role object on the stack."""
     from .roles import Role
 
-    for e in _chain(exc):
+    for e in causes(exc):
         role = getattr(e, "role", None)
         if isinstance(role, str):
             return role
@@ -71,7 +72,7 @@ def role_of(exc: BaseException) -> str | None:
 
 def measured_peak(exc: BaseException, role: str | None, history: list[dict[str, float]], local: bool) -> float | None:
     """GB: Ray's report of the killed process, this process's peak (roles here), or the last logged one."""
-    for e in _chain(exc):
+    for e in causes(exc):
         found = _RAY_USED.search(str(e))
         if found:
             return float(found.group(1))

@@ -21,6 +21,8 @@ from ..config.validate import Plan
 from ..core.manager import RLHFPluginManager
 from ..errors import ConfigError, Interrupted, RoleFailed, UsageError
 from . import checkpoint
+from .compile_failure import explain as explain_compile
+from .compile_failure import is_compile_failure
 from .heldout import eval_due, make_evaluator, run_eval
 from .out_of_memory import OutOfMemory, explain, is_out_of_memory
 from .runlog import is_eval_row, make_run_dir, quiet_libraries
@@ -153,7 +155,10 @@ class TrainingRun:
                     self.trainer.save_checkpoint(self.run_dir, t.keep_checkpoints)
             return self.finish()
         except BaseException as exc:
-            self.fail(exc)
+            known = explain_compile(exc, self.config) if is_compile_failure(exc) and not is_out_of_memory(exc) else None
+            self.fail(known or exc)
+            if known is not None:
+                raise known from exc
             raise
         finally:
             if self.log is not None:
