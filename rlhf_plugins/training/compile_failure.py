@@ -68,6 +68,6 @@ def explain(exc: BaseException, config: Any = None) -> CompileFailed:
     folders = cache_folders()
     them = "them" if len(folders) > 1 else "it"
     return CompileFailed(
-        f"torch.compile failed {where}-- {what_failed(exc)}; a run killed while compiling leaves half-written "
-        f"files in torch.compile's cache ({' and '.join(folders)}): delete {them} (or set TORCHINDUCTOR_CACHE_DIR "
+        f"torch.compile failed {where}-- {what_failed(exc)}; if a run was killed while compiling, torch's cache "
+        f"({' and '.join(folders)}) holds half-written files it trusts: delete {them} (or set TORCHINDUCTOR_CACHE_DIR "
         f"to a new folder) and run again{without} (-v shows the traceback)")
