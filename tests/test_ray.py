@@ -276,6 +276,32 @@ def test_strict_spread_on_one_node_times_out_with_a_reason(local_ray):
     p.shutdown()
 
 
+def _fails_to_compile() -> None:
+    """What a role's torch.compile raises when g++ fails on a kernel (inductor's error, from the compiler's)."""
+    import subprocess
+
+    from torch._inductor.exc import CppCompileError
+
+    try:
+        raise subprocess.CalledProcessError(1, ["g++", "k.cpp"])
+    except subprocess.CalledProcessError as called:
+        raise CppCompileError(["g++", "k.cpp"], "k.cpp:1:2: error: 'at::vec' has not been declared") from called
+
+
+def test_a_role_whose_compile_failed_is_named_in_the_one_line_error(local_ray):
+    """A role's compile error reaches the driver inside Ray's RayTaskError: the call's description gives it
+    the role, so the run's one line names it as it does for a role in this process."""
+    from rlhf_plugins.placement.ray_roles import get
+    from rlhf_plugins.training.compile_failure import explain, is_compile_failure
+
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        get(ray.remote(_fails_to_compile).remote(), "role 'critic' rank 1 in 'update'", timeout=60)
+    assert is_compile_failure(raised.value)
+    assert str(explain(raised.value)).startswith(
+        "torch.compile failed in role 'critic' -- CppCompileError: C++ compile error ('at::vec' has not been declared); "
+        "if a run was killed while compiling"), str(explain(raised.value))
+
+
 @pytest.mark.timeout(120)  # a hang fails here instead of stalling the suite
 def test_unreachable_address_is_bounded():
     from rlhf_plugins.placement.ray_cluster import connect

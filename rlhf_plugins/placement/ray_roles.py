@@ -149,7 +149,15 @@ def get(refs: Any, what: str = "", timeout: float | None = None) -> Any:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, UsageError):
             raise cause from None
+        if getattr(exc, "role", None) is None:
+            exc.role = _role_in(what)  # the one-line errors name it (out_of_memory.role_of)
         raise
+
+
+def _role_in(what: str) -> str | None:
+    """The role a call's description names (``role 'actor' rank 0``), if any."""
+    found = re.search(r"role '([^']+)'", what)
+    return found.group(1) if found else None
 
 
 def _out_of_memory(exc: BaseException, what: str) -> None:
@@ -157,10 +165,8 @@ def _out_of_memory(exc: BaseException, what: str) -> None:
     cures: raise :class:`OutOfMemory` naming the role instead of Ray's report."""
     from ..training.out_of_memory import OutOfMemory, is_out_of_memory
 
-    if not is_out_of_memory(exc):
-        return
-    found = re.search(r"role '([^']+)'", what)
-    raise OutOfMemory(f"{what}: out of memory", found.group(1) if found else None) from exc
+    if is_out_of_memory(exc):
+        raise OutOfMemory(f"{what}: out of memory", _role_in(what)) from exc
 
 
 class RayEndpoint:
