@@ -94,9 +94,9 @@ def _spread(log_ratio: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
         values, keep = (weights * mask).sum(-1) / mask.sum(-1).clamp(min=1), kept.any(-1)
     else:
         values, keep = weights, kept
-    mean = (values * keep).sum() / keep.sum().clamp(min=1)
     return {"mismatch/abs_log_ratio_max": masked_extreme(log_ratio.abs(), kept, True),
-            "mismatch/weight_min": masked_extreme(values, keep, False), "mismatch/weight_mean": mean,
+            "mismatch/weight_min": masked_extreme(values, keep, False),
+            "mismatch/weight_mean": masked_mean(values, keep.to(values.dtype)),
             "mismatch/weight_max": masked_extreme(values, keep, True)}
 
 

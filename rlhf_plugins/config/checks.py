@@ -88,19 +88,17 @@ def _check_reference(c: Config) -> None:
         return
     _require(c.algo.kl.coef > 0, f"model.reference_path '{path}' is the KL's reference model, and algo.kl.coef 0 runs "
                                  "without one; set --algo.kl.coef above 0 or drop --model.reference_path")
-    from transformers import AutoTokenizer
-
+    from ..models.folder import REFERENCE_VOCAB, tokenizer_size
     from ..models.model_shape import ModelShape
     from ..models.tiny_model import default_model_path
 
     remote = c.model.trust_remote_code
     policy = c.model.path or default_model_path(quiet=True)
     reference = ModelShape.of_folder(path, remote)
-    tokens = len(AutoTokenizer.from_pretrained(policy, trust_remote_code=remote))
-    _require(reference.vocab >= tokens,
-             f"model.reference_path '{path}' has a vocabulary of {reference.vocab} tokens and the policy's tokenizer "
-             f"{tokens}; the reference scores the policy's tokens, so it needs the policy's tokenizer: pick a "
-             "reference of the policy's family")
+    tokens = tokenizer_size(policy, remote)
+    _require(tokens is None or reference.vocab >= tokens,
+             f"model.reference_path '{path}' has a vocabulary of {reference.vocab} tokens and the policy"
+             + REFERENCE_VOCAB.format(ours=tokens))
     _require(not c.algo.kl.ref_sync_steps or reference == ModelShape.of_folder(policy, remote),
              f"algo.kl.ref_sync_steps mixes the policy's weights into the reference model, and model.reference_path "
              f"'{path}' has another shape than the policy; drop one of them")

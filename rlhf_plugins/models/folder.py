@@ -110,6 +110,23 @@ class ShardWriter:
             (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+#: a reference model whose vocabulary is smaller than the policy's tokenizer, why it matters (rlhf train's
+#: --model.reference_path and the dpo / kto stages' reference)
+REFERENCE_VOCAB = ("'s tokenizer {ours}; the reference scores the policy's tokens, so it needs the policy's tokenizer: "
+                   "pick a reference of the policy's family")
+
+
+def tokenizer_size(folder: str | Path, trust_remote_code: bool = False) -> int | None:
+    """The size of the tokenizer saved in ``folder``; None where there is none to read (whatever loads the
+    folder later gives that line)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code))
+    except (OSError, ValueError):
+        return None
+
+
 def load_shards(model: Any, folder: str | Path) -> None:
     """Load a checkpoint's safetensors shards (or its one file) into ``model`` one shard at a time.
     Every tensor of the model must be loaded, a tied tensor through the name it was saved under."""

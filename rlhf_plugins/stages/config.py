@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from ..builtin_plugins.lora import LoraOptions
 from ..errors import ConfigError
+from ..models.folder import REFERENCE_VOCAB, tokenizer_size
 from ..settings import check_bounds, setting
 
 
@@ -178,7 +179,7 @@ def _check_second_model(cfg: StageConfig, stage: str) -> None:
             raise ConfigError(f"model.{key} '{folder}' is not a save_pretrained folder (no config.json there)")
         # distillation compares the two heads' rows (the same size); DPO / KTO score the policy's tokens
         theirs = _vocab_size(Path(folder) / "config.json")
-        ours = _vocab_size(student) if stage == "distill" else _tokens(student.parent)
+        ours = _vocab_size(student) if stage == "distill" else tokenizer_size(student.parent)
         if None not in (ours, theirs) and not (theirs == ours if stage == "distill" else theirs >= ours):
             why = NEEDS[stage].format(ours=ours)
             raise ConfigError(f"model.{key} '{folder}' has a vocabulary of {theirs} tokens and the policy{why}")
@@ -188,21 +189,9 @@ def _check_second_model(cfg: StageConfig, stage: str) -> None:
 
 
 #: the policy's side of a vocabulary mismatch, and why it matters, per stage
-REFERENCE = ("'s tokenizer {ours}; the reference scores the policy's tokens, so it needs the policy's tokenizer: "
-             "pick a reference of the policy's family")
 NEEDS = {"distill": " {ours}; distillation matches the teacher's whole next-token distribution, so both need the "
                     "same tokenizer: pick a teacher of the student's family",
-         "dpo": REFERENCE, "kto": REFERENCE}
-
-
-def _tokens(folder: Path) -> int | None:
-    """The size of the tokenizer saved in ``folder``; None where there is none to read."""
-    from transformers import AutoTokenizer
-
-    try:
-        return len(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
-    except (OSError, ValueError):
-        return None  # the stage's own loading gives the line
+         "dpo": REFERENCE_VOCAB, "kto": REFERENCE_VOCAB}
 
 
 def _vocab_size(path: Path) -> int | None:

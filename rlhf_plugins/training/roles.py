@@ -176,8 +176,7 @@ class CriticRole(PolicyRole):
 
 class ReferenceRole(Role):
     """The frozen initial policy (or --model.reference_path), for KL: a whole model in each rank, or -- given a
-    learner backend
-    that ``shards_reference`` -- that learner built frozen for this role, each rank holding a shard."""
+    learner backend that ``shards_reference`` -- that learner built frozen for this role, each rank holding a shard."""
 
     role = "reference"
 
