@@ -195,7 +195,7 @@ FLAGS = [
      "data.probs [0.0, 0.0] must give each of the 2 datasets of data.path a probability >= 0 (not all 0), in their "
      "order"),
     ("one-of-several-datasets-missing", ["--data.path", "builtin:addition-train,nowhere.jsonl"],
-     "dataset 'nowhere.jsonl' does not exist; set --data.path to a .jsonl/.json/.parquet file or folder"),
+     "dataset 'nowhere.jsonl' does not exist; set --data.path to a .jsonl, .json, .csv, .parquet or .arrow file or folder"),
     ("max-samples-negative", ["--data.max_samples", "-1"], "config key 'data.max_samples' must be >= 0; got -1"),
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
@@ -210,7 +210,7 @@ FLAGS = [
      "unknown reward function 'nope'; choose one of: env_reward, exact_match (--eval.reward_functions)"),
     ("eval-split-all", ["--eval.split", "1"], "config key 'eval.split' must be >= 0 and < 1; got 1.0"),
     ("eval-data-missing", ["--eval.path", "nowhere.jsonl"],
-     "dataset 'nowhere.jsonl' does not exist; set --eval.path to a .jsonl/.json/.parquet file or folder"),
+     "dataset 'nowhere.jsonl' does not exist; set --eval.path to a .jsonl, .json, .csv, .parquet or .arrow file or folder"),
 ]
 
 #: (id, arguments of ``rlhf eval``, the whole error line) -- nothing is written
@@ -338,11 +338,18 @@ def _files() -> list:
             f"data.input_template puts plain-text prompts in place, but every prompt of '{t}/d.jsonl' is chat " \
             "messages, which the chat template renders; drop --data.input_template"
 
-    @case("data-csv")
+    @case("data-txt")
     def _(t):
-        write(t / "d.csv", "prompt,label\n1+1=,2\n")
-        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
-            f"dataset file '{t}/d.csv' has an unsupported type; use .jsonl, .json or .parquet"
+        write(t / "d.txt", "1+1=\n")
+        return ["--data.path", str(t / "d.txt"), "--reward.functions", "exact_match"], \
+            f"dataset file '{t}/d.txt' has an unsupported type; use .jsonl, .json, .csv, .parquet or .arrow"
+
+    @case("data-folder-of-two-types")
+    def _(t):
+        write(t / "d" / "a.jsonl", '{"prompt": "1+1=", "label": "2"}\n')
+        write(t / "d" / "b.csv", "prompt,label\n1+2=,3\n")
+        return ["--data.path", str(t / "d"), "--reward.functions", "exact_match"], \
+            f"dataset folder '{t}/d' mixes file types (csv, json); keep one kind"
 
     def model_folder(t: Path, tiny: str, drop: tuple = (), config: str | None = None, extra: dict | None = None) -> Path:
         import shutil

@@ -4,6 +4,7 @@ concatenated or mixed by --prompt_data_probs, the first --max_samples of each) a
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -97,3 +98,43 @@ def test_a_damaged_save_to_disk_folder_is_one_line(tmp_path):
         arrow.write_bytes(b"not arrow")
     with pytest.raises(DataError, match=f"^dataset folder '{tmp_path}/d' cannot be read: "):
         read_rows(tmp_path / "d")
+
+
+def test_csv_and_arrow_files_and_folders_read_as_their_rows(tmp_path):
+    """The other file types OpenRLHF's --prompt_data takes through ``datasets``: CSV (numbers typed as
+    numbers, as ``datasets`` reads them) and Arrow, in its stream and its file format, alone or in a folder."""
+    import pyarrow as pa
+
+    rows = [{"prompt": f"{i}+1=", "label": i + 1} for i in range(4)]
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "a.csv").write_text("prompt,label\n" + "".join(f"{r['prompt']},{r['label']}\n" for r in rows[:2]))
+    (tmp_path / "csv" / "b.csv").write_text("prompt,label\n" + "".join(f"{r['prompt']},{r['label']}\n" for r in rows[2:]))
+    assert read_rows(tmp_path / "csv" / "a.csv") == rows[:2]
+    assert read_rows(tmp_path / "csv") == rows
+    table = pa.Table.from_pylist(rows)
+    for name, writer in (("stream.arrow", pa.ipc.new_stream), ("file.arrow", pa.ipc.new_file)):
+        with writer(str(tmp_path / name), table.schema) as out:
+            out.write_table(table)
+        assert read_rows(tmp_path / name) == rows, name
+    assert read_rows(f"{tmp_path / 'csv' / 'a.csv'},{tmp_path / 'stream.arrow'}") == rows[:2] + rows
+
+
+def test_a_run_on_a_csv_file_trains_on_its_prompts_and_scores_its_numeric_labels(rlhf, tmp_path):
+    """A CSV's label column arrives as numbers and exact_match scores the completions against them."""
+    from tests.helpers import samples_of, short_run, the_run
+
+    (tmp_path / "sums.csv").write_text("question,answer\n" + "".join(f"{i}+{j}=,{i + j}\n" for i in range(4)
+                                                                     for j in range(3)))
+    code, _, err = rlhf("train", "--data.path", str(tmp_path / "sums.csv"), "--data.prompt_key", "question",
+                        "--data.label_key", "answer", "--reward.functions", "exact_match",
+                        "--train.log_samples_every", "1", *short_run("--train.steps", "4"))
+    assert code == 0, err
+    samples = samples_of(the_run())
+    assert {s["prompt"] for s in samples} <= {f"{i}+{j}=" for i in range(4) for j in range(3)}
+    assert all(isinstance(s["columns"]["label"], int) for s in samples)
+    a, b = (int(x) for x in samples[0]["prompt"].rstrip("=").split("+"))
+    assert samples[0]["columns"]["label"] == a + b
+    for s in samples:  # the answer's leading number against the label's value
+        found = re.match(r"\s*(\d+)", s["completion"])
+        assert s["reward"] == float(found is not None and int(found.group(1)) == s["columns"]["label"]), s
+    assert any(s["reward"] == 1.0 for s in samples)  # some answers right, scored against the numbers

@@ -40,7 +40,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    #: JSONL / JSON / parquet file, a folder of them or one datasets' save_to_disk wrote; several
+    #: JSONL / JSON / CSV / parquet / Arrow file, a folder of them or one datasets' save_to_disk wrote; several
     #: comma-separated (a.jsonl,b.parquet) are concatenated, or mixed by ``probs``; empty means the
     #: built-in addition task
     path: str | None = None

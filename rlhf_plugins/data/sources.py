@@ -1,4 +1,5 @@
-"""Where rows come from: JSONL / JSON / parquet files or folders of them, folders written by
+"""Where rows come from: JSONL / JSON / CSV / parquet / Arrow files or folders of them (the types
+OpenRLHF's --prompt_data reads through ``datasets``), folders written by
 ``datasets``' ``save_to_disk``, the built-in datasets, and several of these at once
 (``--data.path a.jsonl,b.parquet``: OpenRLHF's comma-separated --prompt_data), concatenated or mixed
 with ``--data.probs`` (its --prompt_data_probs)."""
@@ -12,7 +13,11 @@ from ..errors import ConfigError, DataError
 
 logger = logging.getLogger("rlhf_plugins")
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+#: the ``datasets`` builder of each file type (an ``.arrow`` file: an Arrow stream, as ``datasets`` writes them)
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+#: the builders whose files are binary (not checked as UTF-8 text)
+BINARY = {"parquet", "arrow"}
+TYPES = ".jsonl, .json, .csv, .parquet or .arrow"
 #: the builder of a folder ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote
 SAVED = "saved"
 
@@ -28,19 +33,19 @@ def data_files(path: Path, key: str = "data.path") -> tuple[str, list[str]]:
     if path.is_file():
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise DataError(f"dataset file '{path}' has an unsupported type; use .jsonl, .json or .parquet")
+            raise DataError(f"dataset file '{path}' has an unsupported type; use {TYPES}")
         return builder, [str(path)]
     if saved_dataset(path):
         return SAVED, [str(path)]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in BUILDERS and p.is_file())
         if not files:
-            raise DataError(f"dataset folder '{path}' holds no .jsonl, .json or .parquet file")
+            raise DataError(f"dataset folder '{path}' holds no {TYPES} file")
         kinds = {BUILDERS[p.suffix.lower()] for p in files}
         if len(kinds) > 1:
-            raise DataError(f"dataset folder '{path}' mixes JSON and parquet files; keep one kind")
+            raise DataError(f"dataset folder '{path}' mixes file types ({', '.join(sorted(kinds))}); keep one kind")
         return kinds.pop(), [str(p) for p in files]
-    raise DataError(f"dataset '{path}' does not exist; set --{key} to a .jsonl/.json/.parquet file or folder")
+    raise DataError(f"dataset '{path}' does not exist; set --{key} to a {TYPES} file or folder")
 
 
 #: built-in datasets by name (``--data.path builtin:addition-test``): task and split
@@ -78,7 +83,7 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
     if builder == SAVED:
         return _read_saved(Path(path))
     for f in files:
-        if not f.endswith(".parquet") and not _utf8(f):
+        if builder not in BINARY and not _utf8(f):
             raise DataError(f"dataset file '{f}' is not UTF-8 text; convert it (e.g. iconv -t UTF-8)")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read: our one line says why
@@ -112,7 +117,8 @@ def _bad_json_line(file: str) -> str:
 
 def _blank(path: str) -> bool:
     p = Path(path)
-    return p.stat().st_size == 0 or (p.suffix != ".parquet" and p.stat().st_size < 4096 and not p.read_bytes().strip())
+    return p.stat().st_size == 0 or (BUILDERS.get(p.suffix.lower()) not in BINARY and p.stat().st_size < 4096
+                                     and not p.read_bytes().strip())
 
 
 def _utf8(path: str) -> bool:

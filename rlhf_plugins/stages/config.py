@@ -31,7 +31,7 @@ class StageModel:
 
 @dataclass
 class StageData:
-    #: JSONL / JSON / parquet file or folder, or a save_to_disk folder; several comma-separated are
+    #: JSONL / JSON / CSV / parquet / Arrow file or folder, or a save_to_disk folder; several comma-separated are
     #: concatenated, or mixed by ``probs``; empty: embedded data made for the default task
     path: str | None = None
     #: with several datasets in ``path``: the probability of drawing each row from each (OpenRLHF's
