@@ -2,6 +2,22 @@
 from __future__ import annotations
 
 
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it, outermost first (a Ray error's ``cause``, ``__cause__``, ``__context__``)."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return seen
+
+
+def innermost(exc: BaseException) -> str:
+    """What first went wrong behind ``exc``: its innermost cause as ``Type: first line``."""
+    inner = causes(exc)[-1]
+    text = str(inner).strip()
+    return f"{type(inner).__name__}: {text.splitlines()[0]}" if text else type(inner).__name__
+
+
 class UsageError(Exception):
     """A mistake in what the user asked for (config, plugin, data, reward)."""
 

@@ -344,6 +344,24 @@ def _files() -> list:
         return ["--data.path", str(t / "d.txt"), "--reward.functions", "exact_match"], \
             f"dataset file '{t}/d.txt' has an unsupported type; use .jsonl, .json, .csv, .parquet or .arrow"
 
+    @case("data-csv-unreadable")
+    def _(t):
+        write(t / "d.csv", 'prompt,label\n"1+1=,2\n')
+        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.csv' cannot be read as CSV: ParserError: Error tokenizing data. C error: EOF inside " \
+            "string starting at row 1; mend the file or write it again"
+
+    @case("data-csv-header-only")
+    def _(t):
+        write(t / "d.csv", "prompt,label\n")
+        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
+            f"dataset '{t}/d.csv' is empty; it needs at least one row with a 'prompt' field"
+
+    @case("data-arrow-damaged")
+    def _(t):
+        write(t / "d.arrow", b"not arrow")
+        return ["--data.path", str(t / "d.arrow"), "--reward.functions", "exact_match"], None  # pyarrow's wording
+
     @case("data-folder-of-two-types")
     def _(t):
         write(t / "d" / "a.jsonl", '{"prompt": "1+1=", "label": "2"}\n')

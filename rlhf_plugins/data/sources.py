@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, innermost
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -18,6 +18,8 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 #: the builders whose files are binary (not checked as UTF-8 text)
 BINARY = {"parquet", "arrow"}
 TYPES = ".jsonl, .json, .csv, .parquet or .arrow"
+#: each builder's file type, as the error lines name it
+KINDS = {"json": "JSON", "csv": "CSV", "parquet": "parquet", "arrow": "Arrow"}
 #: the builder of a folder ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote
 SAVED = "saved"
 
@@ -93,8 +95,8 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
         if all(_blank(f) for f in files):
             return []
         where = next(filter(None, map(_bad_json_line, files)), "") if builder == "json" else ""
-        raise DataError(where or f"dataset '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) \
-            from exc
+        raise DataError(where or f"dataset '{path}' cannot be read as {KINDS[builder]}: {innermost(exc)}; mend the "
+                        "file or write it again") from exc
 
 
 def _bad_json_line(file: str) -> str:
@@ -116,9 +118,13 @@ def _bad_json_line(file: str) -> str:
 
 
 def _blank(path: str) -> bool:
+    """A file with no rows: empty, blank text, or a CSV file of its header line alone."""
     p = Path(path)
-    return p.stat().st_size == 0 or (BUILDERS.get(p.suffix.lower()) not in BINARY and p.stat().st_size < 4096
-                                     and not p.read_bytes().strip())
+    size, builder = p.stat().st_size, BUILDERS.get(p.suffix.lower())
+    if size == 0 or builder in BINARY or size >= 4096:
+        return size == 0
+    lines = [line for line in p.read_bytes().splitlines() if line.strip()]
+    return len(lines) <= (1 if builder == "csv" else 0)
 
 
 def _utf8(path: str) -> bool:
@@ -199,8 +205,8 @@ def _read_saved(path: Path) -> list[dict[str, Any]]:
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as exc:  # a damaged or foreign folder: datasets' own reason, in one line
-        raise DataError(f"dataset folder '{path}' cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) \
-            from exc
+        raise DataError(f"dataset folder '{path}' cannot be read: {innermost(exc)}; save it again with "
+                        "save_to_disk") from exc
     if isinstance(saved, datasets.DatasetDict):
         if "train" not in saved and len(saved) != 1:
             raise DataError(f"dataset folder '{path}' holds the splits {', '.join(saved)} and no 'train'; give one: "

@@ -13,8 +13,8 @@ import os
 import tempfile
 from typing import Any
 
-from ..errors import UsageError
-from .out_of_memory import causes, role_of
+from ..errors import UsageError, causes
+from .out_of_memory import role_of
 
 #: the exceptions torch raises when compiling failed (dynamo wraps the backend's; Ray's wrapper keeps the name)
 _NAMES = ("BackendCompilerFailed", "InductorError", "CppCompileError")

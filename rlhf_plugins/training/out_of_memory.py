@@ -12,7 +12,7 @@ import re
 import resource
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, causes
 from ..models.memory import GIB
 
 #: what the libraries say when memory ran out (torch on CPU and GPU, Ray's memory monitor, vLLM)
@@ -29,15 +29,6 @@ class OutOfMemory(UsageError):
     def __init__(self, message: str, role: str | None = None, peak_gb: float | None = None) -> None:
         super().__init__(message)
         self.role, self.peak_gb = role, peak_gb
-
-
-def causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what caused it, outermost first (a Ray error's ``cause``, ``__cause__``, ``__context__``)."""
-    seen: list[BaseException] = []
-    while exc is not None and exc not in seen:
-        seen.append(exc)
-        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return seen
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
