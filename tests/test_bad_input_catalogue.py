@@ -257,6 +257,11 @@ def write(path: Path, data: bytes | str) -> Path:
     return path
 
 
+def on_data(path: Path, *extra: str) -> list[str]:
+    """The flags of a run on the dataset at ``path``, scored by exact_match."""
+    return ["--data.path", str(path), "--reward.functions", "exact_match", *extra]
+
+
 def rows(path: Path, items: list) -> Path:
     return write(path, "".join(json.dumps(r) + "\n" for r in items))
 
@@ -288,85 +293,76 @@ def _files() -> list:
     @case("data-not-utf8")
     def _(t):
         write(t / "d.jsonl", b'{"prompt": "\xff\xfe 1+1="}\n')
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset file '{t}/d.jsonl' is not UTF-8 text; convert it (e.g. iconv -t UTF-8)"
 
     @case("prompt-int")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": 5, "label": "5"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset '{t}/d.jsonl' row 1: 'prompt' is int '5'; a prompt is a string or a list of chat messages " \
             '{"role": ..., "content": ...}'
 
     @case("prompt-mixed")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": ["x", 3], "label": "2"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], None
+        return on_data(t / "d.jsonl"), None
 
     @case("prompt-dict")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": {"text": "1+1="}, "label": "2"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset '{t}/d.jsonl' row 1: 'prompt' is dict \"{{'text': '1+1='}}\"; a prompt is a string or a list of " \
             'chat messages {"role": ..., "content": ...}'
 
     @case("chat-message-malformed")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": [{"role": "user", "text": "1+1="}], "label": "2"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset '{t}/d.jsonl' row 1: 'prompt' holds a chat message that is not {{\"role\": str, \"content\": " \
             "str}: \"{'role': 'user', 'text': '1+1='}\""
 
     @case("data-no-prompt-column")
     def _(t):
         rows(t / "d.jsonl", [{"question": "1+1=", "label": "2"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset '{t}/d.jsonl' has no 'prompt' column (columns: question, label); set --data.prompt_key"
 
     @case("data-malformed-jsonl")
     def _(t):
         write(t / "d.jsonl", '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": \n')
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d.jsonl"), \
             f"dataset file '{t}/d.jsonl' line 2 is not valid JSON (Expecting value, column 29); each line must be " \
             "one JSON object"
 
     @case("input-template-on-chat-messages")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}])
-        return ["--data.path", str(t / "d.jsonl"), "--reward.functions", "exact_match", "--data.template_strings",
+        return [*on_data(t / "d.jsonl"), "--data.template_strings",
                 "false", "--data.input_template", "Q: {}"], \
             f"data.input_template puts plain-text prompts in place, but every prompt of '{t}/d.jsonl' is chat " \
             "messages, which the chat template renders; drop --data.input_template"
 
-    @case("data-txt")
-    def _(t):
-        write(t / "d.txt", "1+1=\n")
-        return ["--data.path", str(t / "d.txt"), "--reward.functions", "exact_match"], \
-            f"dataset file '{t}/d.txt' has an unsupported type; use .jsonl, .json, .csv, .parquet or .arrow"
-
-    @case("data-csv-unreadable")
-    def _(t):
-        write(t / "d.csv", 'prompt,label\n"1+1=,2\n')
-        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
-            f"dataset '{t}/d.csv' cannot be read as CSV: ParserError: Error tokenizing data. C error: EOF inside " \
-            "string starting at row 1; mend the file or write it again"
-
-    @case("data-csv-header-only")
-    def _(t):
-        write(t / "d.csv", "prompt,label\n")
-        return ["--data.path", str(t / "d.csv"), "--reward.functions", "exact_match"], \
-            f"dataset '{t}/d.csv' is empty; it needs at least one row with a 'prompt' field"
-
-    @case("data-arrow-damaged")
-    def _(t):
-        write(t / "d.arrow", b"not arrow")
-        return ["--data.path", str(t / "d.arrow"), "--reward.functions", "exact_match"], None  # pyarrow's wording
+    #: one data file each: (id, its name, its content, the line; {t} is the temporary folder, None: the library's
+    #: wording inside, the start and the file checked)
+    for name, file, content, line in (
+        ("data-txt", "d.txt", "1+1=\n",
+         "dataset file '{t}/d.txt' has an unsupported type; use .jsonl, .json, .csv, .parquet or .arrow"),
+        ("data-csv-unreadable", "d.csv", 'prompt,label\n"1+1=,2\n',
+         "dataset '{t}/d.csv' cannot be read as CSV: ParserError: Error tokenizing data. C error: EOF inside string "
+         "starting at row 1; mend the file or write it again"),
+        ("data-csv-header-only", "d.csv", "prompt,label\n",
+         "dataset '{t}/d.csv' is empty; it needs at least one row with a 'prompt' field"),
+        ("data-arrow-damaged", "d.arrow", b"not arrow", None),
+    ):
+        case(name)(lambda t, file=file, content=content, line=line:
+                   (on_data(write(t / file, content)), line and line.format(t=t)))
 
     @case("data-folder-of-two-types")
     def _(t):
         write(t / "d" / "a.jsonl", '{"prompt": "1+1=", "label": "2"}\n')
         write(t / "d" / "b.csv", "prompt,label\n1+2=,3\n")
-        return ["--data.path", str(t / "d"), "--reward.functions", "exact_match"], \
+        return on_data(t / "d"), \
             f"dataset folder '{t}/d' mixes file types (csv, json); keep one kind"
 
     def model_folder(t: Path, tiny: str, drop: tuple = (), config: str | None = None, extra: dict | None = None) -> Path:
