@@ -254,6 +254,40 @@ def test_keep_checkpoints_prunes_the_oldest(workdir):
     assert names == ["step-000006", "step-000008"]
 
 
+def _sized_checkpoints(run_dir: Path, sizes: list[int], keep: int, max_bytes: int) -> list[str]:
+    """Write checkpoints of steps 1, 2, ... holding a file of each size; the names left after each pruning."""
+    from rlhf_plugins.training import checkpoint
+
+    for step, size in enumerate(sizes, 1):
+        checkpoint.write(run_dir, step, lambda tmp, n=size: (tmp / "weights.bin").write_bytes(b"w" * n) and {},
+                         keep, max_bytes)
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_a_size_limit_drops_the_oldest_checkpoints_until_the_rest_fit_and_keeps_the_newest(tmp_path):
+    """OpenRLHF's --max_ckpt_mem: after each write, the oldest checkpoints go while those kept take more
+    bytes on disk than the limit; the count limit applies first; the newest stays whatever its size."""
+    sizes = [3000, 1000, 2000, 1500]
+    _sized_checkpoints(tmp_path / "all", sizes, keep=0, max_bytes=0)
+    on_disk = {int(p.name.split("-")[1]): sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+               for p in (tmp_path / "all" / "checkpoints").iterdir()}
+    assert sorted(on_disk) == [1, 2, 3, 4] and all(on_disk[s + 1] > n for s, n in enumerate(sizes))  # + manifest
+    last_two, slack = on_disk[3] + on_disk[4], 100  # a manifest's size moves by a few bytes (its times)
+    assert _sized_checkpoints(tmp_path / "fit", sizes, 0, last_two + slack) == ["step-000003", "step-000004"]
+    assert _sized_checkpoints(tmp_path / "tight", sizes, 0, last_two - slack) == ["step-000004"]
+    assert _sized_checkpoints(tmp_path / "tiny", sizes, 0, 1) == ["step-000004"]  # the newest stays
+    three = on_disk[2] + on_disk[3] + on_disk[4]
+    assert _sized_checkpoints(tmp_path / "count", sizes, 2, three + slack) == ["step-000003", "step-000004"]
+    assert _sized_checkpoints(tmp_path / "size", sizes, 3, last_two + slack) == ["step-000003", "step-000004"]
+
+
+def test_keep_checkpoints_gb_on_a_run_keeps_the_checkpoints_that_fit(tmp_path, tiny_model):
+    proc = train(tmp_path, *RUN, "--train.steps", "4", "--train.save_every", "1", "--train.keep_checkpoints", "0",
+                 "--train.keep_checkpoints_gb", "1e-9", "--train.run_name", "small")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "runs" / "small" / "checkpoints").iterdir()] == ["step-000004"]
+
+
 def test_sigint_from_outside_on_a_real_process(tmp_path, tiny_model):
     """A SIGINT sent by another process (a terminal, `ray job stop` sends SIGTERM) mid-run."""
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_plugins.cli", "train", *RUN, "--train.steps", "400",

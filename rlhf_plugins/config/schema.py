@@ -206,6 +206,9 @@ class TrainConfig:
     save_every: int = setting(100, ge=0)
     #: complete checkpoints kept (the newest); 0 keeps all
     keep_checkpoints: int = setting(2, ge=0)
+    #: also drop the oldest checkpoints while those kept take more than N GB on disk (the newest always
+    #: stays); 0: no size limit (OpenRLHF's --max_ckpt_mem)
+    keep_checkpoints_gb: float = setting(0.0, ge=0)
     #: an evaluation metric (e.g. eval/pass@1): the policy that scores best on it is kept in ``best/``
     best_metric: str | None = None
     #: max | min -- whether a larger or a smaller ``best_metric`` is better

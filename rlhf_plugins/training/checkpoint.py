@@ -66,9 +66,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write(run_dir: Path, step: int, fill: Callable[[Path], dict[str, Any]], keep: int) -> Path:
+def write(run_dir: Path, step: int, fill: Callable[[Path], dict[str, Any]], keep: int, max_bytes: int = 0) -> Path:
     """Create the checkpoint of ``step``: ``fill(tmp_dir)`` writes the files (and returns extra
-    manifest fields); then the manifest, then the rename. Older checkpoints beyond ``keep`` go."""
+    manifest fields); then the manifest, then the rename. Older checkpoints beyond ``keep``, or beyond
+    ``max_bytes`` on disk, go (:func:`prune`)."""
     root = run_dir / DIRNAME
     final = step_dir(run_dir, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -101,7 +102,7 @@ def write(run_dir: Path, step: int, fill: Callable[[Path], dict[str, Any]], keep
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(run_dir, keep)
+    prune(run_dir, keep, max_bytes)
     return final
 
 
@@ -117,11 +118,18 @@ def complete(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    if keep <= 0:
-        return
-    for _, path in complete(run_dir)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+def prune(run_dir: Path, keep: int, max_bytes: int = 0) -> None:
+    """Remove the oldest complete checkpoints: all but the newest ``keep`` (0: no count limit), then more
+    while those left take over ``max_bytes`` on disk (0: no size limit); the newest always stays."""
+    kept = [path for _, path in complete(run_dir)]
+    if keep > 0:
+        for path in kept[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        kept = kept[-keep:]
+    sizes = [sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) for path in kept] if max_bytes else []
+    while max_bytes and len(kept) > 1 and sum(sizes) > max_bytes:
+        shutil.rmtree(kept.pop(0), ignore_errors=True)
+        sizes.pop(0)
 
 
 def verify(path: Path) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, An
         (tmp / "plugins.json").write_text(json.dumps(t.pm.collect_state(), indent=1))
         return {"roles": ["actor", *(["critic"] if t.critic is not None else []), *(["reference"] if moved else [])]}
 
-    return checkpoint.write(run_dir, int(state["step"]), fill, keep)
+    return checkpoint.write(run_dir, int(state["step"]), fill, keep, int(t.config.train.keep_checkpoints_gb * 2**30))
 
 
 def load_checkpoint(t: Trainer, path: Path) -> int:
