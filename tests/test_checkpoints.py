@@ -283,7 +283,7 @@ def test_a_size_limit_drops_the_oldest_checkpoints_until_the_rest_fit_and_keeps_
 
 def test_keep_checkpoints_gb_on_a_run_keeps_the_checkpoints_that_fit(tmp_path, tiny_model):
     proc = train(tmp_path, *RUN, "--train.steps", "4", "--train.save_every", "1", "--train.keep_checkpoints", "0",
-                 "--train.keep_checkpoints_gb", "1e-9", "--train.run_name", "small")
+                 "--train.keep_checkpoints_gb", "1e-12", "--train.run_name", "small")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [p.name for p in (tmp_path / "runs" / "small" / "checkpoints").iterdir()] == ["step-000004"]
 

@@ -12,6 +12,7 @@ Also the run's summary (``summary.json``) and how it is printed at the end.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,7 +77,8 @@ def save_checkpoint(t: Trainer, run_dir: Path, keep: int, snapshot: dict[str, An
         (tmp / "plugins.json").write_text(json.dumps(t.pm.collect_state(), indent=1))
         return {"roles": ["actor", *(["critic"] if t.critic is not None else []), *(["reference"] if moved else [])]}
 
-    return checkpoint.write(run_dir, int(state["step"]), fill, keep, int(t.config.train.keep_checkpoints_gb * 2**30))
+    max_bytes = math.ceil(t.config.train.keep_checkpoints_gb * 2**30)  # any size limit above 0 is one
+    return checkpoint.write(run_dir, int(state["step"]), fill, keep, max_bytes)
 
 
 def load_checkpoint(t: Trainer, path: Path) -> int:
