@@ -338,8 +338,7 @@ def _files() -> list:
     @case("input-template-on-chat-messages")
     def _(t):
         rows(t / "d.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}])
-        return [*on_data(t / "d.jsonl"), "--data.template_strings",
-                "false", "--data.input_template", "Q: {}"], \
+        return on_data(t / "d.jsonl", "--data.template_strings", "false", "--data.input_template", "Q: {}"), \
             f"data.input_template puts plain-text prompts in place, but every prompt of '{t}/d.jsonl' is chat " \
             "messages, which the chat template renders; drop --data.input_template"
 
