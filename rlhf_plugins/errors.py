@@ -11,11 +11,15 @@ def causes(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def summary(exc: BaseException) -> str:
+    """An error in one line: ``Type: first line of its message`` (the type alone when it has none)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def innermost(exc: BaseException) -> str:
-    """What first went wrong behind ``exc``: its innermost cause as ``Type: first line``."""
-    inner = causes(exc)[-1]
-    text = str(inner).strip()
-    return f"{type(inner).__name__}: {text.splitlines()[0]}" if text else type(inner).__name__
+    """What first went wrong behind ``exc``: its innermost cause's :func:`summary`."""
+    return summary(causes(exc)[-1])
 
 
 class UsageError(Exception):

@@ -645,3 +645,14 @@ def before_each_optimizer_step(optimizer: Any, before: Any) -> None:
         return step(*args, **kwargs)
 
     optimizer.step = recording
+
+
+def raise_cpp_compile_error(output: str) -> None:
+    """Raise what a torch.compile raises when g++ fails on a kernel: inductor's C++ compile error with
+    the compiler's ``output``, from the compiler's exit status."""
+    from torch._inductor.exc import CppCompileError
+
+    try:
+        raise subprocess.CalledProcessError(1, ["g++", "-O3", "k.cpp"])
+    except subprocess.CalledProcessError as called:
+        raise CppCompileError(["g++", "-O3", "k.cpp"], output) from called

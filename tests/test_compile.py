@@ -295,19 +295,15 @@ def test_a_compile_error_wrapped_by_ray_is_recognised_and_summed_up_in_its_compi
     """What a role's torch.compile raises (dynamo's wrapper around inductor's C++ compile error, around
     the compiler's exit status) reaches the driver inside Ray's RayTaskError: still a compile failure,
     told by the C++ compile error's first line and the compiler's first error, not by the command."""
-    import subprocess
-
     import ray.exceptions
     from torch._inductor.exc import CppCompileError
 
     from rlhf_plugins.training.compile_failure import is_compile_failure, what_failed
+    from tests.helpers import raise_cpp_compile_error
 
-    output = "k.cpp: In function 'void kernel()':\nk.cpp:86:45: error: 'at::vec' has not been declared\nmore"
     try:
-        try:
-            raise subprocess.CalledProcessError(1, ["g++", "-O3", "k.cpp"])
-        except subprocess.CalledProcessError as called:
-            raise CppCompileError(["g++", "-O3", "k.cpp"], output) from called
+        raise_cpp_compile_error("k.cpp: In function 'void kernel()':\nk.cpp:86:45: error: 'at::vec' has not been "
+                                "declared\nmore")
     except CppCompileError as raised:
         compile_error = raised
     wrapped = ray.exceptions.RayTaskError("call_function", "Traceback ...", compile_error).as_instanceof_cause()

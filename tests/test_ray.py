@@ -277,15 +277,10 @@ def test_strict_spread_on_one_node_times_out_with_a_reason(local_ray):
 
 
 def _fails_to_compile() -> None:
-    """What a role's torch.compile raises when g++ fails on a kernel (inductor's error, from the compiler's)."""
-    import subprocess
+    """What a role's torch.compile raises when g++ fails on a kernel."""
+    from tests.helpers import raise_cpp_compile_error
 
-    from torch._inductor.exc import CppCompileError
-
-    try:
-        raise subprocess.CalledProcessError(1, ["g++", "k.cpp"])
-    except subprocess.CalledProcessError as called:
-        raise CppCompileError(["g++", "k.cpp"], "k.cpp:1:2: error: 'at::vec' has not been declared") from called
+    raise_cpp_compile_error("k.cpp:1:2: error: 'at::vec' has not been declared")
 
 
 def test_a_role_whose_compile_failed_is_named_in_the_one_line_error(local_ray):

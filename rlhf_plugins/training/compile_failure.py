@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Any
 
-from ..errors import UsageError, causes
+from ..errors import UsageError, causes, summary
 from .out_of_memory import role_of
 
 #: the exceptions torch raises when compiling failed (dynamo wraps the backend's; Ray's wrapper keeps the name)
@@ -54,8 +54,7 @@ def cache_folders() -> list[str]:
 def what_failed(exc: BaseException) -> str:
     """The innermost compile error's first line; for a C++ compile error also the compiler's first error."""
     inner = [e for e in causes(exc) if any(name in type(e).__name__ for name in _NAMES)][-1]
-    text = str(inner).strip()
-    first = f"{type(inner).__name__}: {text.splitlines()[0] if text else ''}".strip()
+    text, first = str(inner).strip(), summary(inner)
     found = next((line.split("error:", 1)[1].strip() for line in text.splitlines() if " error:" in line), None)
     return f"{first} ({found})" if found and "C++ compile error" in text else first
 
