@@ -79,6 +79,45 @@ def test_ppo_with_a_critic_learns_and_the_critic_reloads(rlhf):
     assert abs(first["critic/values"]) > 1e-4  # loaded, not a fresh zero head
 
 
+def test_the_critic_takes_its_own_schedule_and_logs_its_lr_and_grad_norm_beside_the_actors(rlhf):
+    """critic.lr_scheduler / warmup_ratio / min_lr_ratio schedule the critic alone; the step's ``lr`` and
+    ``grad_norm`` stay the actor's (the critic's were written over them), the critic's are ``critic/*``."""
+    code, _, err = rlhf("train", "--algo.advantage.estimator", "gae", "--learner.lr", "1e-4", "--critic.lr", "2e-3",
+                        "--critic.lr_scheduler", "linear", "--critic.warmup_ratio", "0.25", "--critic.min_lr_ratio", "0",
+                        *short_run("--train.steps", "4"))
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert [r["lr"] for r in rows] == [1e-4] * 4  # the actor's constant schedule
+    # 4 updates, 1 of warm-up, then linear to 0 over the other 3; each row holds the lr the next update takes
+    assert [r["critic/lr"] for r in rows] == pytest.approx([2e-3, 2e-3 * 2 / 3, 2e-3 / 3, 0.0])
+    assert all(r["grad_norm"] > 0 and r["critic/grad_norm"] > 0 and r["grad_norm"] != r["critic/grad_norm"]
+               for r in rows)
+
+
+def test_the_critics_optimizer_takes_its_own_betas_eps_decay_and_clip_and_the_actors_stay(tiny_model):
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.learners.deepspeed_config import deepspeed_config
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.testing import backend_context
+
+    config, pm, _ = prepare({"algo": {"advantage": {"estimator": "gae"}},
+                             "learner": {"betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1, "max_grad_norm": 2.0,
+                                         "warmup_steps": 3},
+                             "critic": {"betas": [0.5, 0.6], "eps": 1e-3, "weight_decay": 0.25, "max_grad_norm": 0.5,
+                                        "warmup_ratio": 0.5}},
+                            autoload=False)
+    seen = {}
+    for role in ("actor", "critic"):
+        learner = TorchLearner(backend_context(config, role, tiny_model, pm))
+        decayed = next(g for g in learner.optimizer.param_groups if g["weight_decay"] > 0)
+        seen[role] = (decayed["betas"], decayed["eps"], decayed["weight_decay"], learner.cfg.max_grad_norm,
+                      deepspeed_config(config, role, 1)["gradient_clipping"], learner.cfg.warmup_steps,
+                      learner.cfg.warmup_ratio)
+    # the critic's warm-up ratio replaces the learner's warm-up steps, which would otherwise come first
+    assert seen == {"actor": ((0.8, 0.9), 1e-6, 0.1, 2.0, 2.0, 3, 0.0),
+                    "critic": ((0.5, 0.6), 1e-3, 0.25, 0.5, 0.5, 0, 0.5)}
+
+
 def test_kl_in_reward_with_adaptive_controller(rlhf):
     code, _, err = rlhf("train", "--algo.advantage.estimator", "reinforce", "--algo.kl.in_reward", "true",
                         "--algo.kl.controller", "adaptive", "--algo.kl.coef", "0.05", "--algo.kl.target", "0.001",

@@ -88,6 +88,8 @@ FLAGS = [
      "of them"),
     ("betas", ["--learner.betas", "[0.9, 1.5]"],
      "config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9, 1.5]"),
+    ("critic-betas", ["--critic.betas", "[0.9]"],
+     "config key 'critic.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got [0.9]"),
     ("optimizer", ["--learner.optimizer", "lion"],
      "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd' | 'muon' | 'adafactor'; got 'lion'"),
     ("scheduler", ["--learner.lr_scheduler", "poly"],

@@ -147,6 +147,22 @@ class CriticConfig:
     value_clip: float | None = setting(0.2, gt=0)
     #: the first N steps train only the critic, the actor waits (OpenRLHF's --freezing_actor_steps)
     freezing_steps: int = setting(0, ge=0)
+    # the critic's own optimizer settings (OpenRLHF's --critic.adam.betas, --critic.max_norm, ...); each
+    # empty one is the learner's
+    #: Adam(W)'s beta1 and beta2 for the critic
+    betas: list[float] | None = None
+    #: Adam(W)'s epsilon for the critic
+    eps: float | None = setting(None, gt=0)
+    #: the critic's weight decay
+    weight_decay: float | None = setting(None, ge=0)
+    #: clip the critic's gradient norm to this (0: no clipping)
+    max_grad_norm: float | None = setting(None, ge=0)
+    #: constant | linear | cosine: the critic's learning-rate schedule
+    lr_scheduler: Literal["constant", "linear", "cosine"] | None = None
+    #: the critic's warm-up as a share of its optimizer updates
+    warmup_ratio: float | None = setting(None, ge=0, le=1)
+    #: where the critic's linear or cosine decay ends, as a share of critic.lr
+    min_lr_ratio: float | None = setting(None, ge=0, le=1)
 
 
 @dataclass

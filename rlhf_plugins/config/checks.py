@@ -58,9 +58,9 @@ def check_ranges(c: Config) -> None:
              "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
              "generation.n_samples_per_prompt >= 2")
     _check_advantage_and_kl(c)
-    betas = c.learner.betas
-    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
-             f"config key 'learner.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
+    for key, betas in (("learner.betas", c.learner.betas), ("critic.betas", c.critic.betas)):
+        _require(betas is None or (len(betas) == 2 and all(0 <= b < 1 for b in betas)),
+                 f"config key '{key}' must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas}")
     _require(c.model.dtype != "float16" or _has_gpu(),
              "model.dtype float16 needs a GPU (on a CPU it trains to NaN at the first step); use float32 or bfloat16")
     _check_train(t)

@@ -153,7 +153,7 @@ class DeepSpeedLearner(Learner):
             optimizer = make_optimizer(params, self.cfg, self.lr, [name for name, _ in named], undecayed(model))
         self.engine, self.optimizer, _, self.scheduler = import_deepspeed().initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None, config=ds_config,
-            lr_scheduler=lambda opt: make_scheduler(opt, config))
+            lr_scheduler=lambda opt: make_scheduler(opt, config, self.cfg))
         del hf_ds_config
         self.model = self.engine.module
         self.device = self.engine.device

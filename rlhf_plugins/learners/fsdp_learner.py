@@ -124,7 +124,7 @@ class FSDPLearner(Learner):
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = make_optimizer([p for _, p in named], self.cfg, self.lr, [name for name, _ in named],
                                         undecayed(self.model))
-        self.scheduler = make_scheduler(self.optimizer, config)
+        self.scheduler = make_scheduler(self.optimizer, config, self.cfg)
         self._keep_average()
 
     # --- the update loop's parts -------------------------------------------------------

@@ -57,7 +57,7 @@ class TorchLearner(Learner):
             keep_grads_allocated(params)
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, self.cfg, self.lr, names, undecayed(model))
-        self.scheduler = make_scheduler(self.optimizer, ctx.config)
+        self.scheduler = make_scheduler(self.optimizer, ctx.config, self.cfg)
         self._keep_average(None if self.masters is None else list(self.masters.params))
 
     def _module(self) -> Any:
