@@ -94,28 +94,37 @@ def test_the_critic_takes_its_own_schedule_and_logs_its_lr_and_grad_norm_beside_
                for r in rows)
 
 
-def test_the_critics_optimizer_takes_its_own_betas_eps_decay_and_clip_and_the_actors_stay(tiny_model):
+def test_the_critics_optimizer_takes_its_own_settings_and_the_actors_stay(tiny_model):
+    """critic.optimizer / betas / eps / weight_decay / max_grad_norm / warmup_ratio reach the critic's torch
+    optimizer, DeepSpeed config and memory plan; the actor keeps learner.*."""
     from rlhf_plugins.api import prepare
     from rlhf_plugins.learners.deepspeed_config import deepspeed_config
     from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.models.memory import ADAM_STATES, MemoryInputs, ModelShape, optimizer_states
     from rlhf_plugins.testing import backend_context
 
     config, pm, _ = prepare({"algo": {"advantage": {"estimator": "gae"}},
                              "learner": {"betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1, "max_grad_norm": 2.0,
                                          "warmup_steps": 3},
-                             "critic": {"betas": [0.5, 0.6], "eps": 1e-3, "weight_decay": 0.25, "max_grad_norm": 0.5,
-                                        "warmup_ratio": 0.5}},
+                             "critic": {"optimizer": "adam", "betas": [0.5, 0.6], "eps": 1e-3, "weight_decay": 0.25,
+                                        "max_grad_norm": 0.5, "warmup_ratio": 0.5}},
                             autoload=False)
     seen = {}
     for role in ("actor", "critic"):
         learner = TorchLearner(backend_context(config, role, tiny_model, pm))
         decayed = next(g for g in learner.optimizer.param_groups if g["weight_decay"] > 0)
-        seen[role] = (decayed["betas"], decayed["eps"], decayed["weight_decay"], learner.cfg.max_grad_norm,
-                      deepspeed_config(config, role, 1)["gradient_clipping"], learner.cfg.warmup_steps,
-                      learner.cfg.warmup_ratio)
+        seen[role] = (type(learner.optimizer).__name__, decayed["betas"], decayed["eps"], decayed["weight_decay"],
+                      learner.cfg.max_grad_norm, deepspeed_config(config, role, 1)["gradient_clipping"],
+                      learner.cfg.warmup_steps, learner.cfg.warmup_ratio)
     # the critic's warm-up ratio replaces the learner's warm-up steps, which would otherwise come first
-    assert seen == {"actor": ((0.8, 0.9), 1e-6, 0.1, 2.0, 2.0, 3, 0.0),
-                    "critic": ((0.5, 0.6), 1e-3, 0.25, 0.5, 0.5, 0, 0.5)}
+    assert seen == {"actor": ("AdamW", (0.8, 0.9), 1e-6, 0.1, 2.0, 2.0, 3, 0.0),
+                    "critic": ("Adam", (0.5, 0.6), 1e-3, 0.25, 0.5, 0.5, 0, 0.5)}
+    # the memory plan counts each role's optimizer states: a critic on momentum-free SGD keeps none
+    sgd, _, _ = prepare({"algo": {"advantage": {"estimator": "gae"}}, "critic": {"optimizer": "sgd"}}, autoload=False)
+    shape = ModelShape.of_folder(tiny_model)
+    states = {role: optimizer_states(MemoryInputs(sgd, shape, role, 1, shape.parameters, 0, 0))
+              for role in ("actor", "critic")}
+    assert states == {"actor": ADAM_STATES * shape.parameters, "critic": 0}
 
 
 def test_kl_in_reward_with_adaptive_controller(rlhf):

@@ -158,6 +158,14 @@ FLAGS = [
                                  "--learner.weight_decay", "0.1"],
      "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add --learner.weight_decay_all "
      "true to accept that, or use --learner.weight_decay 0 or another backend"),
+    ("critic-muon-decay-on-deepspeed", ["--algo.advantage.estimator", "gae", "--critic.optimizer", "muon",
+                                        "--learner.backend", "deepspeed", "--critic.weight_decay", "0.1"],
+     "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add --learner.weight_decay_all "
+     "true to accept that, or use --critic.weight_decay 0 or another backend"),
+    ("critic-adafactor-on-fsdp", ["--algo.advantage.estimator", "gae", "--critic.optimizer", "adafactor",
+                                  "--learner.backend", "fsdp"],
+     "critic.optimizer adafactor factors each weight matrix's second moment by its rows and columns, which the "
+     "fsdp learner's flattened or sharded parameters do not keep: use --learner.backend torch, or another optimizer"),
     ("muon-steps-on-deepspeed", ["--learner.optimizer", "muon", "--learner.backend", "deepspeed",
                                  "--learner.muon_ns_steps", "6"],
      "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "

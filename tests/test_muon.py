@@ -83,7 +83,7 @@ def test_a_step_is_torchs_muon_and_adamw_run_apart_and_the_schedule_scales_both(
     ours = MuonWithAdamW(ours_named, cfg, 1e-3)
     config, _, _ = prepare({"learner": {"optimizer": "muon", "lr_scheduler": "linear"}, "train": {"steps": 4}},
                            autoload=False)
-    schedule = make_scheduler(ours, config)
+    schedule = make_scheduler(ours, config, config.learner)
     muon = torch.optim.Muon([p for n, p in apart_named if uses_muon(n, p)], lr=0.02, weight_decay=0.01,
                             momentum=0.95, nesterov=True, ns_steps=5)
     adamw = torch.optim.AdamW([p for n, p in apart_named if not uses_muon(n, p)], lr=1e-3, weight_decay=0.01,

@@ -436,21 +436,22 @@ def test_the_actors_and_the_critics_optimizer_flags_each_reach_its_own_learner()
     flag won for both); one given for the actor alone leaves the critic at OpenRLHF's default, whatever the
     order; 0.9's flat spelling is both learners' (the critic takes the learner's)."""
     from rlhf_plugins.config.loading import build_config
-    from rlhf_plugins.learners.base import learner_settings
 
     conv = convert(["--critic_pretrain", "C", "--critic.adam.betas", "0.8", "0.99", "--actor.adam.betas", "0.9", "0.98",
                     "--actor.max_norm", "2", "--critic.max_norm", "5", "--actor.adam.eps", "1e-6",
                     "--critic.lr_scheduler", "constant", "--critic.lr_warmup_ratio", "0"])
     assert [flag for flag, _ in conv.partial] == ["--critic.lr_scheduler"]  # its warm-up is a flag of its own
     config = build_config({k: conv.raw[k] for k in ("learner", "critic")})  # the sections of the plugins aside
-    actor, critic = learner_settings(config, "actor"), learner_settings(config, "critic")
+    actor, critic = config.learner_of("actor"), config.learner_of("critic")
     assert (actor.betas, actor.max_grad_norm, actor.eps, actor.lr_scheduler, actor.warmup_ratio) == (
         [0.9, 0.98], 2, 1e-6, "cosine", 0.03)  # the last two: OpenRLHF's defaults, carried
     assert (critic.betas, critic.max_grad_norm, critic.eps, critic.lr_scheduler, critic.warmup_ratio) == (
         [0.8, 0.99], 5, 1e-8, "constant", 0.0)
+    muon = convert(["--critic_pretrain", "C", "--actor.optim", "muon"]).raw  # the critic stays on OpenRLHF's Adam
+    assert (muon["learner"]["optimizer"], muon["critic"]["optimizer"]) == ("muon", "adamw")
     flat = convert(["--adam_betas", "0.9", "0.98", "--max_norm", "3", "--l2", "0.01"]).raw
     flat = build_config({k: flat[k] for k in ("learner", "critic")})
-    assert learner_settings(flat, "critic") is flat.learner
+    assert flat.learner_of("critic") is flat.learner
     assert (flat.learner.betas, flat.learner.max_grad_norm, flat.learner.weight_decay) == ([0.9, 0.98], 3, 0.01)
 
 

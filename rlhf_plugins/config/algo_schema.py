@@ -135,6 +135,11 @@ class KLConfig:
     ref_mixup_alpha: float = setting(0.6, gt=0, le=1)
 
 
+#: the critic's optimizer settings of its own (:meth:`~rlhf_plugins.config.schema.Config.learner_of`)
+CRITIC_OWN = ("optimizer", "betas", "eps", "weight_decay", "max_grad_norm", "lr_scheduler", "warmup_ratio",
+              "min_lr_ratio")
+
+
 @dataclass
 class CriticConfig:
     #: empty: a critic runs exactly when the advantage estimator needs one
@@ -149,6 +154,8 @@ class CriticConfig:
     freezing_steps: int = setting(0, ge=0)
     # the critic's own optimizer settings (OpenRLHF's --critic.adam.betas, --critic.max_norm, ...); each
     # empty one is the learner's
+    #: adamw | adam | sgd | muon | adafactor: the critic's optimizer
+    optimizer: Literal["adamw", "adam", "sgd", "muon", "adafactor"] | None = None
     #: Adam(W)'s beta1 and beta2 for the critic
     betas: list[float] | None = None
     #: Adam(W)'s epsilon for the critic

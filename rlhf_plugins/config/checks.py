@@ -192,21 +192,24 @@ def _check_generation(c: Config) -> None:
 
 
 def _check_optimizer(c: Config) -> None:
-    """Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own on DeepSpeed."""
-    learner = c.learner
-    if learner.optimizer != "muon":
-        return
-    from ..learners.muon import check_torch_muon
+    """Muon: torch.optim.Muon on the torch and FSDP2 learners, DeepSpeed's own on DeepSpeed -- the actor's,
+    and the critic's where settings of its own (critic.optimizer, ...) make it another."""
+    critic = c.learner_of("critic")
+    for owner, learner in (("learner", c.learner), ("critic", critic if critic is not c.learner else None)):
+        if learner is None or learner.optimizer != "muon":
+            continue
+        from ..learners.muon import check_torch_muon
 
-    backend = learner.backend
-    if backend in ("torch", "fsdp"):
-        check_torch_muon()
-    _require(backend != "deepspeed" or not learner.weight_decay or learner.weight_decay_all,
-             "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add "
-             "--learner.weight_decay_all true to accept that, or use --learner.weight_decay 0 or another backend")
-    _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
-             "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
-             "learner.muon_nesterov at their defaults with --learner.backend deepspeed")
+        backend = learner.backend
+        if backend in ("torch", "fsdp"):
+            check_torch_muon()
+        decay = "critic" if owner == "critic" and c.critic.weight_decay is not None else "learner"
+        _require(backend != "deepspeed" or not learner.weight_decay or learner.weight_decay_all,
+                 "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add "
+                 f"--learner.weight_decay_all true to accept that, or use --{decay}.weight_decay 0 or another backend")
+        _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
+                 "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
+                 "learner.muon_nesterov at their defaults with --learner.backend deepspeed")
 
 
 def _check_advantage_and_kl(c: Config) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 
 from ..settings import setting
-from .algo_schema import AdvantageConfig, AlgoConfig, CriticConfig, KLConfig, PolicyLossConfig
+from .algo_schema import CRITIC_OWN, AdvantageConfig, AlgoConfig, CriticConfig, KLConfig, PolicyLossConfig
 from .learner_schema import LearnerConfig
 from .task_schema import EnvConfig, EvalConfig
 
@@ -260,6 +260,14 @@ class Config:
         if name in self.extra or dataclasses.is_dataclass(value):
             return value
         raise KeyError(f"no config section '{name}'")
+
+    def learner_of(self, role: str) -> LearnerConfig:
+        """The ``learner`` section as ``role``'s learner reads it: the critic's takes each of its own
+        optimizer settings (``critic.betas``, ...) that is given, its warm-up ratio in place of warmup_steps."""
+        own = {k: getattr(self.critic, k) for k in CRITIC_OWN if getattr(self.critic, k) is not None}
+        if role != "critic" or not own:
+            return self.learner
+        return dataclasses.replace(self.learner, **own, **({"warmup_steps": 0} if "warmup_ratio" in own else {}))
 
     def updates_per_step(self) -> int:
         """Optimizer updates each step makes: the learner's epochs x the mini batches of a step's samples

@@ -156,8 +156,9 @@ def check_combinations(c: Config, plan: Plan) -> None:
         raise ConfigError(f"weight sync '{sync.name}' moves a LoRA adapter alone, but generation backend "
                           f"'{engine.name}' cannot load adapters; choose another --sync.method")
     check_compile(c, plan)
-    if c.learner.optimizer == "adafactor" and not plan.learner.whole_parameters:
-        raise ConfigError(f"learner.optimizer adafactor factors each weight matrix's second moment by its rows and "
+    owner = next((k for k, v in (("learner", c.learner), ("critic", c.critic)) if v.optimizer == "adafactor"), "")
+    if owner and not plan.learner.whole_parameters:
+        raise ConfigError(f"{owner}.optimizer adafactor factors each weight matrix's second moment by its rows and "
                           f"columns, which the {plan.learner.name} learner's flattened or sharded parameters do not "
                           "keep: use --learner.backend torch, or another optimizer")
     if c.model.fp32_lm_head and not plan.learner.float32_head:

@@ -8,7 +8,6 @@ backward and the optimizer step.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -55,24 +54,9 @@ def lr_factor(update: int, cfg: Any, total: int) -> float:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: Any, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning-rate schedule of a learner whose settings are ``cfg`` (:func:`learner_settings`)."""
+    """The learning-rate schedule of a learner whose settings are ``cfg`` (``config.learner_of(role)``)."""
     total = updates_per_run(config)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: lr_factor(update, cfg, total))
-
-
-#: the critic's optimizer settings of its own (``critic.betas``, ...: OpenRLHF's --critic.adam.betas, ...)
-CRITIC_OWN = ("betas", "eps", "weight_decay", "max_grad_norm", "lr_scheduler", "warmup_ratio", "min_lr_ratio")
-
-
-def learner_settings(config: Any, role: str) -> Any:
-    """The ``learner`` section as ``role``'s learner reads it: the critic's takes each of its own
-    :data:`CRITIC_OWN` settings that is given (its warm-up ratio in place of learner.warmup_steps too)."""
-    own = {k: getattr(config.critic, k) for k in CRITIC_OWN if getattr(config.critic, k) is not None}
-    if role != "critic" or not own:
-        return config.learner
-    if "warmup_ratio" in own:
-        own["warmup_steps"] = 0
-    return dataclasses.replace(config.learner, **own)
 
 
 class Learner:
@@ -91,7 +75,7 @@ class Learner:
     def _init_learner(self, config: Any, role: str, seed_offset: int = 0) -> None:
         """Shared set-up: the role's forward (log-probs, or values for a critic) and learning rate."""
         self.role = role
-        self.cfg = learner_settings(config, role)
+        self.cfg = config.learner_of(role)
         self.temperature = config.generation.temperature
         critic = role == "critic"
         self.forward: Callable[..., dict[str, torch.Tensor]] = (

@@ -6,14 +6,12 @@ from typing import Any
 
 import torch
 
-from .base import learner_settings
-
 
 def deepspeed_config(config: Any, role: str, world_size: int, shape: Any = None) -> dict[str, Any]:
     """DeepSpeed's config for this run, its buckets sized from the model's ``shape``
     (:class:`~rlhf_plugins.models.memory.ModelShape`) rather than DeepSpeed's defaults, which
     allocate 2 GB per bucket whatever the model."""
-    learner, o = learner_settings(config, role), config.section("deepspeed")
+    learner, o = config.learner_of(role), config.section("deepspeed")
     stage = o.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if shape is not None:

@@ -72,7 +72,7 @@ def optimizer_states(m: MemoryInputs) -> int:
     """Optimizer state elements of the trainable parameters, unsharded: Adam(W)'s two, SGD's momentum,
     Muon's momentum on the hidden matrices (all of LoRA's adapters) beside AdamW's two on the rest, or
     Adafactor's factored second moments (a LoRA adapter's rows and columns: left out, a few thousand)."""
-    c, T = m.config.learner, m.trainable
+    c, T = m.config.learner_of(m.role), m.trainable  # the critic's optimizer may be its own
     if c.optimizer == "sgd":
         return T if c.momentum else 0
     if c.optimizer == "adafactor":
