@@ -152,23 +152,22 @@ class CriticConfig:
     value_clip: float | None = setting(0.2, gt=0)
     #: the first N steps train only the critic, the actor waits (OpenRLHF's --freezing_actor_steps)
     freezing_steps: int = setting(0, ge=0)
-    # the critic's own optimizer settings (OpenRLHF's --critic.adam.betas, --critic.max_norm, ...); each
-    # empty one is the learner's
-    #: adamw | adam | sgd | muon | adafactor: the critic's optimizer
+    # the critic's own optimizer settings (OpenRLHF 0.11's --critic.optim, --critic.adam.betas, ...)
+    #: the critic's optimizer; empty: learner.optimizer
     optimizer: Literal["adamw", "adam", "sgd", "muon", "adafactor"] | None = None
-    #: Adam(W)'s beta1 and beta2 for the critic
+    #: the critic's Adam(W) beta1 and beta2; empty: learner.betas
     betas: list[float] | None = None
-    #: Adam(W)'s epsilon for the critic
+    #: the critic's Adam(W) epsilon; empty: learner.eps
     eps: float | None = setting(None, gt=0)
-    #: the critic's weight decay
+    #: the critic's weight decay; empty: learner.weight_decay
     weight_decay: float | None = setting(None, ge=0)
-    #: clip the critic's gradient norm to this (0: no clipping)
+    #: clip the critic's gradient norm to this (0: no clipping); empty: learner.max_grad_norm
     max_grad_norm: float | None = setting(None, ge=0)
-    #: constant | linear | cosine: the critic's learning-rate schedule
+    #: the critic's learning-rate schedule; empty: learner.lr_scheduler
     lr_scheduler: Literal["constant", "linear", "cosine"] | None = None
-    #: the critic's warm-up as a share of its optimizer updates
+    #: the critic's warm-up as a share of its optimizer updates; empty: learner.warmup_steps / warmup_ratio
     warmup_ratio: float | None = setting(None, ge=0, le=1)
-    #: where the critic's linear or cosine decay ends, as a share of critic.lr
+    #: where the critic's linear or cosine decay ends, as a share of critic.lr; empty: learner.min_lr_ratio
     min_lr_ratio: float | None = setting(None, ge=0, le=1)
 
 
