@@ -366,7 +366,7 @@ def test_the_critic_trains_on_fsdp_as_on_torch(tiny_model):
     assert critic.shard_bytes_read == 4 * sum(p.numel() for n, p in critic.raw_named_weights() if "value_head" not in n)
     torch.testing.assert_close(out["fsdp"][0], out["torch"][0], rtol=0, atol=1e-6)
     assert out["fsdp"][1]["critic/loss"] == pytest.approx(out["torch"][1]["critic/loss"], abs=1e-6)
-    assert out["fsdp"][1]["grad_norm"] == pytest.approx(out["torch"][1]["grad_norm"], rel=1e-5)
+    assert out["fsdp"][1]["critic/grad_norm"] == pytest.approx(out["torch"][1]["critic/grad_norm"], rel=1e-5)
 
 
 def test_an_in_place_op_on_the_sharded_forwards_outputs_keeps_the_gradient(tiny_model):
