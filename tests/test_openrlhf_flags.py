@@ -57,6 +57,9 @@ def test_the_docs_table_is_the_flag_table():
     (["--seed", "3"], "--seed is OpenRLHF's; here it is --train.seed;"),
     (["--use_kl_loss"], "--use_kl_loss is OpenRLHF's; here it is --algo.kl.in_reward false;"),
     (["--flash_attn"], "--flash_attn is OpenRLHF's; it has no equivalent here: transformers' default attention"),
+    # its flags of two values: the second is not a stray argument
+    (["--adam_betas", "0.9", "0.95"], "--adam_betas is OpenRLHF's; here it is --learner.betas;"),
+    (["--critic.adam.betas", "0.9", "0.95"], "--critic.adam.betas is OpenRLHF's; here it is --critic.betas;"),
 ])
 def test_an_openrlhf_flag_given_to_rlhf_names_its_equivalent_in_one_line(rlhf, args, expected):
     code, _, err = rlhf("train", *args, *short_run())

@@ -37,20 +37,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """``['--algo.kl.coef', '0.1', '--train.steps=5']`` -> nested dict; values parsed as YAML scalars."""
+    from .openrlhf_flags import hint as openrlhf_hint
+
     out: dict[str, Any] = {}
-    i = 0
+    i, key = 0, ""
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument '{arg}'; config flags look like --section.key value")
+        if not arg.startswith("--") or len(arg) == 2:  # after one of OpenRLHF's flags of two values: that flag
+            raise ConfigError((key and openrlhf_hint(key)) or
+                              f"unexpected argument '{arg}'; config flags look like --section.key value")
         key = arg[2:]
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
         else:
             if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
-                from .openrlhf_flags import hint as openrlhf_hint
-
                 theirs = openrlhf_hint(key)
                 raise ConfigError(theirs or f"flag '--{key}' needs a value, e.g. --{key} VALUE")
             raw = args[i + 1]
