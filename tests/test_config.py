@@ -86,8 +86,13 @@ def test_bad_config_is_one_clear_line(raw, message):
 def test_flags_need_values_and_dashes():
     with pytest.raises(ConfigError, match="flag '--train.steps' needs a value"):
         parse_overrides(["--train.steps"])
-    with pytest.raises(ConfigError, match="unexpected argument 'oops'"):
+    with pytest.raises(ConfigError, match="^unexpected argument 'oops'; config flags look like --section.key value$"):
         parse_overrides(["oops"])
+    # a list given as two values (OpenRLHF's --adam_betas 0.9 0.95 is one of its flags of two values)
+    with pytest.raises(ConfigError, match=r"^unexpected argument '0.95' after --learner.betas 0.9; a list is one value "
+                                          r"\(--learner.betas 0.9,0.95\) and config flags look like --section.key value$"):
+        parse_overrides(["--train.steps", "3", "--learner.betas", "0.9", "0.95"])
+    assert build_config(parse_overrides(["--learner.betas", "0.9,0.95"])).learner.betas == [0.9, 0.95]  # as it says
 
 
 @dataclass

@@ -40,12 +40,13 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     from .openrlhf_flags import hint as openrlhf_hint
 
     out: dict[str, Any] = {}
-    i, key = 0, ""
+    i, key, raw = 0, "", ""
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:  # after one of OpenRLHF's flags of two values: that flag
+            after = f" after --{key} {raw}; a list is one value (--{key} {raw},{arg}) and" if key else ";"
             raise ConfigError((key and openrlhf_hint(key)) or
-                              f"unexpected argument '{arg}'; config flags look like --section.key value")
+                              f"unexpected argument '{arg}'{after} config flags look like --section.key value")
         key = arg[2:]
         if "=" in key:
             key, raw = key.split("=", 1)
