@@ -37,13 +37,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """``['--algo.kl.coef', '0.1', '--train.steps=5']`` -> nested dict; values parsed as YAML scalars."""
-    from .openrlhf_flags import hint as openrlhf_hint
-
     out: dict[str, Any] = {}
     i, key, raw = 0, "", ""
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:  # after one of OpenRLHF's flags of two values: that flag
+            from .openrlhf_flags import hint as openrlhf_hint  # the flag table, read only for an error
+
             after = f" after --{key} {raw}; a list is one value (--{key} {raw},{arg}) and" if key else ";"
             raise ConfigError((key and openrlhf_hint(key)) or
                               f"unexpected argument '{arg}'{after} config flags look like --section.key value")
@@ -53,6 +53,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             i += 1
         else:
             if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
+                from .openrlhf_flags import hint as openrlhf_hint
+
                 theirs = openrlhf_hint(key)
                 raise ConfigError(theirs or f"flag '--{key}' needs a value, e.g. --{key} VALUE")
             raw = args[i + 1]
