@@ -474,6 +474,42 @@ def test_lora_targets_that_match_nothing_list_the_modules(rlhf):
     assert not Path("runs").exists() or not any(Path("runs").iterdir())
 
 
+@pytest.mark.parametrize("model_type, sizes", [
+    ("gpt2", dict(n_embd=32, n_layer=1, n_head=2)),  # Conv1D: weights stored in x out (PEFT's fan_in_fan_out)
+    ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1)),
+])
+def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, sizes, recwarn):
+    """W + scale * B @ A under the base names, as PEFT's merge_and_unload gives them, for linear layers and
+    for GPT-2's Conv1D ones (whose square c_proj a wrongly oriented B @ A would fit without an error)."""
+    import copy
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_plugins.api import prepare
+    from rlhf_plugins.builtin_plugins.lora import apply_lora
+    from rlhf_plugins.models.lora import export_weights
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **sizes))
+    config, _, _ = prepare({"lora": {"rank": 4}}, autoload=False)
+    model = apply_lora(model, config, "actor")
+    assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]  # PEFT's per-layer note, kept quiet
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: a trained adapter's
+                param.normal_()
+    got = dict(export_weights(model, model.state_dict().items()))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    base = {n.replace("base_model.model.", "").replace(".base_layer", ""): t
+            for n, t in model.state_dict().items() if n.endswith(".base_layer.weight")}
+    assert base and all((got[n] - t).abs().max() > 0.01 for n, t in base.items())  # every adapted layer moved
+
+
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_lora_sync_modes_keep_parity_with_the_transformers_engine(rlhf, mode):
     code, _, err = rlhf("train", "--lora.rank", "8", *(["--sync.method", "adapter"] if mode == "adapter" else []), "--learner.lr", "5e-3",

@@ -15,6 +15,7 @@ merged model next to it.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,10 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     cfg = lora_config(config)
     target = model.backbone if role == "critic" else model
     try:
-        with wrappable(target):  # an empty model's adapters are made whole, with PEFT's own initialisation
+        with wrappable(target), warnings.catch_warnings():  # an empty model's adapters are made whole, with
+            # PEFT's own initialisation; GPT-2's Conv1D layers get PEFT's fan_in_fan_out (what merged weights
+            # follow: models/lora.transposed_modules), which PEFT warns about for every such layer
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
             wrapped = get_peft_model(target, cfg)
     except ValueError as exc:
         if "not found in the base model" in str(exc) or "Target modules" in str(exc):

@@ -36,6 +36,13 @@ def param_wrappers(model: Any) -> ParamWrappers:
             if getattr(module, "parameter_name", None) and hasattr(module, "lora_A")}
 
 
+def transposed_modules(model: Any) -> frozenset[str]:
+    """LoRA modules whose base weight is stored in x out (GPT-2's ``Conv1D``; PEFT's ``fan_in_fan_out``),
+    by base name: their ``B @ A`` is folded in transposed."""
+    return frozenset(base_name(path) for path, module in model.named_modules()
+                     if hasattr(module, "lora_A") and getattr(module, "fan_in_fan_out", False))
+
+
 def _expert_delta(a: Any, b: Any, experts: int, swapped: bool) -> Any:
     """Each expert's ``B_e @ A_e`` of a parameter LoRA (A: experts*r x in, B: out x experts*r), laid
     out as the parameter is: experts x out x in when swapped, else experts x in x out."""
@@ -48,10 +55,10 @@ def _expert_delta(a: Any, b: Any, experts: int, swapped: bool) -> Any:
     return torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", b, a)
 
 
-def merged_weights(named: Iterable[tuple[str, Any]], scaling: float,
-                   wrappers: ParamWrappers | None = None) -> Iterator[tuple[str, Any]]:
+def merged_weights(named: Iterable[tuple[str, Any]], scaling: float, wrappers: ParamWrappers | None = None,
+                   transposed: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """Base-model weights with every LoRA pair folded in: ``W + scaling * B @ A`` (per expert for a
-    parameter LoRA, ``wrappers``)."""
+    parameter LoRA, ``wrappers``; ``(B @ A)^T`` for the in x out weights of ``transposed`` modules)."""
     tensors = dict(named)
     lora_a = {n.split(".lora_A.")[0]: t for n, t in tensors.items() if ".lora_A." in n}
     lora_b = {n.split(".lora_B.")[0]: t for n, t in tensors.items() if ".lora_B." in n}
@@ -61,8 +68,8 @@ def merged_weights(named: Iterable[tuple[str, Any]], scaling: float,
         base = base_name(name)
         module = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
         if module is not None and module in lora_a and name.endswith(".weight"):
-            a, b = lora_a[module], lora_b[module]
-            tensor = tensor + scaling * (b.to(tensor.dtype) @ a.to(tensor.dtype))
+            delta = lora_b[module].to(tensor.dtype) @ lora_a[module].to(tensor.dtype)
+            tensor = tensor + scaling * (delta.T if base_name(module) in transposed else delta)
         elif wrappers and base in wrappers:
             path, experts, swapped = wrappers[base]
             delta = _expert_delta(lora_a[path].to(tensor.dtype), lora_b[path].to(tensor.dtype), experts, swapped)
@@ -100,7 +107,7 @@ def export_weights(model: Any, named: Iterable[tuple[str, Any]]) -> Iterator[tup
     if info is None:
         yield from named
     else:
-        yield from merged_weights(named, info[1], param_wrappers(model))
+        yield from merged_weights(named, info[1], param_wrappers(model), transposed_modules(model))
 
 
 def lora_config_from_dict(data: dict[str, Any]) -> Any:
