@@ -15,6 +15,7 @@ from tests.helpers import (
     check_one_line_error,
     clean_env,
     metrics_of,
+    no_run_dirs,
     samples_of,
     short_run,
     the_run,
@@ -474,17 +475,29 @@ def test_lora_targets_that_match_nothing_list_the_modules(rlhf):
     assert not Path("runs").exists() or not any(Path("runs").iterdir())
 
 
-@pytest.mark.parametrize("model_type, sizes", [
-    ("gpt2", dict(n_embd=32, n_layer=1, n_head=2)),  # Conv1D: weights stored in x out (PEFT's fan_in_fan_out)
-    ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1)),
-])
-def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, sizes, recwarn):
-    """W + scale * B @ A under the base names, as PEFT's merge_and_unload gives them, for linear layers and
-    for GPT-2's Conv1D ones (whose square c_proj a wrongly oriented B @ A would fit without an error)."""
+_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("model_type, sizes, lora", [
+    ("llama", _LLAMA, dict(target_modules="all-linear")),
+    # GPT-2's Conv1D stores weights in x out (PEFT's fan_in_fan_out): a wrongly oriented B @ A fits its square c_proj
+    ("gpt2", dict(n_embd=32, n_layer=1, n_head=2), dict(target_modules="all-linear")),
+    ("llama", _LLAMA, dict(target_modules="all-linear", use_dora=True)),
+    ("llama", _LLAMA, dict(target_modules="all-linear", use_rslora=True, rank_pattern={"q_proj": 2},
+                           alpha_pattern={"v_proj": 64})),
+    ("llama", _LLAMA, dict(target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])),
+    ("llama", _LLAMA, dict(target_modules=["q_proj", "embed_tokens"], use_dora=True)),
+    ("llama", {**_LLAMA, "attention_bias": True}, dict(target_modules=["q_proj", "v_proj"], bias="all", lora_bias=True)),
+], ids=["linear", "conv1d", "dora", "rslora-rank-and-alpha-patterns", "embedding-and-modules-to-save",
+        "embedding-dora", "trained-biases"])
+def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, sizes, lora, recwarn):
+    """W + s * B @ A under the base names, as PEFT's merge_and_unload gives them, tensor for tensor: each layer
+    its own scale (rsLoRA, rank_pattern, alpha_pattern), Conv1D's and embeddings' orientation, DoRA's magnitudes,
+    lora_bias, and PEFT's fully trained modules_to_save copies under the base names."""
     import copy
 
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_plugins.api import prepare
@@ -493,13 +506,16 @@ def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, size
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **sizes))
-    config, _, _ = prepare({"lora": {"rank": 4}}, autoload=False)
-    model = apply_lora(model, config, "actor")
-    assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]  # PEFT's per-layer note, kept quiet
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # B starts at zero: a trained adapter's
-                param.normal_()
+    if model_type == "gpt2":  # the run's own wrapping, PEFT's per-layer Conv1D warning kept quiet
+        config, _, _ = prepare({"lora": {"rank": 4}}, autoload=False)
+        model = apply_lora(model, config, "actor")
+        assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]
+    else:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **lora))
+    with torch.no_grad():  # a trained adapter: B away from PEFT's zero, magnitudes, biases and copies moved
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
     got = dict(export_weights(model, model.state_dict().items()))
     want = copy.deepcopy(model).merge_and_unload().state_dict()
     assert set(got) == set(want)
@@ -508,6 +524,38 @@ def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, size
     base = {n.replace("base_model.model.", "").replace(".base_layer", ""): t
             for n, t in model.state_dict().items() if n.endswith(".base_layer.weight")}
     assert base and all((got[n] - t).abs().max() > 0.01 for n, t in base.items())  # every adapted layer moved
+
+
+def test_a_lora_bias_on_a_layer_without_one_is_refused_before_training_unless_adapters_sync(rlhf, tmp_path):
+    """PEFT's lora_bias cannot be merged into a layer without a bias (PEFT refuses to merge it too): one line
+    at start, no run left; with adapter sync the engine applies it as PEFT does, and the run keeps parity."""
+    from peft import LoraConfig
+
+    LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_bias=True).save_pretrained(str(tmp_path / "lb"))
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path / "lb"), *short_run())
+    check_one_line_error(code, err, "the LoRA of model.layers.0.self_attn.q_proj has a bias (lora_bias) and its "
+                                    "layer has none, so it cannot be merged into an engine's weights; use "
+                                    "--sync.method adapter or lora_bias false")
+    assert no_run_dirs()
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path / "lb"), "--sync.method", "adapter",
+                        "--learner.lr", "1e-2", *short_run())
+    assert code == 0, err
+    assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in metrics_of(the_run()))
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_a_dora_lora_with_its_own_ranks_and_a_trained_head_keeps_the_engine_in_parity(rlhf, tmp_path, mode):
+    """A PEFT config beyond the plain fields (DoRA, a rank_pattern, lm_head fully trained as modules_to_save)
+    reaches the engine whole by either sync: its log-probs stay the learner's while the adapter moves."""
+    from peft import LoraConfig
+
+    LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], use_dora=True,
+               rank_pattern={"v_proj": 2}, modules_to_save=["lm_head"]).save_pretrained(str(tmp_path / "dora"))
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path / "dora"), "--learner.lr", "1e-2",
+                        *(["--sync.method", "adapter"] if mode == "adapter" else []), *short_run())
+    assert code == 0, err
+    rows = metrics_of(the_run())
+    assert rows[-1]["grad_norm"] > 0 and all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
 
 
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
@@ -552,6 +600,20 @@ def test_adapter_sync_into_a_vllm_engine_without_lora_is_refused(tiny_model):
             engine.load_adapter({}, {"r": 8})
     finally:
         engine.shutdown()
+
+
+def test_an_adapter_vllm_cannot_serve_is_refused_as_the_engine_starts(rlhf, tmp_path):
+    """vLLM's own check of the LoRA config (here DoRA) runs before the engine starts and before any step,
+    where vLLM would raise at the first adapter sync: one line, no run left."""
+    pytest.importorskip("vllm")
+    from peft import LoraConfig
+
+    LoraConfig(r=8, target_modules=["q_proj"], use_dora=True).save_pretrained(str(tmp_path / "dora"))
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path / "dora"), "--generation.backend", "vllm",
+                        "--sync.method", "adapter", *short_run())
+    check_one_line_error(code, err, "vLLM cannot load this LoRA adapter (vLLM does not yet support DoRA); sync "
+                                    "merged weights instead: drop --sync.method adapter")
+    assert no_run_dirs()
 
 
 def test_vllm_build_without_lora_is_refused_before_start(rlhf, monkeypatch):
@@ -909,7 +971,7 @@ def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
         for name, p in model.named_parameters():
             if "lora_B" in name:  # PEFT starts B at zero: nothing would be merged
                 p.normal_(0, 0.1)
-    assert {k for k, (_, n, _) in param_wrappers(model).items() if n > 1} == {
+    assert {k for k, wrapped in param_wrappers(model).items() if wrapped.experts > 1} == {
         f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
     ours = dict(export_weights(model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]))
     want = model.merge_and_unload().state_dict()

@@ -91,7 +91,7 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     try:
         with wrappable(target), warnings.catch_warnings():  # an empty model's adapters are made whole, with
             # PEFT's own initialisation; GPT-2's Conv1D layers get PEFT's fan_in_fan_out (what merged weights
-            # follow: models/lora.transposed_modules), which PEFT warns about for every such layer
+            # follow: models/lora.adapted_layers), which PEFT warns about for every such layer
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
             wrapped = get_peft_model(target, cfg)
     except ValueError as exc:
@@ -105,6 +105,10 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     if role == "critic":
         model.backbone = wrapped
         return model
+    if config.sync.method != "adapter":  # the engine gets merged weights: a LoRA that cannot merge stops here
+        from ..models.lora import adapted_layers
+
+        adapted_layers(wrapped)
     return wrapped
 
 

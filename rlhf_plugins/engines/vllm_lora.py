@@ -76,3 +76,23 @@ def lora_rank_bound(config: Any) -> int:
     if enabled(config):
         want = max(want, int(lora_config(config).r))
     return vllm_rank(want)
+
+
+def check_adapter(config: Any) -> None:
+    """vLLM's own check of the run's LoRA config (no DoRA, trained biases, modules_to_save, PiSSA-like
+    initialisations...), made as the engine starts rather than at the first sync."""
+    from types import SimpleNamespace
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from ..builtin_plugins.lora import enabled, lora_config
+    from ..errors import UsageError
+    from ..models.lora import config_dict
+
+    if not enabled(config):
+        return
+    try:  # the rank is the engine's max_lora_rank, raised to the adapter's own (lora_rank_bound)
+        PEFTHelper.from_dict(config_dict(lora_config(config))).validate_legal(SimpleNamespace(max_lora_rank=1 << 30))
+    except ValueError as exc:
+        raise UsageError(f"vLLM cannot load this LoRA adapter ({str(exc).rstrip('.')}); sync merged weights "
+                         "instead: drop --sync.method adapter") from None

@@ -199,13 +199,13 @@ class Learner:
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The LoRA adapter alone (PEFT's saved names) and its config, for adapter sync."""
         from ..errors import UsageError
-        from ..models.lora import adapter_weights, config_dict, peft_info
+        from ..models.lora import adapter_weights, config_dict, lora_config_of, may_hold_adapter
 
-        info = peft_info(self.model)
-        if info is None:
+        cfg = lora_config_of(self.model)
+        if cfg is None:
             raise UsageError("adapter sync needs LoRA on the actor: set --lora.rank (or --lora.config)")
-        weights = adapter_weights((n, t.cpu()) for n, t in self.raw_named_weights())
-        return weights, config_dict(info[0])
+        held = ((n, t.cpu()) for n, t in self.raw_named_weights() if may_hold_adapter(n, cfg))
+        return adapter_weights(self.model, held), config_dict(cfg)
 
     def _save_progress(self, file: Any) -> None:
         """Update count and random state of this rank (the generator orders mini batches; the

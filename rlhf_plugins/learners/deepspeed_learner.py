@@ -105,7 +105,7 @@ def _refuse_expert_lora(model: Any) -> None:
     before the engine starts; ZeRO-2 and FSDP2 train it."""
     from ..models.lora import param_wrappers
 
-    adapted = [name for name, (_, experts, _) in param_wrappers(model).items() if experts > 1]
+    adapted = [name for name, wrapped in param_wrappers(model).items() if wrapped.experts > 1]
     if adapted:
         raise UsageError(f"LoRA on a mixture of experts' fused expert tensors ({adapted[0]}) does not train under "
                          "DeepSpeed ZeRO-3; use --deepspeed.zero_stage 2 or --learner.backend fsdp, or leave the "

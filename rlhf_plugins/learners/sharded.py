@@ -30,9 +30,9 @@ def save_gathered(model: Any, path: str, rank: int, gathered: Callable[[bool], I
     iteration every rank runs (each tensor gathered in turn): shard by shard for a whole model
     (``sizes``: name -> bytes, in iteration order), the adapter alone under LoRA."""
     from ..models.folder import ShardWriter, save_pretrained
-    from ..models.lora import peft_info
+    from ..models.lora import lora_config_of
 
-    if peft_info(model) is not None:  # the adapter alone: gather the trained tensors only
+    if lora_config_of(model) is not None:  # the adapter alone: gather the trained tensors only
         state = {name: t.cpu() for name, t in gathered(True)}
         if rank == 0:
             save_pretrained(model, path, state_dict=state)

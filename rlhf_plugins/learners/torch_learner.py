@@ -98,10 +98,10 @@ class TorchLearner(Learner):
     def live_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """The parameters the optimizer updates in place (None under LoRA: the engine needs the
         adapters merged into the base weights, which are not these tensors)."""
-        from ..models.lora import peft_info
+        from ..models.lora import lora_config_of
 
-        if peft_info(self.model) is not None or self.autocast_dtype is not None:  # 16-bit: the engine's are not these
-            return None
+        if lora_config_of(self.model) is not None or self.autocast_dtype is not None:
+            return None  # 16-bit: the engine's are not these either
         return [(name, p.detach()) for name, p in self.model.named_parameters()]
 
     def save(self, path: str) -> None:

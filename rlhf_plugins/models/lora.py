@@ -4,9 +4,12 @@ LoRA plugin; no PEFT import at module level."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 _PREFIX = "base_model.model."
+#: the adapter a run trains (PEFT's default name)
+ADAPTER = "default"
 
 
 def is_lora_name(name: str) -> bool:
@@ -22,25 +25,82 @@ def base_name(name: str) -> str:
     return name.replace(_PREFIX, "", 1) if name.startswith(_PREFIX) or f".{_PREFIX}" in name else name
 
 
-#: a LoRA on a parameter: the adapted tensor's base name -> (the wrapper module's name, experts, in/out swapped)
-ParamWrappers = dict[str, tuple[str, int, bool]]
+class Wrapped(NamedTuple):
+    """A LoRA on a parameter: the wrapper module's name, its experts, in/out swapped, its scale."""
+    path: str
+    experts: int
+    swapped: bool
+    scaling: float
+
+
+#: a LoRA on a parameter, by the adapted tensor's base name
+ParamWrappers = dict[str, Wrapped]
 
 
 def param_wrappers(model: Any) -> ParamWrappers:
     """PEFT's LoRA on parameters rather than linear modules (``ParamWrapper``): "all-linear" on a
     transformers mixture of experts adapts each layer's fused 3-D expert tensors, one low-rank pair
     per expert, the wrappers nested when one module has two such tensors."""
-    return {base_name(f"{path}.{module.parameter_name}"): (path, int(module.num_experts),
-                                                            bool(module._did_swap_in_out_features))
+    return {base_name(f"{path}.{module.parameter_name}"): Wrapped(
+                path, int(module.num_experts), bool(module._did_swap_in_out_features), float(module.scaling[ADAPTER]))
             for path, module in model.named_modules()
             if getattr(module, "parameter_name", None) and hasattr(module, "lora_A")}
 
 
-def transposed_modules(model: Any) -> frozenset[str]:
-    """LoRA modules whose base weight is stored in x out (GPT-2's ``Conv1D``; PEFT's ``fan_in_fan_out``),
-    by base name: their ``B @ A`` is folded in transposed."""
-    return frozenset(base_name(path) for path, module in model.named_modules()
-                     if hasattr(module, "lora_A") and getattr(module, "fan_in_fan_out", False))
+@dataclass(frozen=True)
+class Adapted:
+    """How one LoRA layer's ``B @ A`` (out x in) folds into the tensor it adapts."""
+    scaling: float  #: the layer's own: alpha / r, rsLoRA's alpha / sqrt(r), rank_pattern / alpha_pattern's
+    transposed: bool = False  #: the tensor is stored in x out (GPT-2's Conv1D, PEFT's fan_in_fan_out; embeddings)
+    dora: bool = False  #: DoRA: each output's merged row rescaled to its learned magnitude
+
+
+#: PEFT's LoRA variants whose merged weights are folded here (the others: adapter sync)
+FOLDED_VARIANTS = ("DoraLinearVariant", "DoraEmbeddingVariant")
+
+
+def adapted_layers(model: Any) -> dict[str, Adapted]:
+    """Every LoRA layer on a module (linear, Conv1D, embedding) of ``model``, by the module's base name."""
+    layers = {}
+    for path, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if not (isinstance(scaling, dict) and ADAPTER in scaling) or getattr(module, "parameter_name", None):
+            continue
+        variant = (getattr(module, "lora_variant", None) or {}).get(ADAPTER)
+        if variant is not None and type(variant).__name__ not in FOLDED_VARIANTS:
+            from .weights import WeightSyncError
+
+            raise WeightSyncError(f"the LoRA of {base_name(path)} is PEFT's {type(variant).__name__}, which is not "
+                                  "merged into an engine's weights here; use --sync.method adapter or a plain or "
+                                  "DoRA LoRA config")
+        if (getattr(module, "lora_bias", None) or {}).get(ADAPTER) and getattr(module.get_base_layer(), "bias",
+                                                                               None) is None:
+            from .weights import WeightSyncError
+
+            raise WeightSyncError(f"the LoRA of {base_name(path)} has a bias (lora_bias) and its layer has none, so "
+                                  "it cannot be merged into an engine's weights; use --sync.method adapter or "
+                                  "lora_bias false")
+        embedding = ADAPTER in (getattr(module, "lora_embedding_A", None) or {})
+        layers[base_name(path)] = Adapted(float(scaling[ADAPTER]),
+                                          embedding or bool(getattr(module, "fan_in_fan_out", False)),
+                                          variant is not None)
+    return layers
+
+
+#: a LoRA layer's tensors by what they are
+_PARTS = {f".lora_A.{ADAPTER}.weight": "A", f".lora_B.{ADAPTER}.weight": "B", f".lora_B.{ADAPTER}.bias": "B.bias",
+          f".lora_embedding_A.{ADAPTER}": "A", f".lora_embedding_B.{ADAPTER}": "B",
+          f".lora_magnitude_vector.{ADAPTER}.weight": "magnitude"}
+
+
+def _lora_parts(tensors: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The LoRA tensors of each adapted module (PEFT's module name): A, B, B's bias, DoRA's magnitudes."""
+    parts: dict[str, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        for suffix, part in _PARTS.items():
+            if name.endswith(suffix):
+                parts.setdefault(name[: -len(suffix)], {})[part] = tensor
+    return parts
 
 
 def _expert_delta(a: Any, b: Any, experts: int, swapped: bool) -> Any:
@@ -55,42 +115,61 @@ def _expert_delta(a: Any, b: Any, experts: int, swapped: bool) -> Any:
     return torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", b, a)
 
 
-def merged_weights(named: Iterable[tuple[str, Any]], scaling: float, wrappers: ParamWrappers | None = None,
-                   transposed: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """Base-model weights with every LoRA pair folded in: ``W + scaling * B @ A`` (per expert for a
-    parameter LoRA, ``wrappers``; ``(B @ A)^T`` for the in x out weights of ``transposed`` modules)."""
+def _fold(tensor: Any, kind: str, parts: dict[str, Any], layer: Adapted) -> Any:
+    """``tensor`` (the module's base ``weight`` or ``bias``) with its LoRA folded in, as PEFT merges it."""
+    if kind == "bias":
+        bias = parts.get("B.bias")  # PEFT's lora_bias
+        return tensor if bias is None else tensor + layer.scaling * bias.to(tensor.dtype)
+    if kind != "weight":
+        return tensor
+    rows = tensor.T if layer.transposed else tensor  # out x in
+    merged = rows + layer.scaling * (parts["B"].to(tensor.dtype) @ parts["A"].to(tensor.dtype))
+    if layer.dora:  # m * (W + s B A) / ||W + s B A||, each output's row
+        merged = merged * (parts["magnitude"].to(tensor.dtype) / merged.norm(dim=1)).unsqueeze(1)
+    return merged.T if layer.transposed else merged
+
+
+def merged_weights(named: Iterable[tuple[str, Any]], layers: dict[str, Adapted],
+                   wrappers: ParamWrappers | None = None) -> Iterator[tuple[str, Any]]:
+    """Base-model weights with every LoRA folded in (``W + s * B @ A`` per layer, its own scale and
+    orientation, DoRA's rescaling; per expert for a parameter LoRA, ``wrappers``), PEFT's fully trained
+    copies (``modules_to_save``) under the base names."""
     tensors = dict(named)
-    lora_a = {n.split(".lora_A.")[0]: t for n, t in tensors.items() if ".lora_A." in n}
-    lora_b = {n.split(".lora_B.")[0]: t for n, t in tensors.items() if ".lora_B." in n}
+    parts = _lora_parts(tensors)
     for name, tensor in tensors.items():
-        if is_lora_name(name):
+        if is_lora_name(name) or ".original_module." in name:
             continue
-        base = base_name(name)
-        module = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if module is not None and module in lora_a and name.endswith(".weight"):
-            delta = lora_b[module].to(tensor.dtype) @ lora_a[module].to(tensor.dtype)
-            tensor = tensor + scaling * (delta.T if base_name(module) in transposed else delta)
+        base = base_name(name.replace(f".modules_to_save.{ADAPTER}.", "."))
+        module, _, kind = name.rpartition(".base_layer.")
+        if module in parts and base_name(module) in layers:
+            tensor = _fold(tensor, kind, parts[module], layers[base_name(module)])
         elif wrappers and base in wrappers:
-            path, experts, swapped = wrappers[base]
-            delta = _expert_delta(lora_a[path].to(tensor.dtype), lora_b[path].to(tensor.dtype), experts, swapped)
-            tensor = tensor + scaling * delta
+            path, experts, swapped, scaling = wrappers[base]
+            a, b = parts[path]["A"].to(tensor.dtype), parts[path]["B"].to(tensor.dtype)
+            tensor = tensor + scaling * _expert_delta(a, b, experts, swapped)
         yield base, tensor
 
 
-def adapter_weights(named: Iterable[tuple[str, Any]], adapter: str = "default") -> dict[str, Any]:
-    """LoRA tensors under the names PEFT saves (adapter name dropped)."""
-    return {n.replace(f".{adapter}.", "."): t for n, t in named if is_lora_name(n)}
+def adapter_weights(model: Any, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """The adapter's tensors under the names PEFT saves them (``named``: the model's tensors, gathered
+    where they are sharded): LoRA pairs, DoRA's magnitudes, trained biases and ``modules_to_save``
+    copies -- what ``set_peft_model_state_dict`` and vLLM's adapter loader read."""
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=dict(named), adapter_name=ADAPTER,
+                                     save_embedding_layers=False)
 
 
-def peft_info(model: Any) -> tuple[Any, float] | None:
-    """(the PEFT config, its scaling) when ``model`` (or a critic's backbone) is a PeftModel."""
-    target = getattr(model, "backbone", model)
-    peft_config = getattr(target, "peft_config", None)
-    if not peft_config:
-        return None
-    cfg = peft_config["default"]
-    scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
-    return cfg, scaling
+def may_hold_adapter(name: str, cfg: Any) -> bool:
+    """Whether the tensor ``name`` can be part of the adapter of PEFT config ``cfg`` (so that only those
+    are gathered and handed to :func:`adapter_weights`)."""
+    return is_lora_name(name) or ".modules_to_save." in name or (cfg.bias != "none" and name.endswith(".bias"))
+
+
+def lora_config_of(model: Any) -> Any | None:
+    """The PEFT config of ``model`` (or of a critic's backbone) when it is a PeftModel."""
+    peft_config = getattr(getattr(model, "backbone", model), "peft_config", None)
+    return peft_config[ADAPTER] if peft_config else None
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -103,11 +182,10 @@ def config_dict(cfg: Any) -> dict[str, Any]:
 
 def export_weights(model: Any, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """What a generation engine loads: LoRA merged in under base names, else the weights as they are."""
-    info = peft_info(model)
-    if info is None:
+    if lora_config_of(model) is None:
         yield from named
     else:
-        yield from merged_weights(named, info[1], param_wrappers(model), transposed_modules(model))
+        yield from merged_weights(named, adapted_layers(model), param_wrappers(model))
 
 
 def lora_config_from_dict(data: dict[str, Any]) -> Any:
