@@ -543,6 +543,25 @@ def test_a_lora_bias_on_a_layer_without_one_is_refused_before_training_unless_ad
     assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in metrics_of(the_run()))
 
 
+def test_a_lora_variant_that_does_not_merge_is_named():
+    """PEFT's aLoRA (its adapter active only after invocation tokens) has no merged form: named in one line."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_plugins.models.lora import adapted_layers
+    from rlhf_plugins.models.weights import WeightSyncError
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=64, **_LLAMA))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], alora_invocation_tokens=[1, 2],
+                                             task_type="CAUSAL_LM"))
+    with pytest.raises(WeightSyncError, match=r"^the LoRA of model.layers.0.self_attn.q_proj is PEFT's "
+                                              r"ALoraLinearVariant, which is not merged into an engine's weights "
+                                              r"here; use a plain or DoRA LoRA config$"):
+        adapted_layers(model)
+
+
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_a_dora_lora_with_its_own_ranks_and_a_trained_head_keeps_the_engine_in_parity(rlhf, tmp_path, mode):
     """A PEFT config beyond the plain fields (DoRA, a rank_pattern, lm_head fully trained as modules_to_save)

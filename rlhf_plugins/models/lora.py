@@ -71,8 +71,7 @@ def adapted_layers(model: Any) -> dict[str, Adapted]:
             from .weights import WeightSyncError
 
             raise WeightSyncError(f"the LoRA of {base_name(path)} is PEFT's {type(variant).__name__}, which is not "
-                                  "merged into an engine's weights here; use --sync.method adapter or a plain or "
-                                  "DoRA LoRA config")
+                                  "merged into an engine's weights here; use a plain or DoRA LoRA config")
         if (getattr(module, "lora_bias", None) or {}).get(ADAPTER) and getattr(module.get_base_layer(), "bias",
                                                                                None) is None:
             from .weights import WeightSyncError
