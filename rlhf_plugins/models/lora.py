@@ -55,30 +55,32 @@ class Adapted:
     dora: bool = False  #: DoRA: each output's merged row rescaled to its learned magnitude
 
 
-#: PEFT's LoRA variants whose merged weights are folded here (the others: adapter sync)
+#: PEFT's LoRA variants whose merged weights are folded here (others, e.g. aLoRA, have no merged form)
 FOLDED_VARIANTS = ("DoraLinearVariant", "DoraEmbeddingVariant")
 
 
+def _refuse_unmergeable(name: str, module: Any, variant: Any) -> None:
+    """One line for a LoRA layer whose merged weights the engine cannot be given."""
+    from .weights import WeightSyncError
+
+    if variant is not None and type(variant).__name__ not in FOLDED_VARIANTS:
+        raise WeightSyncError(f"the LoRA of {name} is PEFT's {type(variant).__name__}, which is not merged into an "
+                              "engine's weights here; use a plain or DoRA LoRA config")
+    if (getattr(module, "lora_bias", None) or {}).get(ADAPTER) and module.get_base_layer().bias is None:
+        raise WeightSyncError(f"the LoRA of {name} has a bias (lora_bias) and its layer has none, so it cannot be "
+                              "merged into an engine's weights; use --sync.method adapter or lora_bias false")
+
+
 def adapted_layers(model: Any) -> dict[str, Adapted]:
-    """Every LoRA layer on a module (linear, Conv1D, embedding) of ``model``, by the module's base name."""
+    """Every LoRA layer on a module (linear, Conv1D, embedding) of ``model``, by the module's base name;
+    one that cannot be merged is refused in one line."""
     layers = {}
     for path, module in model.named_modules():
         scaling = getattr(module, "scaling", None)
         if not (isinstance(scaling, dict) and ADAPTER in scaling) or getattr(module, "parameter_name", None):
             continue
         variant = (getattr(module, "lora_variant", None) or {}).get(ADAPTER)
-        if variant is not None and type(variant).__name__ not in FOLDED_VARIANTS:
-            from .weights import WeightSyncError
-
-            raise WeightSyncError(f"the LoRA of {base_name(path)} is PEFT's {type(variant).__name__}, which is not "
-                                  "merged into an engine's weights here; use a plain or DoRA LoRA config")
-        if (getattr(module, "lora_bias", None) or {}).get(ADAPTER) and getattr(module.get_base_layer(), "bias",
-                                                                               None) is None:
-            from .weights import WeightSyncError
-
-            raise WeightSyncError(f"the LoRA of {base_name(path)} has a bias (lora_bias) and its layer has none, so "
-                                  "it cannot be merged into an engine's weights; use --sync.method adapter or "
-                                  "lora_bias false")
+        _refuse_unmergeable(base_name(path), module, variant)
         embedding = ADAPTER in (getattr(module, "lora_embedding_A", None) or {})
         layers[base_name(path)] = Adapted(float(scaling[ADAPTER]),
                                           embedding or bool(getattr(module, "fan_in_fan_out", False)),
