@@ -472,6 +472,27 @@ def random_llama(out: Path, **sizes: Any) -> str:
     return str(out)
 
 
+def gpt2_model_path() -> str:
+    """A cached random GPT-2 (transformers' Conv1D layers, weights stored in x out; learned positions), 64 wide
+    and two layers, the tiny model's tokenizer beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_plugins.models.folder import save_pretrained, save_tokenizer
+    from rlhf_plugins.models.tiny_model import cached_build, default_model_path
+
+    def build(out: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path(quiet=True))
+        config = AutoConfig.for_model("gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=256,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        save_pretrained(AutoModelForCausalLM.from_config(config), out)
+        save_tokenizer(tokenizer, out)
+
+    return cached_build("gpt2-2x64-v1", build, quiet=True)
+
+
 def hybrid_model_path() -> str:
     """A cached random Granite-4.0-H-like model (transformers' ``granitemoehybrid``): a Mamba-2 layer,
     then an attention layer, experts in each; 128 wide, weights drawn ten times wider than transformers'

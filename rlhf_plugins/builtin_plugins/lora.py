@@ -76,9 +76,12 @@ def lora_config(config: Any) -> Any:
 
 
 def linear_names(model: Any) -> list[str]:
+    """The names of the model's linear layers, torch's and GPT-2's Conv1D (what "all-linear" adapts)."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, (torch.nn.Linear, Conv1D))})
 
 
 def apply_lora(model: Any, config: Any, role: str) -> Any:
