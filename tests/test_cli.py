@@ -52,6 +52,29 @@ def test_bad_input_is_one_line_and_exit_2(rlhf, args, expected):
     check_one_line_error(code, err, expected)
 
 
+@pytest.mark.parametrize("command, key", [
+    (["train", "--model.path"], "model.path"),
+    (["train", "--reward.models"], "reward model"),
+    (["dpo", "--model.reference_path"], "model.reference_path"),
+])
+def test_a_lora_adapter_given_as_a_model_names_what_to_give_instead(rlhf, tmp_path, command, key):
+    """A LoRA run's final/ holds the adapter alone: the line names the run's merged model when it wrote one,
+    else the base the adapter names -- not 'no config.json'."""
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base", "r": 8}))
+    code, _, err = rlhf(*command, str(final))
+    where = f"{key} '{final}'"
+    check_one_line_error(code, err, f"{where} holds a LoRA adapter alone, not a whole model; merge it into its "
+                                    "base model ('/models/base') and give that folder (PEFT's merge_and_unload; a "
+                                    "LoRA run writes <run>/final-merged with --lora.save_merged true)")
+    (tmp_path / "run" / "final-merged").mkdir()
+    (tmp_path / "run" / "final-merged" / "config.json").write_text("{}")
+    code, _, err = rlhf(*command, str(final))
+    check_one_line_error(code, err, f"{where} holds a LoRA adapter alone, not a whole model; give the model with it "
+                                    f"merged in: '{tmp_path / 'run' / 'final-merged'}'")
+
+
 def test_plugin_that_fails_to_import_is_named(rlhf, tmp_path):
     path = write(tmp_path / "broken_reward.py", "raise ImportError('needs torch-nightly')\n")
     code, _, err = rlhf("train", "--plugin", path)

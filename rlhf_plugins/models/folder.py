@@ -15,6 +15,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 PICKLED = ("pytorch_model.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
+def not_a_model_folder(where: str, folder: Path) -> str:
+    """The line for a folder without config.json: a LoRA adapter alone (a LoRA run's ``final/``) names
+    what to give instead -- the run's merged model when it wrote one, else the adapter's base."""
+    if not (folder / "adapter_config.json").is_file():
+        return f"{where} is not a save_pretrained folder (no config.json); give a local model folder or leave it empty"
+    merged = folder.parent / f"{folder.name}-merged"
+    if (merged / "config.json").is_file():
+        return f"{where} holds a LoRA adapter alone, not a whole model; give the model with it merged in: '{merged}'"
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    named = f" ('{base}')" if base else ""
+    return (f"{where} holds a LoRA adapter alone, not a whole model; merge it into its base model{named} and give "
+            "that folder (PEFT's merge_and_unload; a LoRA run writes <run>/final-merged with --lora.save_merged true)")
+
+
 def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remote_code: bool = False,
                        tokenizer: bool = True) -> None:
     """Raise one line when ``path`` is not a loadable ``save_pretrained`` folder."""
@@ -24,8 +41,7 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
         raise ConfigError(f"{where} does not exist or is not a folder; give a local save_pretrained folder")
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"{where} is not a save_pretrained folder (no config.json); "
-                          "give a local model folder or leave it empty")
+        raise ConfigError(not_a_model_folder(where, folder))
     try:
         text = config_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

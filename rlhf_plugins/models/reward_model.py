@@ -77,7 +77,9 @@ def find_reward_head(folder: Path, head_prefix: str | None = None) -> RewardMode
     path = folder
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"reward model '{path}' is not a save_pretrained folder (no config.json)")
+        from .folder import not_a_model_folder
+
+        raise ConfigError(not_a_model_folder(f"reward model '{path}'", folder))
     try:
         config = json.loads(config_file.read_text())
     except ValueError as exc:

@@ -176,7 +176,9 @@ def _check_second_model(cfg: StageConfig, stage: str) -> None:
                                   f"drop --model.{key}")
             continue
         if not (Path(folder) / "config.json").is_file():
-            raise ConfigError(f"model.{key} '{folder}' is not a save_pretrained folder (no config.json there)")
+            from ..models.folder import not_a_model_folder
+
+            raise ConfigError(not_a_model_folder(f"model.{key} '{folder}'", Path(folder)))
         # distillation compares the two heads' rows (the same size); DPO / KTO score the policy's tokens
         theirs = _vocab_size(Path(folder) / "config.json")
         ours = _vocab_size(student) if stage == "distill" else tokenizer_size(student.parent)
