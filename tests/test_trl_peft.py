@@ -465,6 +465,16 @@ def test_lora_config_file(rlhf, tmp_path):
     code, _, err = rlhf("train", "--lora.config", str(tmp_path), *short_run())
     assert code == 0, err
     assert json.loads((the_run() / "final" / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+    assert "adapter weights" not in err
+    # a trained adapter's folder (its saved config says inference_mode: true): the config is read, the adapter
+    # trains, and a line says its weights are not read
+    trained = the_run() / "final"
+    code, _, err = rlhf("train", "--lora.config", str(trained), "--learner.lr", "1e-2",
+                        *short_run("--train.run_name", "again"))
+    assert code == 0, err
+    assert (f"lora.config '{trained}' holds adapter weights too; only its config is read: the adapter starts as "
+            "PEFT initialises it") in err
+    assert metrics_of(Path("runs") / "again")[-1]["grad_norm"] > 0
 
 
 def test_lora_targets_that_match_nothing_list_the_modules(rlhf):

@@ -15,6 +15,7 @@ merged model next to it.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,7 +69,8 @@ def lora_config(config: Any) -> Any:
         path = path / "adapter_config.json" if path.is_dir() else path
         from ..models.lora import lora_config_from_dict
 
-        return lora_config_from_dict(json.loads(path.read_text()))
+        # a saved adapter's config says inference_mode: true (PEFT sets it on saving), which would freeze it
+        return lora_config_from_dict({**json.loads(path.read_text()), "inference_mode": False})
     targets: Any = o.target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
@@ -134,6 +136,10 @@ def rlhf_configure(config: Any, plan: Any) -> None:
         raise ConfigError("LoRA needs peft, which is not installed: pip install 'rlhf-plugins[peft]'")
     if o.config and not Path(o.config).exists():
         raise ConfigError(f"lora.config '{o.config}' does not exist; give a PEFT adapter_config.json or its folder")
+    if o.config and Path(o.config).is_dir() and any(Path(o.config).glob("adapter_model.*")):
+        logging.getLogger("rlhf_plugins").warning(
+            "lora.config '%s' holds adapter weights too; only its config is read: the adapter starts as PEFT "
+            "initialises it (to go on from trained weights, train on the model with them merged in)", o.config)
     if config.model.fp32_lm_head and _adapts_head(o):
         raise ConfigError("model.fp32_lm_head keeps the output head a plain float32 layer, and the LoRA config "
                           "adapts lm_head (target_modules or modules_to_save); leave lm_head out of it or drop "
