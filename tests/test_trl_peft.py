@@ -572,6 +572,23 @@ def test_a_lora_bias_on_a_layer_without_one_is_refused_before_training_unless_ad
     assert all(r["mismatch/abs_log_ratio"] < 1e-4 for r in metrics_of(the_run()))
 
 
+def test_a_lora_on_the_embeddings_trains_in_parity_and_saves_the_adapter_alone(rlhf, tmp_path):
+    """LoRA on embed_tokens: its merged embeddings reach the engine (log-probs the learner's while it moves),
+    and final/ holds the adapter's tensors, not PEFT's whole copy of the embeddings it saves by default."""
+    from peft import LoraConfig
+    from safetensors import safe_open
+
+    LoraConfig(r=8, target_modules=["q_proj", "embed_tokens"]).save_pretrained(str(tmp_path / "emb"))
+    code, _, err = rlhf("train", "--lora.config", str(tmp_path / "emb"), "--learner.lr", "1e-2", *short_run())
+    assert code == 0, err
+    assert "save_embedding_layers" not in err
+    rows = metrics_of(the_run())
+    assert rows[-1]["grad_norm"] > 0 and all(r["mismatch/abs_log_ratio"] < 1e-4 for r in rows)
+    with safe_open(str(the_run() / "final" / "adapter_model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert any("embed_tokens.lora_embedding_A" in n for n in names) and all(".lora_" in n for n in names)
+
+
 def test_a_lora_variant_that_does_not_merge_is_named():
     """PEFT's aLoRA (its adapter active only after invocation tokens) has no merged form: named in one line."""
     import torch

@@ -177,6 +177,8 @@ def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
     A model cannot be a DeepSpeed engine before DeepSpeed is imported, so the check is skipped then.
     Weights are written in shards of at most :data:`SHARD_BYTES`."""
     kwargs.setdefault("max_shard_size", SHARD_BYTES)
+    if getattr(model, "peft_config", None):  # an adapter alone: the base's embeddings never change here (PEFT
+        kwargs.setdefault("save_embedding_layers", False)  # would save them whole when LoRA adapts them)
     try:
         import accelerate.utils.other as unwrapping
     except ImportError:
