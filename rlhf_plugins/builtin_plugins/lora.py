@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,14 +89,13 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     from peft import get_peft_model
 
     from ..models.empty_init import wrappable
+    from ..models.lora import quiet_peft_wrapping
 
     cfg = lora_config(config)
     target = model.backbone if role == "critic" else model
-    try:
-        with wrappable(target), warnings.catch_warnings():  # an empty model's adapters are made whole, with
-            # PEFT's own initialisation; GPT-2's Conv1D layers get PEFT's fan_in_fan_out (what merged weights
-            # follow: models/lora.adapted_layers), which PEFT warns about for every such layer
-            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+    tied = tied_embedding_names(target)
+    try:  # an empty model's adapters are made whole, with PEFT's own initialisation
+        with wrappable(target), quiet_peft_wrapping():
             wrapped = get_peft_model(target, cfg)
     except ValueError as exc:
         if "not found in the base model" in str(exc) or "Target modules" in str(exc):
@@ -113,8 +111,26 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     if config.sync.method != "adapter":  # the engine gets merged weights: a LoRA that cannot merge stops here
         from ..models.lora import adapted_layers
 
-        adapted_layers(wrapped)
+        _refuse_tied_adapters(set(adapted_layers(wrapped)) | set(cfg.modules_to_save or ()), tied)
     return wrapped
+
+
+def tied_embedding_names(model: Any) -> set[str]:
+    """The input embeddings' and the output head's module names when the two share one weight."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or getattr(inputs, "weight", None) is not getattr(outputs, "weight", 0):
+        return set()
+    return {name for name, module in model.named_modules() if module is inputs or module is outputs}
+
+
+def _refuse_tied_adapters(adapted: set[str], tied: set[str]) -> None:
+    """A tied embedding / head pair is one tensor in the engine: a LoRA (or a trained copy) on either side
+    changes one of the two, which merged weights cannot say."""
+    hit = sorted(n for n in tied if n in adapted or n.rsplit(".", 1)[-1] in adapted)
+    if hit:
+        raise ConfigError(f"the model's input embeddings and output head share one weight (tie_word_embeddings), "
+                          f"and the LoRA config adapts {hit[0]}, which merged weights cannot give the engine; leave "
+                          f"{hit[0].rsplit('.', 1)[-1]} out of the LoRA config, or use --sync.method adapter")
 
 
 @hookimpl

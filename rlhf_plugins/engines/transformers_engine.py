@@ -175,10 +175,11 @@ class TransformersEngine:
         """LoRA adapter sync: wrap the model with PEFT once, then load the adapter's tensors."""
         from peft import get_peft_model, set_peft_model_state_dict
 
-        from ..models.lora import lora_config_from_dict, lora_config_of
+        from ..models.lora import lora_config_from_dict, lora_config_of, quiet_peft_wrapping
 
         if lora_config_of(self.model) is None:
-            self.model = get_peft_model(self.model, lora_config_from_dict(config)).eval().requires_grad_(False)
+            with quiet_peft_wrapping():
+                self.model = get_peft_model(self.model, lora_config_from_dict(config)).eval().requires_grad_(False)
         result = set_peft_model_state_dict(self.model, weights)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:

@@ -3,13 +3,26 @@ alone as PEFT saves it. Used by learners (what to send), engines (what they rece
 LoRA plugin; no PEFT import at module level."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 _PREFIX = "base_model.model."
 #: the adapter a run trains (PEFT's default name)
 ADAPTER = "default"
+
+
+@contextmanager
+def quiet_peft_wrapping() -> Iterator[None]:
+    """PEFT's per-layer notes while it wraps a model that this project already handles: GPT-2's Conv1D
+    layers get its fan_in_fan_out (merged weights follow it: :func:`adapted_layers`), and a tied head or
+    embedding in the adapter (refused where it matters, merged weights: ``builtin_plugins/lora``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
+        yield
 
 
 def is_lora_name(name: str) -> bool:
