@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_plugins.evaluation.metrics import majority, pass_at_k, summarise
-from tests.helpers import all_rows_of, eval_rows_of, metrics_of, the_run, with_eval
+from tests.helpers import all_rows_of, check_one_line_error, eval_rows_of, metrics_of, the_run, with_eval
 
 # --- sampling -------------------------------------------------------------------------------
 
@@ -379,11 +379,35 @@ def test_a_vllm_engine_evaluating_an_adapter_starts_for_its_rank(tmp_path):
     from rlhf_plugins.commands.evaluate import fit_lora_rank
     from rlhf_plugins.engines.vllm_lora import lora_rank_bound
 
-    config, _, _ = prepare({"generation": {"backend": "vllm"}}, autoload=False)
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 100}))
+    pytest.importorskip("vllm")
+    config, _, plan = prepare({"generation": {"backend": "vllm"}}, autoload=False)
+    adapter = {"peft_type": "LORA", "r": 100, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter))
     assert lora_rank_bound(config) == 64
-    fit_lora_rank(config, str(tmp_path))
+    fit_lora_rank(config, str(tmp_path), plan)
     assert lora_rank_bound(config) == 128
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    fit_lora_rank(config, str(tmp_path))  # a smaller adapter leaves the setting as it is
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**adapter, "r": 8}))
+    fit_lora_rank(config, str(tmp_path), plan)  # a smaller adapter leaves the setting as it is
     assert lora_rank_bound(config) == 128
+
+
+def test_an_adapter_vllm_cannot_serve_is_one_line_before_the_engine_starts(rlhf, tmp_path):
+    """A DoRA adapter folder (vLLM serves plain LoRA only), evaluated with vLLM: vLLM's own reason and the
+    way to evaluate it, before an engine starts (it raised at the adapter's load); the transformers engine
+    evaluates it."""
+    pytest.importorskip("vllm")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.testing import tiny_model_path
+
+    folder = tmp_path / "dora"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+                           LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    model.save_pretrained(str(folder))
+    code, _, err = rlhf("eval", "--model", str(folder), "--generation.backend", "vllm", "--eval.n_samples", "2")
+    check_one_line_error(code, err, "vLLM cannot load this LoRA adapter (vLLM does not yet support DoRA); train "
+                                    "with merged weights instead (drop --sync.method adapter), or evaluate it with "
+                                    "--generation.backend transformers")
+    code, _, err = rlhf("eval", "--model", str(folder), "--eval.n_samples", "2")
+    assert code == 0, err

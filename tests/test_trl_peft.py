@@ -687,8 +687,9 @@ def test_an_adapter_vllm_cannot_serve_is_refused_as_the_engine_starts(rlhf, tmp_
     LoraConfig(r=8, target_modules=["q_proj"], use_dora=True).save_pretrained(str(tmp_path / "dora"))
     code, _, err = rlhf("train", "--lora.config", str(tmp_path / "dora"), "--generation.backend", "vllm",
                         "--sync.method", "adapter", *short_run())
-    check_one_line_error(code, err, "vLLM cannot load this LoRA adapter (vLLM does not yet support DoRA); sync "
-                                    "merged weights instead: drop --sync.method adapter")
+    check_one_line_error(code, err, "vLLM cannot load this LoRA adapter (vLLM does not yet support DoRA); train "
+                                    "with merged weights instead (drop --sync.method adapter), or evaluate it with "
+                                    "--generation.backend transformers")
     assert no_run_dirs()
 
 

@@ -165,7 +165,7 @@ def evaluate(config: Any, pm: Any, plan: Any, console: Console, adapter: str | N
     placement = resolve(plan.placement.factory)(ctx)
     runner = None
     if adapter is not None:
-        fit_lora_rank(config, adapter)
+        fit_lora_rank(config, adapter, plan)
     try:
         engine = placement.create_role("generation", GenerationRole, config, spec, model_path, plan.engine,
                                        plan.provider(plan.engine), adapter is not None)
@@ -202,14 +202,22 @@ def describe(config: Any, plan: Any, source: str, held: Any) -> dict[str, Any]:
     }
 
 
-def fit_lora_rank(config: Any, folder: str) -> None:
+def fit_lora_rank(config: Any, folder: str, plan: Any) -> None:
     """A vLLM engine starts for the adapter's own rank (``r`` of its adapter_config.json) where
-    ``--vllm.max_lora_rank`` is lower: a bare PEFT folder carries no run config saying it."""
-    rank = json.loads((Path(folder) / "adapter_config.json").read_text()).get("r")
+    ``--vllm.max_lora_rank`` is lower: a bare PEFT folder carries no run config saying it. An adapter
+    vLLM cannot serve (DoRA...) is refused before the engine starts."""
+    adapter = json.loads((Path(folder) / "adapter_config.json").read_text())
     try:
         vllm = config.section("vllm")
     except KeyError:  # no vLLM plugin: the transformers engine loads any rank
         return
+    from ..builtin_plugins.generation_vllm import ENGINE
+
+    if plan.engine.factory is ENGINE:
+        from ..engines.vllm_lora import check_adapter
+
+        check_adapter(adapter)
+    rank = adapter.get("r")
     if isinstance(rank, int) and rank > vllm.max_lora_rank:
         vllm.max_lora_rank = rank
 

@@ -31,7 +31,7 @@ from ..protocols import BackendContext, Samples, SamplingParams
 from ..training.host_memory import returned_to_the_system
 from .vllm_arguments import engine_arguments
 from .vllm_classes import vllm_class_patches_confined
-from .vllm_lora import check_adapter, lora_rank_bound, split_fused, split_parts, vllm_rank
+from .vllm_lora import check_adapter, check_run_adapter, lora_rank_bound, split_fused, split_parts, vllm_rank
 from .vllm_worker import VLLMModelWorker, load, on_worker, reclass_model
 
 logger = logging.getLogger("rlhf_plugins")
@@ -101,7 +101,7 @@ class VLLMEngine:
         self.lora_dir: Path | None = None
         self.lora_parts: dict[str, tuple[str, ...]] | None = None  # read at the first adapter sync
         if ctx.adapter_sync:  # LoRA adapters travel alone: vLLM applies them
-            check_adapter(config)
+            check_run_adapter(config)
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_bound(config))
         if o.tensor_parallel_size > 1:  # pragma: no cover - GPU branch
             kwargs["distributed_executor_backend"] = "ray"
@@ -236,6 +236,7 @@ class VLLMEngine:
         if not lora:
             raise UsageError("this vLLM engine was started without LoRA support; adapter sync needs "
                              "--sync.method adapter from the start")
+        check_adapter({**config, "peft_type": "LORA"})
         rank = int(config.get("r", 0))
         if rank > lora.max_lora_rank:
             raise UsageError(f"the LoRA adapter has rank {rank} but the vLLM engine was started with "

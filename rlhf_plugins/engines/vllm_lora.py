@@ -78,21 +78,28 @@ def lora_rank_bound(config: Any) -> int:
     return vllm_rank(want)
 
 
-def check_adapter(config: Any) -> None:
-    """vLLM's own check of the run's LoRA config (no DoRA, trained biases, modules_to_save, PiSSA-like
-    initialisations...), made as the engine starts rather than at the first sync."""
+def check_adapter(adapter: dict[str, Any]) -> None:
+    """vLLM's own check of a PEFT LoRA config (its adapter_config.json as a dict) before vLLM is given it:
+    no DoRA, trained biases, modules_to_save, PiSSA-like initialisations... One line where vLLM raises."""
     from types import SimpleNamespace
 
     from vllm.lora.peft_helper import PEFTHelper
 
-    from ..builtin_plugins.lora import enabled, lora_config
     from ..errors import UsageError
+
+    try:  # the rank is the engine's max_lora_rank, raised to the adapter's own (lora_rank_bound, fit_lora_rank)
+        PEFTHelper.from_dict(adapter).validate_legal(SimpleNamespace(max_lora_rank=1 << 30))
+    except ValueError as exc:
+        raise UsageError(f"vLLM cannot load this LoRA adapter ({str(exc).rstrip('.')}); train with merged weights "
+                         "instead (drop --sync.method adapter), or evaluate it with --generation.backend "
+                         "transformers") from None
+
+
+def check_run_adapter(config: Any) -> None:
+    """:func:`check_adapter` of the run's LoRA config, as an engine for adapter sync starts (not at the
+    first sync, after a step)."""
+    from ..builtin_plugins.lora import enabled, lora_config
     from ..models.lora import config_dict
 
-    if not enabled(config):
-        return
-    try:  # the rank is the engine's max_lora_rank, raised to the adapter's own (lora_rank_bound)
-        PEFTHelper.from_dict(config_dict(lora_config(config))).validate_legal(SimpleNamespace(max_lora_rank=1 << 30))
-    except ValueError as exc:
-        raise UsageError(f"vLLM cannot load this LoRA adapter ({str(exc).rstrip('.')}); sync merged weights "
-                         "instead: drop --sync.method adapter") from None
+    if enabled(config):
+        check_adapter(config_dict(lora_config(config)))
