@@ -39,14 +39,14 @@ def _base(path: str, learner: dict) -> dict[str, Any]:
             "learner": {"lr": LR, **learner}}
 
 
-def _deepspeed(path: str, learner: dict, stage: int) -> Any:
+def _deepspeed(path: str, learner: dict, stage: int, **sections: Any) -> Any:
     from rlhf_plugins.api import prepare
     from rlhf_plugins.learners.deepspeed_learner import DeepSpeedLearner
     from rlhf_plugins.testing import backend_context
 
     base = _base(path, learner)
     config, pm, _ = prepare({**base, "learner": {**base["learner"], "backend": "deepspeed"},
-                             "deepspeed": {"zero_stage": stage}}, autoload=False)
+                             "deepspeed": {"zero_stage": stage}, **sections}, autoload=False)
     return DeepSpeedLearner(backend_context(config, "actor", path, pm))
 
 
@@ -144,6 +144,28 @@ def old_checkpoint_case(path: str, folder: str) -> dict[str, Any]:
     return results
 
 
+def adapter_gather_case(tiny: str) -> dict[str, Any]:
+    """What ZeRO-3 gathers for an adapter sync (every GatheredParameters call recorded) and what it sends."""
+    import deepspeed
+
+    learner = _deepspeed(tiny, {}, 3, lora={"rank": 4}, sync={"method": "adapter"})
+    gathered, real = [], deepspeed.zero.GatheredParameters
+
+    def recording(params: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered.extend(params)
+        return real(params, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = recording
+    try:
+        weights, config = learner.adapter_state()
+    finally:
+        deepspeed.zero.GatheredParameters = real
+    params = list(learner.model.parameters())
+    return {"gathered": len(gathered), "gathered_trained": sum(p.requires_grad for p in gathered),
+            "trained": sum(p.requires_grad for p in params), "total": len(params), "names": sorted(weights),
+            "r": config["r"]}
+
+
 def _each(cases: dict[str, Any]) -> dict[str, Any]:
     """Every case's result, or the error it raised (the others still run)."""
     results = {}
@@ -170,6 +192,7 @@ def main(out: str) -> None:
             "router_loss": lambda: one_update_each(moe, {"router_aux_loss_coef": 0.5}, 2),
             "weight_decay": lambda: one_update_each(gemma2, {"weight_decay": 0.5}, 3),
             "checkpointing": lambda: checkpointing_case(tiny),
+            "adapter_gather": lambda: adapter_gather_case(tiny),
             "old_checkpoint": lambda: old_checkpoint_case(tiny, folder),
             "packed": lambda: dict(zip(("update", "shapes"), embedding_calls(
                 lambda: one_update_each(tiny, {"max_tokens_per_micro_batch": 48}, 3)))),

@@ -105,3 +105,13 @@ def test_packed_micro_batches_hold_each_prompt_once_through_the_engine(cases):
     assert ds == local and all(rows == 1 for rows, _ in ds)
     assert sum(width for _, width in ds) < whole - 2 * 3 * 3  # each prompt (3+ tokens) once, not 4 times
     _same_update(case)
+
+
+def test_adapter_sync_under_zero3_gathers_the_adapter_alone(cases):
+    """--sync.method adapter moves a few MB: under ZeRO-3 only the trained tensors (the LoRA pairs) are
+    gathered for it, not the frozen base (the whole model, gathered at every sync before), and what it sends
+    is the adapter under PEFT's names."""
+    case = _case(cases, "adapter_gather")
+    assert case["gathered"] == case["gathered_trained"] == case["trained"] > 0
+    assert case["total"] > case["trained"]
+    assert case["r"] == 4 and case["names"] and all(".lora_A." in n or ".lora_B." in n for n in case["names"])

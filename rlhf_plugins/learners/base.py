@@ -190,6 +190,12 @@ class Learner:
         """The model's own tensors and names (PEFT names under LoRA); every rank iterates."""
         raise NotImplementedError
 
+    def trained_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors the optimizer trains (under LoRA: the adapter's, PEFT names); every rank iterates.
+        Sharded learners gather these alone."""
+        trained = {name for name, param in self.model.named_parameters() if param.requires_grad}
+        return ((name, tensor) for name, tensor in self.raw_named_weights() if name in trained)
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the generation engine loads (LoRA merged in under base names)."""
         from ..models.lora import export_weights
@@ -199,13 +205,13 @@ class Learner:
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The LoRA adapter alone (PEFT's saved names) and its config, for adapter sync."""
         from ..errors import UsageError
-        from ..models.lora import adapter_weights, config_dict, lora_config_of, may_hold_adapter
+        from ..models.lora import adapter_weights, config_dict, lora_config_of
 
         cfg = lora_config_of(self.model)
         if cfg is None:
             raise UsageError("adapter sync needs LoRA on the actor: set --lora.rank (or --lora.config)")
-        held = ((n, t.cpu()) for n, t in self.raw_named_weights() if may_hold_adapter(n, cfg))
-        return adapter_weights(self.model, held), config_dict(cfg)
+        trained = ((name, tensor.cpu()) for name, tensor in self.trained_named_weights())
+        return adapter_weights(self.model, trained), config_dict(cfg)
 
     def _save_progress(self, file: Any) -> None:
         """Update count and random state of this rank (the generator orders mini batches; the

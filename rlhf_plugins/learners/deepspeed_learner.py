@@ -205,6 +205,10 @@ class DeepSpeedLearner(Learner):
         collective); each rank receives the full tensors."""
         return self._gathered()
 
+    def trained_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trained tensors alone, gathered (a LoRA adapter's: the frozen base is not gathered)."""
+        return self._gathered(trainable_only=True)
+
     def _gathered(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         deepspeed = import_deepspeed()
 

@@ -153,6 +153,10 @@ class FSDPLearner(Learner):
         """Full tensors, gathered one at a time (every rank iterates; each receives the full tensor)."""
         return self._gathered()
 
+    def trained_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trained tensors alone, gathered (a LoRA adapter's: the frozen base is not gathered)."""
+        return self._gathered(trainable_only=True)
+
     def _gathered(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, each gathered in turn (a tied one once)."""
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}

@@ -174,12 +174,6 @@ def adapter_weights(model: Any, named: Iterable[tuple[str, Any]]) -> dict[str, A
                                      save_embedding_layers=False)
 
 
-def may_hold_adapter(name: str, cfg: Any) -> bool:
-    """Whether the tensor ``name`` can be part of the adapter of PEFT config ``cfg`` (so that only those
-    are gathered and handed to :func:`adapter_weights`)."""
-    return is_lora_name(name) or ".modules_to_save." in name or (cfg.bias != "none" and name.endswith(".bias"))
-
-
 def lora_config_of(model: Any) -> Any | None:
     """The PEFT config of ``model`` (or of a critic's backbone) when it is a PeftModel."""
     peft_config = getattr(getattr(model, "backbone", model), "peft_config", None)
