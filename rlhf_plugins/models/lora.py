@@ -95,7 +95,8 @@ def adapted_layers(model: Any) -> dict[str, Adapted]:
         variant = (getattr(module, "lora_variant", None) or {}).get(ADAPTER)
         _refuse_unmergeable(base_name(path), module, variant)
         embedding = ADAPTER in (getattr(module, "lora_embedding_A", None) or {})
-        dora = variant is not None or bool((getattr(module, "use_dora", None) or {}).get(ADAPTER))  # older PEFT: no variants
+        # DoRA is PEFT's one variant folded here; older PEFT (0.15) has no variants and marks it in use_dora
+        dora = variant is not None or bool((getattr(module, "use_dora", None) or {}).get(ADAPTER))
         layers[base_name(path)] = Adapted(float(scaling[ADAPTER]),
                                           embedding or bool(getattr(module, "fan_in_fan_out", False)), dora)
     return layers
