@@ -163,7 +163,23 @@ def adapter_gather_case(tiny: str) -> dict[str, Any]:
     params = list(learner.model.parameters())
     return {"gathered": len(gathered), "gathered_trained": sum(p.requires_grad for p in gathered),
             "trained": sum(p.requires_grad for p in params), "total": len(params), "names": sorted(weights),
-            "r": config["r"]}
+            "r": config["r"], **_merged_held(learner)}
+
+
+def _merged_held(learner: Any) -> dict[str, int]:
+    """The merged export of a sharded LoRA learner: the most gathered tensors taken in before one went out."""
+    held, most, sent, gather = 0, 0, 0, learner.raw_named_weights
+
+    def counting() -> Any:
+        nonlocal held
+        for item in gather():
+            held += 1
+            yield item
+
+    learner.raw_named_weights = counting
+    for _ in learner.named_weights():
+        most, held, sent = max(most, held), 0, sent + 1
+    return {"merged_held": most, "merged_sent": sent}
 
 
 def _each(cases: dict[str, Any]) -> dict[str, Any]:

@@ -115,3 +115,10 @@ def test_adapter_sync_under_zero3_gathers_the_adapter_alone(cases):
     assert case["gathered"] == case["gathered_trained"] == case["trained"] > 0
     assert case["total"] > case["trained"]
     assert case["r"] == 4 and case["names"] and all(".lora_A." in n or ".lora_B." in n for n in case["names"])
+
+
+def test_a_merged_lora_sync_under_zero3_holds_one_module_gathered_at_a_time(cases):
+    """The merged export (what vLLM loads) folds each LoRA module as soon as its gathered tensors are in:
+    a rank holds one layer's weight, bias and LoRA pair, never the whole gathered model (it did before)."""
+    case = _case(cases, "adapter_gather")
+    assert case["merged_held"] <= 4 < case["merged_sent"]

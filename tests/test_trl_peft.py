@@ -518,6 +518,26 @@ def test_lora_on_gpt2s_conv1d_layers_trains_in_parity_and_its_targets_are_listed
 _LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
+def _merged_as_it_streams(model) -> tuple[dict, int]:
+    """The merged export of ``model``'s state dict, and the most tensors it took in before giving one out
+    (what it held at once: a LoRA module's tensors, not the model's)."""
+    from rlhf_plugins.models.lora import export_weights
+
+    held, most = 0, 0
+
+    def source():
+        nonlocal held
+        for name, tensor in model.state_dict().items():
+            held += 1
+            yield name, tensor.detach().clone()
+
+    got = {}
+    for name, tensor in export_weights(model, source()):
+        most, held = max(most, held), 0
+        got[name] = tensor
+    return got, most
+
+
 @pytest.mark.parametrize("model_type, sizes, lora", [
     ("llama", _LLAMA, dict(target_modules="all-linear")),
     # GPT-2's Conv1D stores weights in x out (PEFT's fan_in_fan_out): a wrongly oriented B @ A fits its square c_proj
@@ -542,7 +562,6 @@ def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, size
 
     from rlhf_plugins.api import prepare
     from rlhf_plugins.builtin_plugins.lora import apply_lora
-    from rlhf_plugins.models.lora import export_weights
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **sizes))
@@ -556,9 +575,10 @@ def test_the_merged_weights_an_engine_loads_are_pefts_own_merge(model_type, size
         for param in model.parameters():
             if param.requires_grad:
                 param.add_(torch.randn_like(param) * 0.1)
-    got = dict(export_weights(model, model.state_dict().items()))
+    got, held = _merged_as_it_streams(model)
     want = copy.deepcopy(model).merge_and_unload().state_dict()
     assert set(got) == set(want)
+    assert held <= 6 < len(want)  # one module's base weight, bias, A, B, B's bias, magnitudes at most
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
     base = {n.replace("base_model.model.", "").replace(".base_layer", ""): t
@@ -1035,7 +1055,7 @@ def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf_plugins.models.lora import export_weights, param_wrappers
+    from rlhf_plugins.models.lora import param_wrappers
 
     experts = dict(moe_intermediate_size=24, num_experts=4) if kind == "qwen3_moe" else dict(
         num_local_experts=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
@@ -1050,9 +1070,10 @@ def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
                 p.normal_(0, 0.1)
     assert {k for k, wrapped in param_wrappers(model).items() if wrapped.experts > 1} == {
         f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
-    ours = dict(export_weights(model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]))
+    ours, held = _merged_as_it_streams(model)
     want = model.merge_and_unload().state_dict()
     assert sorted(ours) == sorted(want)
+    assert held <= 8 < len(want)  # one layer's experts: gate_up, down, their biases (gpt-oss), a LoRA pair each
     for name, tensor in want.items():
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
 

@@ -4,6 +4,7 @@ LoRA plugin; no PEFT import at module level."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,12 +145,49 @@ def _fold(tensor: Any, kind: str, parts: dict[str, Any], layer: Adapted) -> Any:
     return merged.T if layer.transposed else merged
 
 
+def lora_groups(model: Any) -> dict[str, str]:
+    """Each tensor of a LoRA-wrapped module (its base layer's, its LoRA pair's, DoRA's magnitudes) by that
+    module's PEFT name: what must be at hand together to merge it (nested wrappers: the outermost)."""
+    groups: dict[str, str] = {}
+    for path, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and ADAPTER in scaling:
+            for name, _ in module.named_parameters(prefix=path):
+                groups.setdefault(name, path)
+    return groups
+
+
+def _by_module(named: Iterable[tuple[str, Any]], groups: dict[str, str]) -> Iterator[list[tuple[str, Any]]]:
+    """``named`` in runs that merge alone: a LoRA module's tensors once all have arrived, any other
+    tensor as it comes -- so a sharded learner's gathered model is never held whole (a run whose tensors
+    do not come as ``groups`` says is still merged right, only held longer)."""
+    sizes = Counter(groups.values())
+    pending: dict[str, list[tuple[str, Any]]] = {}
+    for name, tensor in named:
+        group = groups.get(name)
+        if group is None:
+            yield [(name, tensor)]
+            continue
+        members = pending.setdefault(group, [])
+        members.append((name, tensor))
+        if len(members) == sizes[group]:
+            yield pending.pop(group)
+    yield from pending.values()
+
+
 def merged_weights(named: Iterable[tuple[str, Any]], layers: dict[str, Adapted],
-                   wrappers: ParamWrappers | None = None) -> Iterator[tuple[str, Any]]:
+                   wrappers: ParamWrappers | None = None,
+                   groups: dict[str, str] | None = None) -> Iterator[tuple[str, Any]]:
     """Base-model weights with every LoRA folded in (``W + s * B @ A`` per layer, its own scale and
     orientation, DoRA's rescaling; per expert for a parameter LoRA, ``wrappers``), PEFT's fully trained
-    copies (``modules_to_save``) under the base names."""
-    tensors = dict(named)
+    copies (``modules_to_save``) under the base names. With ``groups`` (:func:`lora_groups`) it streams:
+    each module is merged once its tensors have arrived."""
+    for run in _by_module(named, groups) if groups is not None else [list(named)]:
+        yield from _merged_run(dict(run), layers, wrappers)
+
+
+def _merged_run(tensors: dict[str, Any], layers: dict[str, Adapted],
+                wrappers: ParamWrappers | None) -> Iterator[tuple[str, Any]]:
     parts = _lora_parts(tensors)
     for name, tensor in tensors.items():
         if is_lora_name(name) or ".original_module." in name:
@@ -194,7 +232,7 @@ def export_weights(model: Any, named: Iterable[tuple[str, Any]]) -> Iterator[tup
     if lora_config_of(model) is None:
         yield from named
     else:
-        yield from merged_weights(named, adapted_layers(model), param_wrappers(model))
+        yield from merged_weights(named, adapted_layers(model), param_wrappers(model), lora_groups(model))
 
 
 def lora_config_from_dict(data: dict[str, Any]) -> Any:
