@@ -426,6 +426,28 @@ def test_no_advantage_std_norm_keeps_the_estimator_and_drops_the_batch_std():
             assert raw["algo"]["advantage"]["estimator"] == estimator and raw["algo"]["advantage"]["std_norm"] is False
 
 
+@pytest.mark.parametrize("flags, skipped, kept", [
+    # OpenRLHF's example train_disco_ray_hybrid_engine.sh names an estimator no release of it takes
+    ("--advantage_estimator disco", "--advantage_estimator", ("algo.advantage.estimator", "gae")),
+    ("--lr_scheduler cosine_with_restarts", "--lr_scheduler", ("learner.lr_scheduler", "cosine")),
+    ("--actor.optim adamw_8bit", "--actor.optim", ("learner.optimizer", None)),
+])
+def test_a_value_without_an_equivalent_is_listed_not_carried_into_the_config(flags, skipped, kept):
+    """A value of a flag whose values are mapped one by one and that has none here is listed as not
+    converted, naming the values that are, and the config keeps the default (it carried the value, which
+    rlhf train then refused); a special value's map (-1) still carries any other value as it is."""
+    conv = convert(["--pretrain", "m", *flags.split()])
+    why = next(reason for flag, reason in conv.skipped if flag == skipped)
+    assert why.startswith(f"{flags.split()[1]} has no equivalent here (converted: ") and "keeps the default" in why
+    section, _, key = kept[0].rpartition(".")
+    node = conv.raw
+    for part in section.split("."):
+        node = node.get(part, {})
+    assert node.get(key) == kept[1]
+    assert convert(["--pretrain", "m", "--eval_steps", "7"]).raw["eval"]["every"] == 7  # an open map
+    assert convert(["--pretrain", "m", "--eval_steps", "-1"]).raw["eval"]["every"] == 0
+
+
 def test_freezing_the_actor_without_a_critic_is_listed_not_converted():
     conv = convert(["--pretrain", "m", "--advantage_estimator", "group_norm", "--freezing_actor_steps", "5",
                     "--n_samples_per_prompt", "4"])

@@ -215,6 +215,11 @@ def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     if not flag.ours and not (stage and flag.stage):
         out.skipped.append((name, flag.note or "no equivalent here"))
         return
+    unknown = [v for v in vals if flag.map is not None and not flag.open_map and str(_scalar(v)) not in flag.map]
+    if unknown:  # a value OpenRLHF's release does not take, or one without an equivalent here
+        out.skipped.append((name, f"{unknown[0]} has no equivalent here (converted: {', '.join(flag.map)}); "
+                                  "the config keeps the default (OpenRLHF's, where carried)"))
+        return
     if flag.kind == "partial" and flag.note:
         out.partial.append((name, flag.note))
     if stage and flag.stage:

@@ -67,6 +67,8 @@ class Flag:
     switch: bool = False
     value: Any = None
     map: dict[str, Any] | None = None
+    #: ``map`` translates a special value and carries any other as it is (else it lists every value converted)
+    open_map: bool = False
     nargs: int | str | None = None
     sets: dict[str, Any] = field(default_factory=dict)
     role: str | None = None
