@@ -175,10 +175,8 @@ def _reward_file(out: Converted) -> None:
     files = [u for u in urls if str(u).endswith(".py")]
     if not files:
         return
-    servers = [u for u in urls if u not in files]
-    if servers:
-        out.raw["reward"]["remote_urls"] = servers
-    else:
+    out.raw["reward"]["remote_urls"] = [u for u in urls if u not in files]
+    if not out.raw["reward"]["remote_urls"]:
         del out.raw["reward"]["remote_urls"]
     out.put("plugins", files[:1])
     out.put("reward.functions", ["reward_func"])
@@ -215,10 +213,9 @@ def _apply(out: Converted, flag: Flag, name: str, vals: list[str]) -> None:
     if not flag.ours and not (stage and flag.stage):
         out.skipped.append((name, flag.note or "no equivalent here"))
         return
-    unknown = [v for v in vals if flag.map is not None and not flag.open_map and str(_scalar(v)) not in flag.map]
-    if unknown:  # a value OpenRLHF's release does not take, or one without an equivalent here
-        out.skipped.append((name, f"{unknown[0]} has no equivalent here (converted: {', '.join(flag.map)}); "
-                                  "the config keeps the default (OpenRLHF's, where carried)"))
+    unmapped = flag.unmapped([_scalar(v) for v in vals])
+    if unmapped:  # a value OpenRLHF's release does not take, or one without an equivalent here
+        out.skipped.append((name, unmapped))
         return
     if flag.kind == "partial" and flag.note:
         out.partial.append((name, flag.note))

@@ -78,6 +78,12 @@ class Flag:
     #: the rlhf serve-reward argument it is for serve_rm (the serve_rm-only rows: ``ours``)
     serve: str | None = None
 
+    def unmapped(self, values: list[Any]) -> str | None:
+        """Why a value of a flag mapped value by value is not converted (None: each value is)."""
+        unknown = [v for v in values if self.map is not None and not self.open_map and str(v) not in self.map]
+        return (f"{unknown[0]} has no equivalent here (converted: {', '.join(self.map or {})}); the config keeps "
+                "the default (OpenRLHF's, where carried)") if unknown else None
+
     @property
     def target(self) -> str:
         return ", ".join(f"--{k}" if not k.startswith("--") else k for k in self.ours)
