@@ -219,7 +219,17 @@ def test_convert_writes_its_file_with_o_before_the_command_line_as_documented(tm
                                             "fields under --trl.*"),
     ("/src/OpenRLHF/openrlhf/cli/train_prm.py", "train_prm", ""),
     ("openrlhf.cli.train_kd", "train_kd", "; it left OpenRLHF in 0.9: rlhf distill distils on the student's own "
-                                          "samples (TRL's on-policy distillation), not on the dataset's answers")])
+                                          "samples (TRL's on-policy distillation), not on the dataset's answers"),
+    # OpenRLHF 0.11's on-policy distillation: the recipe docs/algorithms.md measures
+    ("openrlhf.cli.train_opd", "train_opd", "; its sampled-token mode (--opd.topk 0) has a counterpart in rlhf "
+                                            "train: the teacher as --model.reference_path and its KL as the reward (--reward.weights 0 "
+                                            "--algo.kl.in_reward true --algo.kl.estimator k1 --algo.kl.coef 1; "
+                                            "docs/algorithms.md), its top-k mode nearest to rlhf distill "
+                                            "--model.teacher (TRL's divergence over the whole vocabulary)"),
+    ("openrlhf.cli.train_ppo", "train_ppo", "; it is OpenRLHF's PPO without Ray, whose flags train_ppo_ray shares: "
+                                            "convert the command with openrlhf.cli.train_ppo_ray in its place "
+                                            "(train_ppo_ray's defaults are carried where it gives none; "
+                                            "--placement.strategy local runs it in one process)")])
 def test_an_openrlhf_command_without_an_equivalent_is_one_line_not_a_ppo_config(tmp_path, rlhf, module, name, hint):
     """A command this project does not convert (KTO, process reward models, off-policy distillation) was read as
     train_ppo_ray and written as a PPO config; it is one line naming the commands that convert (and the stage

@@ -55,7 +55,14 @@ OURS = {"ppo": "rlhf train", "sft": "rlhf sft", "rm": "rlhf rm", "dpo": "rlhf dp
 #: OpenRLHF commands without a conversion that have a neighbour here (OpenRLHF 0.8's, whose flags are not mapped)
 NEARBY = {"train_kto": "; it left OpenRLHF in 0.9: rlhf kto runs TRL's KTOTrainer, with TRL's fields under --trl.*",
           "train_kd": "; it left OpenRLHF in 0.9: rlhf distill distils on the student's own samples (TRL's on-policy "
-                      "distillation), not on the dataset's answers"}
+                      "distillation), not on the dataset's answers",
+          "train_opd": "; its sampled-token mode (--opd.topk 0) has a counterpart in rlhf train: the teacher as "
+                       "--model.reference_path and its KL as the reward (--reward.weights 0 --algo.kl.in_reward true "
+                       "--algo.kl.estimator k1 --algo.kl.coef 1; docs/algorithms.md), its top-k mode nearest to rlhf "
+                       "distill --model.teacher (TRL's divergence over the whole vocabulary)",
+          "train_ppo": "; it is OpenRLHF's PPO without Ray, whose flags train_ppo_ray shares: convert the command "
+                       "with openrlhf.cli.train_ppo_ray in its place (train_ppo_ray's defaults are carried where it "
+                       "gives none; --placement.strategy local runs it in one process)"}
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,10 @@ difference or could not convert, with the reason. An OpenRLHF flag given to `rlh
 line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`). OpenRLHF's other
 scripts (`train_kto`, `train_prm`, `train_kd`, ... -- OpenRLHF 0.8's, gone from 0.9) have no equivalent: converting
 one is one line saying so and naming the stage nearest to it (`rlhf kto`; for `train_kd`, which distils on a dataset's
-answers, `rlhf distill`, TRL's on-policy distillation on the student's own).
+answers, `rlhf distill`, TRL's on-policy distillation on the student's own). So is 0.11's `train_opd`: its
+sampled-token mode has a counterpart in `rlhf train`, the teacher as `--model.reference_path` and its KL as
+the only reward (docs/algorithms.md), its top-k mode is nearest to `rlhf distill`; and `train_ppo`, PPO without
+Ray, whose command converts with `openrlhf.cli.train_ppo_ray` in its place.
 
 ## Where the semantics differ
 
