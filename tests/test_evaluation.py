@@ -391,11 +391,19 @@ def test_a_vllm_engine_evaluating_an_adapter_starts_for_its_rank(tmp_path):
     assert lora_rank_bound(config) == 128
 
 
-def test_an_adapter_vllm_cannot_serve_is_one_line_before_the_engine_starts(rlhf, tmp_path):
+def test_an_adapter_vllm_cannot_serve_is_one_line_before_the_engine_starts(rlhf, tmp_path, monkeypatch, capsys):
     """A DoRA adapter folder (vLLM serves plain LoRA only), evaluated with vLLM: vLLM's own reason and the
-    way to evaluate it, before an engine starts (it raised at the adapter's load); the transformers engine
-    evaluates it."""
-    pytest.importorskip("vllm")
+    way to evaluate it, before an engine starts (it raised at the adapter's load: vLLM's LLM is watched); the
+    transformers engine evaluates it."""
+    vllm = pytest.importorskip("vllm")
+    started = []
+
+    class Watched(vllm.LLM):
+        def __init__(self, *args, **kwargs):
+            started.append(kwargs.get("model"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", Watched)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -405,9 +413,11 @@ def test_an_adapter_vllm_cannot_serve_is_one_line_before_the_engine_starts(rlhf,
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
                            LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     model.save_pretrained(str(folder))
+    capsys.readouterr()  # transformers' loading bar of the model above, not the command's
     code, _, err = rlhf("eval", "--model", str(folder), "--generation.backend", "vllm", "--eval.n_samples", "2")
     check_one_line_error(code, err, "vLLM cannot load this LoRA adapter (vLLM does not yet support DoRA); train "
                                     "with merged weights instead (drop --sync.method adapter), or evaluate it with "
                                     "--generation.backend transformers")
+    assert started == []  # no engine was started for it
     code, _, err = rlhf("eval", "--model", str(folder), "--eval.n_samples", "2")
     assert code == 0, err
