@@ -101,6 +101,11 @@ FLAGS = [
      "Python file, not a server; load it with --plugin reward_func.py and name its function in --reward.functions"),
     ("ipc-locally", ["--sync.method", "ipc"],
      "weight sync 'ipc' needs the engine in its own process, which placement 'local' does not do; use --sync.method inprocess"),
+    ("lora-adapter-not-an-adapter", ["--lora.adapter", "nowhere"],
+     "lora.adapter 'nowhere' is not a trained LoRA adapter's folder (adapter_config.json and "
+     "adapter_model.safetensors, as PEFT's save_pretrained and a LoRA run's final/ hold)"),
+    ("lora-adapter-and-rank", ["--lora.adapter", "nowhere", "--lora.rank", "4"],
+     "lora.adapter takes the trained adapter's own config: drop --lora.config and --lora.rank"),
     ("adapter-without-lora", ["--sync.method", "adapter"],
      "weight sync 'adapter' moves a LoRA adapter alone: set --lora.rank (or --lora.config), or choose another --sync.method"),
     ("placement-unknown", ["--placement.strategy", "slurm"],

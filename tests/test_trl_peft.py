@@ -477,6 +477,42 @@ def test_lora_config_file(rlhf, tmp_path):
     assert metrics_of(Path("runs") / "again")[-1]["grad_norm"] > 0
 
 
+@pytest.mark.parametrize("engine, sync", [("transformers", []), ("vllm", ["--sync.method", "adapter"])])
+def test_a_trained_adapter_goes_on_training_from_its_weights_with_the_engine_in_step(rlhf, engine, sync):
+    """--lora.adapter FOLDER (a LoRA run's final/) starts the policy from the adapter's trained weights -- at the
+    first step it is already away from the base, its reference (KL > 0, which a fresh adapter has at 0) -- and
+    the engine samples from it from the first rollout on (it gets the weights at the start: without, its
+    log-probs were the base's, 0.2 away), merged or as vLLM's LoRA."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    code, _, err = rlhf("train", "--lora.rank", "4", "--learner.lr", "1e-2", *short_run("--train.run_name", "first"))
+    assert code == 0, err
+    trained = Path("runs") / "first" / "final"
+    code, _, err = rlhf("train", "--lora.adapter", str(trained), "--generation.backend", engine, *sync,
+                        *short_run("--train.steps", "1", "--train.run_name", "again"))
+    assert code == 0, err
+    row = metrics_of(Path("runs") / "again")[0]
+    assert row["kl"] > 0.01 and row["mismatch/abs_log_ratio"] < 1e-4, row
+    assert json.loads((Path("runs") / "again" / "final" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_a_trained_adapter_that_does_not_fit_the_model_is_one_line(rlhf, tmp_path):
+    """An adapter trained on another model (here a wider one) given as --lora.adapter: one line naming it and
+    the way out, no run."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import random_llama
+
+    wide = random_llama(tmp_path / "wide", hidden_size=96)
+    other = tmp_path / "other-adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(wide), LoraConfig(r=4, target_modules=["q_proj"])
+                   ).save_pretrained(str(other))
+    code, _, err = rlhf("train", "--lora.adapter", str(other), *short_run())
+    check_one_line_error(code, err, f"lora.adapter '{other}' does not fit the model of --model.path (")
+    assert err.strip().endswith("); give the base model it was trained on")
+
+
 def test_lora_targets_that_match_nothing_list_the_modules(rlhf):
     code, _, err = rlhf("train", "--lora.rank", "4", "--lora.target_modules", "attn_qkv", *short_run())
     assert code == 2
@@ -1104,6 +1140,42 @@ def test_a_peft_config_reaches_the_run_whole(tmp_path, tiny_model, monkeypatch):
     assert saved["use_dora"] is True and saved["use_rslora"] is True and saved["target_modules"] == ["q_proj"]
     with pytest.raises(ConfigError, match="peft_config is a IA3Config; rlhf-plugins trains LoRA adapters"):
         GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, peft_config=IA3Config(target_modules=["q_proj"]))
+
+
+def test_a_peft_model_given_to_the_trl_trainer_goes_on_training_its_adapter(tmp_path, tiny_model, monkeypatch):
+    """GRPOTrainer(model=PeftModel.from_pretrained(base, folder, is_trainable=True)), as TRL takes it: the run
+    goes on training that adapter (its config and weights: the policy starts away from the base, KL > 0 at the
+    first step, with the engine sampling from it) rather than training the bare base; with peft_config too, or
+    another PEFT method, it is one error."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():  # a trained adapter: B away from PEFT's zero
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    trained.save_pretrained(str(tmp_path / "adapter"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(tmp_path / "adapter"),
+                                      is_trainable=True)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, beta=0.04, use_cpu=True, bf16=False, report_to=[])
+    reward = "rlhf_plugins.builtin_plugins.rewards.exact_match"
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=task_rows("train")[:8],
+                          rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    assert trainer.raw["lora"] == {"adapter": str(tmp_path / "out" / "initial_adapter")}
+    assert trainer.raw["model"]["path"] == str(Path(tiny_model).resolve())
+    trainer.train()
+    row = metrics_of(trainer.run_dir)[0]
+    assert row["kl"] > 0.01 and row["mismatch/abs_log_ratio"] < 1e-4, row
+    with pytest.raises(ConfigError, match="model is a PeftModel and peft_config is given too"):
+        GRPOTrainer(model=model, reward_funcs=reward, args=args, peft_config=LoraConfig(r=4))
 
 
 def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_model, monkeypatch):

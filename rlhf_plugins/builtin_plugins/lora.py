@@ -39,6 +39,9 @@ class LoraOptions:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     #: a PEFT ``adapter_config.json`` (or its folder) instead of the fields above
     config: str | None = None
+    #: a trained adapter's folder (a LoRA run's ``final/``, PEFT's save_pretrained) to go on training: its
+    #: config and its weights; the engine gets the adapted policy before the first rollout
+    adapter: str | None = None
     #: also put LoRA on the critic's backbone
     critic: bool = True
     #: after training, also save base + adapter merged into ``<run>/final-merged``
@@ -47,7 +50,7 @@ class LoraOptions:
 
 def enabled(config: Any) -> bool:
     o = getattr(config, "extra", {}).get("lora")  # absent from a Config built without plugins
-    return o is not None and (o.rank > 0 or o.config is not None)
+    return o is not None and (o.rank > 0 or o.config is not None or o.adapter is not None)
 
 
 def reads_base_weights(config: Any) -> bool:
@@ -63,13 +66,15 @@ def lora_config(config: Any) -> Any:
     from peft import LoraConfig
 
     o = config.section("lora")
-    if o.config:
-        path = Path(o.config)
+    if o.config or o.adapter:
+        path = Path(o.adapter or o.config)
         path = path / "adapter_config.json" if path.is_dir() else path
         from ..models.lora import lora_config_from_dict
 
-        # a saved adapter's config says inference_mode: true (PEFT sets it on saving), which would freeze it
-        return lora_config_from_dict({**json.loads(path.read_text()), "inference_mode": False})
+        # a saved adapter's config says inference_mode: true (PEFT sets it on saving), which would freeze it;
+        # its base_model_name_or_path names where it was trained, PEFT sets this run's
+        return lora_config_from_dict({**json.loads(path.read_text()), "inference_mode": False,
+                                      "base_model_name_or_path": None})
     targets: Any = o.target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
@@ -108,11 +113,32 @@ def apply_lora(model: Any, config: Any, role: str) -> Any:
     if role == "critic":
         model.backbone = wrapped
         return model
+    if config.section("lora").adapter:
+        load_adapter_weights(wrapped, config.section("lora").adapter)
     if config.sync.method != "adapter":  # the engine gets merged weights: a LoRA that cannot merge stops here
         from ..models.lora import adapted_layers
 
         _refuse_tied_adapters(set(adapted_layers(wrapped)) | set(cfg.modules_to_save or ()), tied)
     return wrapped
+
+
+def load_adapter_weights(model: Any, folder: str) -> None:
+    """A trained adapter's weights (``--lora.adapter``) into the freshly wrapped policy, by PEFT's loader;
+    one that does not fit the model is one line."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    from ..models.lora import ADAPTER, is_lora_name
+
+    try:
+        result = set_peft_model_state_dict(model, load_peft_weights(folder, device="cpu"), adapter_name=ADAPTER)
+    except RuntimeError as exc:  # torch's size mismatch
+        why = str(exc).strip().splitlines()[-1].strip()
+        raise ConfigError(f"lora.adapter '{folder}' does not fit the model of --model.path ({why}); give the base "
+                          "model it was trained on") from exc
+    missing = [k for k in result.missing_keys if is_lora_name(k)]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"lora.adapter '{folder}' does not fit the model of --model.path (no "
+                          f"{(missing or result.unexpected_keys)[0]}); give the base model it was trained on")
 
 
 def tied_embedding_names(model: Any) -> set[str]:
@@ -155,11 +181,25 @@ def rlhf_configure(config: Any, plan: Any) -> None:
     if o.config and Path(o.config).is_dir() and any(Path(o.config).glob("adapter_model.*")):
         logging.getLogger("rlhf_plugins").warning(
             "lora.config '%s' holds adapter weights too; only its config is read: the adapter starts as PEFT "
-            "initialises it (to go on from trained weights, train on the model with them merged in)", o.config)
+            "initialises it (to go on from its trained weights, give the folder as --lora.adapter)", o.config)
+    if o.adapter:
+        _check_adapter_folder(o, plan)
     if config.model.fp32_lm_head and _adapts_head(o):
         raise ConfigError("model.fp32_lm_head keeps the output head a plain float32 layer, and the LoRA config "
                           "adapts lm_head (target_modules or modules_to_save); leave lm_head out of it or drop "
                           "--model.fp32_lm_head")
+
+
+def _check_adapter_folder(o: Any, plan: Any) -> None:
+    """--lora.adapter: a folder with PEFT's config and weights, given alone; the run then starts its
+    engine from the adapted policy."""
+    folder = Path(o.adapter)
+    if o.config or o.rank:
+        raise ConfigError("lora.adapter takes the trained adapter's own config: drop --lora.config and --lora.rank")
+    if not (folder / "adapter_config.json").is_file() or not any(folder.glob("adapter_model.*")):
+        raise ConfigError(f"lora.adapter '{o.adapter}' is not a trained LoRA adapter's folder (adapter_config.json "
+                          "and adapter_model.safetensors, as PEFT's save_pretrained and a LoRA run's final/ hold)")
+    plan.actor_moved = True
 
 
 def _adapts_head(o: Any) -> bool:

@@ -53,6 +53,9 @@ class Plan:
     steps_given: bool = False
     #: what the run chose for the user and why (printed with the config)
     notes: list[str] = field(default_factory=list)
+    #: the policy starts away from the engine's checkpoint (a trained LoRA adapter): the engine gets the
+    #: learner's weights before the first rollout
+    actor_moved: bool = False
 
     def provider(self, component: Any) -> str:
         return self.providers.get(f"{component.area}:{component.name}", "?")

@@ -21,6 +21,7 @@ from .trl_inputs import (
     eval_file,
     model_folder,
     own_template,
+    peft_model_adapter,
     peft_to_lora,
     refuse_hooks,
     resume_target,
@@ -72,9 +73,10 @@ class GRPOTrainer(AfterTraining):
         from ..config.loading import merge
         from .trl_rollouts import RolloutTrainer, TRLRollouts
 
-        model = model_folder(model)
         refuse_hooks(callbacks, optimizers, quantization_config)
         fields = self._fields(args)
+        adapter = peft_model_adapter(model, peft_config, fields.get("output_dir") or "trainer_output")
+        model = model_folder(model)
         raw, self.notes = from_trl_fields(fields, self.TRAINER)
         _set(raw, "model.path", str(model))
         funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
@@ -96,8 +98,9 @@ class GRPOTrainer(AfterTraining):
             raise ConfigError("no reward source: pass reward_funcs, or an environment_factory whose environment "
                               "defines get_reward")
         _set(raw, "reward.functions", names)
-        if peft_config is not None:
-            raw = merge(raw, {"lora": peft_to_lora(peft_config, fields.get("output_dir") or "trainer_output")})
+        if peft_config is not None or adapter is not None:
+            out = fields.get("output_dir") or "trainer_output"
+            raw = merge(raw, {"lora": adapter or peft_to_lora(peft_config, out)})
         if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory
             _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
         self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})

@@ -34,6 +34,31 @@ def peft_to_lora(peft_config: Any, output_dir: str) -> dict[str, Any]:
             "dropout": float(peft_config.lora_dropout), "target_modules": targets}
 
 
+def peft_model_adapter(model: Any, peft_config: Any, output_dir: str) -> dict[str, Any] | None:
+    """A PeftModel passed as ``model`` (a LoRA adapter on its base, loaded or trained): TRL goes on training it,
+    and so does the run -- its adapter saved as ``<output_dir>/initial_adapter``, the lora section's
+    ``adapter`` (its config and weights). None for a plain model."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return None
+    from peft import LoraConfig, PeftModel
+
+    if not isinstance(model, PeftModel):
+        return None
+    if peft_config is not None:
+        raise ConfigError("model is a PeftModel and peft_config is given too: pass the PeftModel alone to go on "
+                          "training its adapter, or its base model with peft_config for a new one")
+    configs = dict(model.peft_config)
+    if list(configs) != ["default"] or not isinstance(configs["default"], LoraConfig):
+        kinds = ", ".join(f"{name} ({type(cfg).__name__})" for name, cfg in configs.items())
+        raise ConfigError(f"model is a PeftModel with the adapters {kinds}; rlhf-plugins goes on training one LoRA "
+                          "adapter, PEFT's 'default' (PeftModel.from_pretrained(base, folder) loads one so)")
+    folder = Path(output_dir) / "initial_adapter"
+    model.save_pretrained(str(folder))
+    return {"adapter": str(folder.resolve())}
+
+
 def reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
     """TRL loads a reward_funcs entry that names a model (a local folder, or a loaded model) as a sequence
     classifier: those become reward.models, TRL's reward_weights reordered to ours (functions, then

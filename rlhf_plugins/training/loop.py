@@ -65,14 +65,14 @@ class Trainer:
         self.env_runner: Any = None
 
     def setup(self, resuming: bool = False) -> None:
-        """Start every role, then the weight sync, then the algorithm's parts. An engine that starts
-        without weights gets the learner's now, unless a checkpoint is loaded next (that syncs)."""
+        """Start every role, then the weight sync, then the algorithm's parts. An engine without weights, or
+        behind the policy (a trained adapter), gets the learner's now, unless a checkpoint is loaded next."""
         from .setup import build_algorithm, create_roles
 
         create_roles(self)
         self.reset_sync()
         empty = self.plan.engine.starts_empty
-        if not resuming and empty is not None and resolve(empty)(self.config):
+        if not resuming and (self.plan.actor_moved or (empty is not None and resolve(empty)(self.config))):
             self.sync.sync(self.actor, self.engine, -1)
         build_algorithm(self)
 
