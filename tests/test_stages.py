@@ -223,13 +223,22 @@ def test_a_trl_without_the_stages_trainer_is_one_line(rlhf, tiny_model, monkeypa
                     "does not have: pip install -U trl")
 
 
-def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
-    code, _, err = rlhf("sft", "--train.progress", "false", "--lora.rank", "4", "--trl.num_train_epochs", "1")
+def test_lora_sft_saves_a_whole_model_and_the_adapter_and_goes_on_from_it(rlhf):
+    """LoRA SFT saves the merged model as final/ and the adapter as final-adapter/; --lora.adapter goes on
+    training that adapter (TRL's trainer on the PeftModel): the same steps start from a lower loss (a fresh
+    adapter, same seed and rows, starts from the first run's very loss)."""
+    flags = ["--train.progress", "false", "--trl.num_train_epochs", "1", "--trl.learning_rate", "1e-2"]
+    code, _, err = rlhf("sft", *flags, "--lora.rank", "4", "--train.run_name", "first")
     assert code == 0, err
-    run = the_run()
+    run = Path("runs") / "first"
     assert json.loads((run / "final-adapter" / "adapter_config.json").read_text())["r"] == 4
     assert (run / "final" / "model.safetensors").is_file()
     assert not (run / "final" / "adapter_config.json").exists()
+    code, _, err = rlhf("sft", *flags, "--lora.adapter", str(run / "final-adapter"), "--train.run_name", "again")
+    assert code == 0, err
+    first, again = ([r["loss"] for r in metrics_of(Path("runs") / name) if "loss" in r] for name in ("first", "again"))
+    assert again[0] < first[0] - 0.1, (first, again)
+    assert json.loads((Path("runs") / "again" / "final-adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -247,6 +256,7 @@ def test_lora_sft_saves_a_whole_model_and_the_adapter(rlhf):
                                             "it: drop --model.reference_path"),
     (["dpo", "--model.reference_path", "nowhere"], "model.reference_path 'nowhere' is not a save_pretrained folder"),
     (["sft", "--trl.use_vllm", "true"], "'use_vllm' is not a field of trl.SFTConfig"),
+    (["sft", "--lora.adapter", "nowhere"], "lora.adapter 'nowhere' is not a trained LoRA adapter's folder"),
 ])
 def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
     code, _, err = rlhf(*args)

@@ -183,23 +183,22 @@ def rlhf_configure(config: Any, plan: Any) -> None:
             "lora.config '%s' holds adapter weights too; only its config is read: the adapter starts as PEFT "
             "initialises it (to go on from its trained weights, give the folder as --lora.adapter)", o.config)
     if o.adapter:
-        _check_adapter_folder(o, plan)
+        check_adapter_folder(o)
+        plan.actor_moved = True  # the engine starts from the base: it gets the adapted policy first
     if config.model.fp32_lm_head and _adapts_head(o):
         raise ConfigError("model.fp32_lm_head keeps the output head a plain float32 layer, and the LoRA config "
                           "adapts lm_head (target_modules or modules_to_save); leave lm_head out of it or drop "
                           "--model.fp32_lm_head")
 
 
-def _check_adapter_folder(o: Any, plan: Any) -> None:
-    """--lora.adapter: a folder with PEFT's config and weights, given alone; the run then starts its
-    engine from the adapted policy."""
+def check_adapter_folder(o: Any) -> None:
+    """--lora.adapter (``o``: the lora section): a folder with PEFT's config and weights, given alone."""
     folder = Path(o.adapter)
     if o.config or o.rank:
         raise ConfigError("lora.adapter takes the trained adapter's own config: drop --lora.config and --lora.rank")
     if not (folder / "adapter_config.json").is_file() or not any(folder.glob("adapter_model.*")):
         raise ConfigError(f"lora.adapter '{o.adapter}' is not a trained LoRA adapter's folder (adapter_config.json "
                           "and adapter_model.safetensors, as PEFT's save_pretrained and a LoRA run's final/ hold)")
-    plan.actor_moved = True
 
 
 def _adapts_head(o: Any) -> bool:

@@ -155,6 +155,10 @@ def check(cfg: StageConfig, stage: str) -> None:
     check_bounds(cfg)
     check_datasets(cfg.data.path, cfg.data.probs, "data")
     check_input_template(cfg.data.input_template)
+    if cfg.lora.adapter:
+        from ..builtin_plugins.lora import check_adapter_folder
+
+        check_adapter_folder(cfg.lora)
     if cfg.data.input_template is not None and cfg.data.path is None:
         raise ConfigError("data.input_template puts the plain-text prompts of --data.path in place; the embedded data "
                           "is chat messages: give --data.path or drop --data.input_template")

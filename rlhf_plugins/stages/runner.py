@@ -96,7 +96,7 @@ def _model(stage: str, path: str, cfg: StageConfig, tokenizer: Any) -> Any:
 
 
 def _peft(stage: str, cfg: StageConfig) -> Any:
-    if cfg.lora.rank <= 0 and cfg.lora.config is None:
+    if cfg.lora.rank <= 0 and cfg.lora.config is None:  # none, or a trained adapter (_policy's)
         return None
     from types import SimpleNamespace
 
@@ -193,8 +193,13 @@ def _trainer(stage: str, cfg: StageConfig, path: str, tokenizer: Any, args: Any,
         extra["teacher_model"] = _model(stage, str(cfg.model.teacher), cfg, tokenizer)
     if cfg.model.reference_path:  # DPO / KTO against a reference of its own (OpenRLHF's --ref_pretrain)
         extra["ref_model"] = _model(stage, cfg.model.reference_path, cfg, tokenizer)
+    model = _model(stage, path, cfg, tokenizer)
+    if cfg.lora.adapter:  # go on training a trained adapter, as TRL does with a PeftModel
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.lora.adapter, is_trainable=True)
     trainer = getattr(trl, TRAINERS[stage])(
-        model=_model(stage, path, cfg, tokenizer), args=args, train_dataset=Dataset.from_list(train),
+        model=model, args=args, train_dataset=Dataset.from_list(train),
         processing_class=tokenizer, peft_config=_peft(stage, cfg), callbacks=[callback], **extra)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl say it
     return trainer
