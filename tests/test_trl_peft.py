@@ -1167,6 +1167,10 @@ def test_a_peft_model_given_to_the_trl_trainer_goes_on_training_its_adapter(tmp_
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=4, beta=0.04, use_cpu=True, bf16=False, report_to=[])
     reward = "rlhf_plugins.builtin_plugins.rewards.exact_match"
+    refused = GRPOConfig(output_dir=str(tmp_path / "refused"), use_cpu=True, bf16=False, report_to=[])
+    with pytest.raises(ConfigError, match="no reward source"):  # refused before the adapter is written
+        GRPOTrainer(model=model, args=refused, eval_dataset=task_rows("test")[:4])
+    assert not (tmp_path / "refused").exists()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=task_rows("train")[:8],
                           rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
     assert trainer.raw["lora"] == {"adapter": str(tmp_path / "out" / "initial_adapter")}

@@ -21,11 +21,12 @@ from .trl_inputs import (
     eval_file,
     model_folder,
     own_template,
-    peft_model_adapter,
+    peft_model_of,
     peft_to_lora,
     refuse_hooks,
     resume_target,
     reward_models,
+    save_adapter,
 )
 from .trl_state import AfterTraining
 
@@ -75,7 +76,7 @@ class GRPOTrainer(AfterTraining):
 
         refuse_hooks(callbacks, optimizers, quantization_config)
         fields = self._fields(args)
-        adapter = peft_model_adapter(model, peft_config, fields.get("output_dir") or "trainer_output")
+        peft_model = peft_model_of(model, peft_config)
         model = model_folder(model)
         raw, self.notes = from_trl_fields(fields, self.TRAINER)
         _set(raw, "model.path", str(model))
@@ -98,20 +99,21 @@ class GRPOTrainer(AfterTraining):
             raise ConfigError("no reward source: pass reward_funcs, or an environment_factory whose environment "
                               "defines get_reward")
         _set(raw, "reward.functions", names)
-        if peft_config is not None or adapter is not None:
-            out = fields.get("output_dir") or "trainer_output"
-            raw = merge(raw, {"lora": adapter or peft_to_lora(peft_config, out)})
-        if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory
-            _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
-        self.raw = merge(merge(raw, self.rollouts.config()), rlhf or {})
-        self.rewards = TRLRewards(callables) if callables else None
-        if eval_dataset is not None:  # held-out prompts, evaluated before the first step and after the last
-            self.raw = merge(self.raw, {"eval": {"enabled": True, "path": eval_file(eval_dataset, fields)}})
         self.rows = None if train_dataset is None else [dict(r) for r in train_dataset]
         visual = sorted({k for r in (self.rows or [])[:1] for k in ("image", "images") if r.get(k) is not None})
         if visual:  # TRL hands these columns to a vision-language model; here they would be silently unused
             raise ConfigError(f"train_dataset has an '{visual[0]}' column, which TRL feeds to a vision-language model; "
                               "training here is text-only: drop the column (or rename it if it holds no image)")
+        # held-out prompts, evaluated before the first step and after the last (eval_file refuses before it writes)
+        held_out = {} if eval_dataset is None else {"eval": {"enabled": True, "path": eval_file(eval_dataset, fields)}}
+        if peft_config is not None or peft_model is not None:  # written last: a refused trainer leaves nothing
+            out = fields.get("output_dir") or "trainer_output"
+            raw = merge(raw, {"lora": save_adapter(peft_model, out) if peft_model is not None
+                              else peft_to_lora(peft_config, out)})
+        if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory
+            _set(raw, "env.max_total_tokens", int(raw.get("generation", {}).get("max_new_tokens", 256)))
+        self.raw = merge(merge(merge(raw, self.rollouts.config()), rlhf or {}), held_out)
+        self.rewards = TRLRewards(callables) if callables else None
         self.model_path, self.run_dir, self.args, self._tokenizer = str(model), None, args, processing_class
         template = own_template(processing_class, self.model_path)
         if template is not None and not self.raw.get("data", {}).get("chat_template"):  # open-r1's --chat_template

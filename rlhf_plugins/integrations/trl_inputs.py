@@ -20,10 +20,7 @@ def peft_to_lora(peft_config: Any, output_dir: str) -> dict[str, Any]:
     per-module ranks...) is saved whole as ``<output_dir>/peft_config/adapter_config.json`` for --lora.config."""
     from peft import LoraConfig
 
-    if not isinstance(peft_config, LoraConfig):
-        raise ConfigError(f"peft_config is a {type(peft_config).__name__}; rlhf-plugins trains LoRA adapters: pass a "
-                          "peft.LoraConfig")
-    defaults = LoraConfig().to_dict()
+    defaults = LoraConfig().to_dict()  # peft_config is a LoraConfig: peft_model_of checked it
     if any(v != defaults.get(k) for k, v in peft_config.to_dict().items() if k not in PLAIN_LORA):
         folder = Path(output_dir) / "peft_config"
         peft_config.save_pretrained(str(folder))
@@ -34,16 +31,19 @@ def peft_to_lora(peft_config: Any, output_dir: str) -> dict[str, Any]:
             "dropout": float(peft_config.lora_dropout), "target_modules": targets}
 
 
-def peft_model_adapter(model: Any, peft_config: Any, output_dir: str) -> dict[str, Any] | None:
-    """A PeftModel passed as ``model`` (a LoRA adapter on its base, loaded or trained): TRL goes on training it,
-    and so does the run -- its adapter saved as ``<output_dir>/initial_adapter``, the lora section's
-    ``adapter`` (its config and weights). None for a plain model."""
+def peft_model_of(model: Any, peft_config: Any) -> Any | None:
+    """The PeftModel passed as ``model`` (a LoRA adapter on its base, loaded or trained), whose adapter TRL goes
+    on training and so does the run (:func:`save_adapter`); None for a plain model. One line for what cannot
+    be trained here (checked before anything is written)."""
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
         return None
     from peft import LoraConfig, PeftModel
 
+    if peft_config is not None and not isinstance(peft_config, LoraConfig):
+        raise ConfigError(f"peft_config is a {type(peft_config).__name__}; rlhf-plugins trains LoRA adapters: pass a "
+                          "peft.LoraConfig")
     if not isinstance(model, PeftModel):
         return None
     if peft_config is not None:
@@ -54,6 +54,12 @@ def peft_model_adapter(model: Any, peft_config: Any, output_dir: str) -> dict[st
         kinds = ", ".join(f"{name} ({type(cfg).__name__})" for name, cfg in configs.items())
         raise ConfigError(f"model is a PeftModel with the adapters {kinds}; rlhf-plugins goes on training one LoRA "
                           "adapter, PEFT's 'default' (PeftModel.from_pretrained(base, folder) loads one so)")
+    return model
+
+
+def save_adapter(model: Any, output_dir: str) -> dict[str, Any]:
+    """A PeftModel's adapter as ``<output_dir>/initial_adapter``: the lora section's ``adapter`` (its config
+    and weights), which the run goes on training."""
     folder = Path(output_dir) / "initial_adapter"
     model.save_pretrained(str(folder))
     return {"adapter": str(folder.resolve())}
