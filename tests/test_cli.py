@@ -59,7 +59,8 @@ def test_bad_input_is_one_line_and_exit_2(rlhf, args, expected):
 ])
 def test_a_lora_adapter_given_as_a_model_names_what_to_give_instead(rlhf, tmp_path, command, key):
     """A LoRA run's final/ holds the adapter alone: the line names the run's merged model when it wrote one,
-    else the base the adapter names -- not 'no config.json'."""
+    else the base the adapter names -- not 'no config.json'; as the policy, also how to go on training it."""
+    go_on = "; or, to go on training it, its base as --model.path and it as --lora.adapter"
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
     (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base", "r": 8}))
@@ -68,11 +69,13 @@ def test_a_lora_adapter_given_as_a_model_names_what_to_give_instead(rlhf, tmp_pa
     check_one_line_error(code, err, f"{where} holds a LoRA adapter alone, not a whole model; merge it into its "
                                     "base model ('/models/base') and give that folder (PEFT's merge_and_unload; a "
                                     "LoRA run writes <run>/final-merged with --lora.save_merged true)")
+    assert err.strip().endswith(go_on) == (key == "model.path")
     (tmp_path / "run" / "final-merged").mkdir()
     (tmp_path / "run" / "final-merged" / "config.json").write_text("{}")
     code, _, err = rlhf(*command, str(final))
     check_one_line_error(code, err, f"{where} holds a LoRA adapter alone, not a whole model; give the model with it "
                                     f"merged in: '{tmp_path / 'run' / 'final-merged'}'")
+    assert err.strip().endswith(go_on) == (key == "model.path")
 
 
 def test_plugin_that_fails_to_import_is_named(rlhf, tmp_path):

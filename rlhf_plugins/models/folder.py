@@ -21,15 +21,19 @@ def not_a_model_folder(where: str, folder: Path) -> str:
     if not (folder / "adapter_config.json").is_file():
         return f"{where} is not a save_pretrained folder (no config.json); give a local model folder or leave it empty"
     merged = folder.parent / f"{folder.name}-merged"
+    policy = where.startswith("model.path")  # the policy's adapter can be trained on from its base
+    go_on = "; or, to go on training it, its base as --model.path and it as --lora.adapter" if policy else ""
     if (merged / "config.json").is_file():
-        return f"{where} holds a LoRA adapter alone, not a whole model; give the model with it merged in: '{merged}'"
+        return (f"{where} holds a LoRA adapter alone, not a whole model; give the model with it merged in: "
+                f"'{merged}'{go_on}")
     try:
         base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         base = None
     named = f" ('{base}')" if base else ""
     return (f"{where} holds a LoRA adapter alone, not a whole model; merge it into its base model{named} and give "
-            "that folder (PEFT's merge_and_unload; a LoRA run writes <run>/final-merged with --lora.save_merged true)")
+            f"that folder (PEFT's merge_and_unload; a LoRA run writes <run>/final-merged with --lora.save_merged true)"
+            f"{go_on}")
 
 
 def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remote_code: bool = False,
