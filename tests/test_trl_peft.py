@@ -1182,6 +1182,46 @@ def test_a_peft_model_given_to_the_trl_trainer_goes_on_training_its_adapter(tmp_
         GRPOTrainer(model=model, reward_funcs=reward, args=args, peft_config=LoraConfig(r=4))
 
 
+def test_a_model_the_script_changed_after_loading_is_the_one_trained(tmp_path, tiny_model, monkeypatch):
+    """A script that adds a token and resizes the embeddings hands TRL the changed model, which TRL trains: so
+    does the run -- the model and its tokenizer saved as <output_dir>/initial_model and trained from there (it
+    trained the folder's unchanged model, silently); an unchanged model trains from its own folder, nothing
+    copied; frozen parameters, which TRL's optimizer leaves out, are one error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+
+    def trainer(model, out, tokenizer=None):
+        args = GRPOConfig(output_dir=str(tmp_path / out), max_steps=1, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+        return GRPOTrainer(model=model, processing_class=tokenizer, args=args, train_dataset=task_rows("train")[:8],
+                           reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match",
+                           rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert trainer(model, "same").raw["model"]["path"] == str(Path(tiny_model).resolve())
+    assert not (tmp_path / "same" / "initial_model").exists()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    model.resize_token_embeddings(len(tokenizer))
+    resized = trainer(model, "resized", tokenizer)
+    assert resized.raw["model"]["path"] == str(tmp_path / "resized" / "initial_model")
+    assert any("changed after loading" in note for note in resized.notes)
+    resized.train()
+    final = resized.run_dir / "final"
+    assert json.loads((final / "config.json").read_text())["vocab_size"] == len(tokenizer)
+    assert len(AutoTokenizer.from_pretrained(final)) == len(tokenizer)
+    frozen = AutoModelForCausalLM.from_pretrained(tiny_model)
+    frozen.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"model has 1 frozen parameters \(model.embed_tokens.weight, ...: "
+                                          r"requires_grad False\), which TRL's optimizer leaves out"):
+        trainer(frozen, "frozen")
+
+
 def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_model, monkeypatch):
     """TRL loads a reward_funcs entry naming a model as a sequence classifier: a folder (or a model loaded
     from one) becomes reward.models, reward_weights follow it into our order (functions, then models), and

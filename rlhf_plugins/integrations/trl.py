@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ConfigError
 from .trl_config import TRAINERS, _set, from_grpo_fields, from_trl_fields, from_trl_yaml, grpo_defaults, trl_defaults
 from .trl_inputs import (
+    changed_in_memory,
     eval_file,
     model_folder,
     own_template,
@@ -27,6 +28,7 @@ from .trl_inputs import (
     resume_target,
     reward_models,
     save_adapter,
+    save_initial_model,
 )
 from .trl_state import AfterTraining
 
@@ -77,7 +79,9 @@ class GRPOTrainer(AfterTraining):
         refuse_hooks(callbacks, optimizers, quantization_config)
         fields = self._fields(args)
         peft_model = peft_model_of(model, peft_config)
-        model = model_folder(model)
+        loaded, model = model, model_folder(model)
+        changed = None if peft_model is not None or isinstance(loaded, (str, Path)) else (
+            changed_in_memory(loaded, model, processing_class))
         raw, self.notes = from_trl_fields(fields, self.TRAINER)
         _set(raw, "model.path", str(model))
         funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
@@ -106,8 +110,12 @@ class GRPOTrainer(AfterTraining):
                               "training here is text-only: drop the column (or rename it if it holds no image)")
         # held-out prompts, evaluated before the first step and after the last (eval_file refuses before it writes)
         held_out = {} if eval_dataset is None else {"eval": {"enabled": True, "path": eval_file(eval_dataset, fields)}}
+        out = fields.get("output_dir") or "trainer_output"
+        if changed is not None:  # written last, as below: the model as the script left it, as TRL trains it
+            model = save_initial_model(loaded, processing_class, model, out)
+            _set(raw, "model.path", model)
+            self.notes.append(f"model: {changed} (changed after loading): saved as {model} and trained from there")
         if peft_config is not None or peft_model is not None:  # written last: a refused trainer leaves nothing
-            out = fields.get("output_dir") or "trainer_output"
             raw = merge(raw, {"lora": save_adapter(peft_model, out) if peft_model is not None
                               else peft_to_lora(peft_config, out)})
         if self.rollouts.factories:  # TRL's max_completion_length bounds a whole multi-turn trajectory

@@ -106,7 +106,50 @@ def model_folder(model: Any) -> str:
     if not path or not Path(path).is_dir():
         raise ConfigError(f"model {type(model).__name__} ('{path}') is not a local folder; save it with "
                           "save_pretrained and pass the folder")
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    if frozen and not hasattr(model, "peft_config"):
+        raise ConfigError(f"model has {len(frozen)} frozen parameters ({frozen[0]}, ...: requires_grad False), which "
+                          "TRL's optimizer leaves out; rlhf-plugins trains every weight, or a LoRA adapter: unfreeze "
+                          "them, or pass peft_config")
     return str(Path(path).resolve())
+
+
+def changed_in_memory(model: Any, folder: str, processing_class: Any) -> str | None:
+    """What of a loaded ``model`` and the tokenizer beside it the script changed after loading them from
+    ``folder`` -- a tensor changed or resized (resize_token_embeddings after adding tokens), tokens added --
+    or None when the folder holds them as they are (tensors its checkpoint names otherwise are not compared)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None and len(tokenizer) != len(AutoTokenizer.from_pretrained(folder)):
+        return f"its tokenizer has {len(tokenizer)} tokens, the folder's {len(AutoTokenizer.from_pretrained(folder))}"
+    state = model.state_dict()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as saved:
+            for name in saved.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = state.get(name)
+                if tensor is None:
+                    continue
+                disk = saved.get_tensor(name)
+                if disk.shape != tensor.shape or not torch.equal(disk.to(tensor.dtype), tensor.detach().cpu()):
+                    return f"{name} is not the folder's"
+    return None
+
+
+def save_initial_model(model: Any, processing_class: Any, folder: str, output_dir: str) -> str:
+    """A model the script changed in memory, with its tokenizer, as ``<output_dir>/initial_model``: the
+    folder the run trains from (as TRL trains the object it was given)."""
+    from transformers import AutoTokenizer
+
+    from ..models.folder import save_pretrained
+
+    out = Path(output_dir) / "initial_model"
+    save_pretrained(model, out)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class) or AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(str(out))
+    return str(out.resolve())
 
 
 def own_template(processing_class: Any, model_path: str) -> str | None:
