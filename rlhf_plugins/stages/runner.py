@@ -96,7 +96,7 @@ def _model(stage: str, path: str, cfg: StageConfig, tokenizer: Any) -> Any:
 
 
 def _peft(stage: str, cfg: StageConfig) -> Any:
-    if cfg.lora.rank <= 0 and cfg.lora.config is None:  # none, or a trained adapter (_policy's)
+    if cfg.lora.rank <= 0 and cfg.lora.config is None:  # none, or a trained adapter (_trainer loads it)
         return None
     from types import SimpleNamespace
 
