@@ -123,8 +123,10 @@ def changed_in_memory(model: Any, folder: str, processing_class: Any) -> str | N
     from transformers import AutoTokenizer
 
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if tokenizer is not None and len(tokenizer) != len(AutoTokenizer.from_pretrained(folder)):
-        return f"its tokenizer has {len(tokenizer)} tokens, the folder's {len(AutoTokenizer.from_pretrained(folder))}"
+    if tokenizer is not None:
+        saved_tokens = len(AutoTokenizer.from_pretrained(folder))
+        if len(tokenizer) != saved_tokens:
+            return f"its tokenizer has {len(tokenizer)} tokens, the folder's {saved_tokens}"
     state = model.state_dict()
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), "pt") as saved:
