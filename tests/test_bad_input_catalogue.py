@@ -175,6 +175,10 @@ FLAGS = [
                                  "--learner.muon_ns_steps", "6"],
      "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
      "learner.muon_nesterov at their defaults with --learner.backend deepspeed"),
+    ("critic-muon-steps-on-deepspeed", ["--algo.advantage.estimator", "gae", "--critic.optimizer", "muon",
+                                        "--learner.backend", "deepspeed", "--critic.muon_nesterov", "false"],
+     "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave critic.muon_ns_steps and "
+     "critic.muon_nesterov at their defaults with --learner.backend deepspeed"),
     ("gdpo-one-sample", ["--reward.combine", "normalize_then_sum", "--generation.n_samples_per_prompt", "1"],
      "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
      "generation.n_samples_per_prompt >= 2"),

@@ -195,3 +195,32 @@ def test_a_torch_without_muon_is_one_line(rlhf, monkeypatch):
     code, _, err = rlhf("train", "--learner.optimizer", "muon", *short_run())
     assert code == 2 and err.strip().count("\n") == 0
     assert f"learner.optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch {torch.__version__}" in err
+
+
+@needs_muon
+def test_openrlhf_critic_muon_flags_reach_the_critics_own_optimizer(tiny_model):
+    """0.11's --critic.muon.* set the critic's Muon, --actor.muon.* the actor's alone (the critic keeps
+    OpenRLHF's default, whatever the order), 0.10's flat --muon.* both: each learner's torch.optim.Muon
+    steps with its own lr, momentum, Nesterov switch and Newton-Schulz steps."""
+    from rlhf_plugins.commands.convert import convert
+    from rlhf_plugins.learners.torch_learner import TorchLearner
+    from rlhf_plugins.testing import backend_context
+
+    raw = convert(["python3", "-m", "openrlhf.cli.train_ppo_ray", "--optim", "muon",
+                   "--critic.muon.momentum", "0.8", "--muon.lr", "0.03", "--actor.muon.momentum", "0.9",
+                   "--critic.muon.lr", "0.05", "--critic.muon.no_nesterov", "--critic.muon.ns_steps", "3"]).raw
+    raw["learner"]["backend"] = "torch"  # DeepSpeed's Muon fixes its Newton-Schulz steps and Nesterov
+    config, pm, _ = prepare({k: raw[k] for k in ("learner", "critic")} | {"model": {"dtype": "float32"}},
+                            autoload=False)
+
+    def muon_group(role: str) -> dict:
+        learner = TorchLearner(backend_context(config, role, tiny_model, pm))
+        muon = [part for part in learner.optimizer.parts if isinstance(part, torch.optim.Muon)]
+        assert len(muon) == 1
+        return muon[0].param_groups[0]
+
+    actor, critic = muon_group("actor"), muon_group("critic")  # initial_lr: the schedule warms lr up from it
+    assert (actor["initial_lr"], actor["momentum"], actor["nesterov"], actor["ns_steps"]) == (0.03, 0.9, True, 5)
+    assert (critic["initial_lr"], critic["momentum"], critic["nesterov"], critic["ns_steps"]) == (0.05, 0.8, False, 3)
+    flat = convert(["python3", "-m", "openrlhf.cli.train_ppo_ray", "--optim", "muon", "--muon.momentum", "0.7"]).raw
+    assert flat["learner"]["muon_momentum"] == 0.7 and "muon_momentum" not in flat.get("critic", {})  # both's

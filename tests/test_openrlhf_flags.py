@@ -60,6 +60,8 @@ def test_the_docs_table_is_the_flag_table():
     # its flags of two values: the second is not a stray argument
     (["--adam_betas", "0.9", "0.95"], "--adam_betas is OpenRLHF's; here it is --learner.betas;"),
     (["--critic.adam.betas", "0.9", "0.95"], "--critic.adam.betas is OpenRLHF's; here it is --critic.betas;"),
+    # under a section of ours (critic), not only under one of OpenRLHF's (actor)
+    (["--critic.muon.lr", "0.01"], "--critic.muon.lr is OpenRLHF's; here it is --critic.muon_lr;"),
 ])
 def test_an_openrlhf_flag_given_to_rlhf_names_its_equivalent_in_one_line(rlhf, args, expected):
     code, _, err = rlhf("train", *args, *short_run())

@@ -137,7 +137,7 @@ class KLConfig:
 
 #: the critic's optimizer settings of its own (:meth:`~rlhf_plugins.config.schema.Config.learner_of`)
 CRITIC_OWN = ("optimizer", "betas", "eps", "weight_decay", "max_grad_norm", "lr_scheduler", "warmup_ratio",
-              "min_lr_ratio")
+              "min_lr_ratio", "muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps")
 
 
 @dataclass
@@ -155,6 +155,12 @@ class CriticConfig:
     # the critic's own optimizer settings (OpenRLHF 0.11's --critic.optim, --critic.adam.betas, ...)
     #: the critic's optimizer; empty: learner.optimizer
     optimizer: Literal["adamw", "adam", "sgd", "muon", "adafactor"] | None = None
+    #: the critic's Muon learning rate, momentum, Nesterov switch and Newton-Schulz steps (OpenRLHF 0.11's
+    #: --critic.muon.*); empty: learner.muon_*
+    muon_lr: float | None = setting(None, gt=0)
+    muon_momentum: float | None = setting(None, ge=0, lt=1)
+    muon_nesterov: bool | None = None
+    muon_ns_steps: int | None = setting(None, ge=1)
     #: the critic's Adam(W) beta1 and beta2; empty: learner.betas
     betas: list[float] | None = None
     #: the critic's Adam(W) epsilon; empty: learner.eps

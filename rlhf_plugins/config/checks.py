@@ -207,9 +207,11 @@ def _check_optimizer(c: Config) -> None:
         _require(backend != "deepspeed" or not learner.weight_decay or learner.weight_decay_all,
                  "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add "
                  f"--learner.weight_decay_all true to accept that, or use --{decay}.weight_decay 0 or another backend")
+        own = owner == "critic" and {c.critic.muon_ns_steps, c.critic.muon_nesterov} != {None}
+        muon = "critic" if own else "learner"
         _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
-                 "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave learner.muon_ns_steps and "
-                 "learner.muon_nesterov at their defaults with --learner.backend deepspeed")
+                 f"DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave {muon}.muon_ns_steps and "
+                 f"{muon}.muon_nesterov at their defaults with --learner.backend deepspeed")
 
 
 def _check_advantage_and_kl(c: Config) -> None:

@@ -45,8 +45,8 @@ def _takes_text(tp: Any) -> bool:
 
 
 def _deepest(key: str, value: Any) -> str:
-    """The dotted key of the first leaf under an unknown section (``actor.adam.lr``, not ``actor``),
-    when that is a flag of OpenRLHF's: its hint names the whole flag."""
+    """The dotted key of the first leaf under an unknown section or key (``actor.adam.lr``, not ``actor``;
+    ``critic.muon.lr``, not ``critic.muon``), when that is a flag of OpenRLHF's: its hint names the whole flag."""
     from .openrlhf_flags import lookup
 
     if isinstance(value, dict):
@@ -178,7 +178,7 @@ def _coerce_section(value: Any, tp: type, path: str, known: list[str]) -> Any:
     for k, v in value.items():
         sub = f"{path}.{k}" if path else k
         if k not in hints:
-            raise ConfigError(_unknown(sub, known))
+            raise ConfigError(_unknown(_deepest(sub, v), known))
         kwargs[k] = _coerce(v, hints[k], sub, known)
     return tp(**kwargs)
 
