@@ -146,10 +146,14 @@ def test_a_run_with_muon(rlhf):
 def test_openrlhf_flags_map_to_muon():
     from rlhf_plugins.commands.convert import convert
 
-    raw = convert(["python3", "-m", "openrlhf.cli.train_ppo_ray", "--optim", "muon", "--muon.lr", "0.01",
-                   "--muon.momentum", "0.9", "--muon.no_nesterov"]).raw
+    conv = convert(["python3", "-m", "openrlhf.cli.train_ppo_ray", "--optim", "muon", "--muon.lr", "0.01",
+                    "--muon.momentum", "0.9", "--muon.no_nesterov", "--critic.muon.ns_steps", "3"])
+    raw = conv.raw
     assert raw["learner"]["optimizer"] == "muon" and raw["learner"]["muon_lr"] == 0.01
-    assert raw["learner"]["muon_momentum"] == 0.9 and raw["learner"]["muon_nesterov"] is False
+    assert raw["learner"]["muon_momentum"] == 0.9
+    # placeholders in OpenRLHF (its DeepSpeed's Muon runs 5 steps with Nesterov): listed, not carried
+    assert "muon_nesterov" not in raw["learner"] and "muon_ns_steps" not in raw.get("critic", {})
+    assert {flag for flag, why in conv.skipped if "placeholder" in why} == {"--muon.no_nesterov", "--critic.muon.ns_steps"}
 
 
 @pytest.mark.integration
@@ -201,15 +205,16 @@ def test_a_torch_without_muon_is_one_line(rlhf, monkeypatch):
 def test_openrlhf_critic_muon_flags_reach_the_critics_own_optimizer(tiny_model):
     """0.11's --critic.muon.* set the critic's Muon, --actor.muon.* the actor's alone (the critic keeps
     OpenRLHF's default, whatever the order), 0.10's flat --muon.* both: each learner's torch.optim.Muon
-    steps with its own lr, momentum, Nesterov switch and Newton-Schulz steps."""
+    steps with its own lr and momentum, and the critic's own Nesterov switch and Newton-Schulz steps."""
     from rlhf_plugins.commands.convert import convert
     from rlhf_plugins.learners.torch_learner import TorchLearner
     from rlhf_plugins.testing import backend_context
 
     raw = convert(["python3", "-m", "openrlhf.cli.train_ppo_ray", "--optim", "muon",
                    "--critic.muon.momentum", "0.8", "--muon.lr", "0.03", "--actor.muon.momentum", "0.9",
-                   "--critic.muon.lr", "0.05", "--critic.muon.no_nesterov", "--critic.muon.ns_steps", "3"]).raw
-    raw["learner"]["backend"] = "torch"  # DeepSpeed's Muon fixes its Newton-Schulz steps and Nesterov
+                   "--critic.muon.lr", "0.05"]).raw
+    raw["learner"]["backend"] = "torch"  # whose Muon takes Newton-Schulz steps and Nesterov (DeepSpeed's fixes them)
+    raw["critic"].update(muon_nesterov=False, muon_ns_steps=3)
     config, pm, _ = prepare({k: raw[k] for k in ("learner", "critic")} | {"model": {"dtype": "float32"}},
                             autoload=False)
 
