@@ -179,6 +179,11 @@ FLAGS = [
                                         "--learner.backend", "deepspeed", "--critic.muon_nesterov", "false"],
      "DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave critic.muon_ns_steps and "
      "critic.muon_nesterov at their defaults with --learner.backend deepspeed"),
+    ("kl-unbiased-gradient-in-reward", ["--algo.kl.unbiased_gradient", "true", "--algo.kl.in_reward", "true"],
+     "algo.kl.unbiased_gradient shapes the KL loss term's gradient, and algo.kl.in_reward puts KL in the reward "
+     "instead; drop one of them"),
+    ("kl-unbiased-gradient-with-ratio", ["--algo.kl.unbiased_gradient", "true", "--algo.kl.ratio", "sequence"],
+     "algo.kl.unbiased_gradient weighs the KL gradient by pi/pi_old itself; drop --algo.kl.ratio sequence"),
     ("gdpo-one-sample", ["--reward.combine", "normalize_then_sum", "--generation.n_samples_per_prompt", "1"],
      "reward.combine normalize_then_sum normalises each reward within its prompt group and needs "
      "generation.n_samples_per_prompt >= 2"),

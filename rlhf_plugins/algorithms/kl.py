@@ -7,10 +7,14 @@ One convention for all three (as OpenRLHF): the estimate is clamped to
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: bound of every estimate (and of k3's log ratio)
 CLAMP = 10.0
+#: the largest importance weight pi / pi_old of the unbiased KL gradient (OpenRLHF's KL_IS_WEIGHT_CLIP)
+IS_WEIGHT_CAP = 10.0
 
 
 def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -38,3 +42,14 @@ def ratio_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torc
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
     return log_ratio.clamp(-CLAMP, CLAMP).exp()
+
+
+def unbiased_term(kl: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                  old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``kl`` (any estimator's) in value; in the backward pass the reverse-KL gradient
+    ``w * log(p/q) * grad log p`` with ``w = p / p_old`` capped at :data:`IS_WEIGHT_CAP` and held constant,
+    the same for k1, k2 and k3 (``--algo.kl.unbiased_gradient``, OpenRLHF's): the straight-through
+    surrogate ``w * log(p/q)^2 / 2``, whose gradient that is."""
+    weight = (logprobs - old_logprobs).detach().clamp(max=math.log(IS_WEIGHT_CAP)).exp()
+    surrogate = weight * 0.5 * (logprobs - ref_logprobs) ** 2
+    return kl.detach() + surrogate - surrogate.detach()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .kl import ratio_weights
+from .kl import ratio_weights, unbiased_term
 from .mismatch import weights_for
 from .numerics import aggregate, high_entropy_mask, masked_mean, micro_batch_weight
 from .policy_losses import PolicyLossInputs, off_policy_mask
@@ -29,6 +29,8 @@ class Objective:
     norm_length: float | None = None
     #: weight the KL loss term by the policy ratio: none | token | sequence (``--algo.kl.ratio``)
     kl_ratio: str = "none"
+    #: the KL term's value with the reverse-KL gradient (``--algo.kl.unbiased_gradient``)
+    kl_unbiased: bool = False
     #: this step's entropy-bonus coefficient (an adaptive one changes per step); empty: the options'
     entropy_coef: float | None = None
 
@@ -91,9 +93,7 @@ class Objective:
         if ref is not None and self.kl_estimator is not None:
             kl = self.kl_estimator(logprobs, ref)
             if self.kl_coef:
-                weighted = kl if self.kl_ratio == "none" else kl * ratio_weights(logprobs, inputs.old_logprobs, mask,
-                                                                                  self.kl_ratio)
-                kl_loss = aggregate(weighted, mask, self.aggregation, self.norm_length)
+                kl_loss = aggregate(self._kl_term(kl, logprobs, ref, inputs), mask, self.aggregation, self.norm_length)
                 loss = loss + self.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if entropy is not None:
@@ -102,6 +102,15 @@ class Objective:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)  # nats per token, whatever the aggregation
         metrics["loss/total"] = loss.detach()
         return loss, metrics
+
+    def _kl_term(self, kl: torch.Tensor, logprobs: torch.Tensor, ref: torch.Tensor,
+                 inputs: PolicyLossInputs) -> torch.Tensor:
+        """The per-token KL loss term: the estimate, weighted by the policy ratio or with the unbiased gradient."""
+        if self.kl_unbiased:
+            return unbiased_term(kl, logprobs, ref, inputs.old_logprobs)
+        if self.kl_ratio == "none":
+            return kl
+        return kl * ratio_weights(logprobs, inputs.old_logprobs, inputs.action_mask, self.kl_ratio)
 
     def _select_and_weight(self, per_token: torch.Tensor, inputs: PolicyLossInputs, entropy: torch.Tensor | None,
                            metrics: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ..config.openrlhf_flags import COMMANDS, NEARBY, OURS, PPO_DEFAULTS, Flag, 
 from ..errors import UsageError
 from .convert_correction import FLAGS as CORRECTION_FLAGS
 from .convert_correction import convert_correction
+from .convert_rules import drop_what_openrlhf_ignores
 from .convert_stages import BY_HAND, STAGES, convert_stage, stage_key
 
 
@@ -148,24 +149,13 @@ def convert(argv: list[str]) -> Converted:
             if key not in out.set_keys:
                 out.put(key, value)
                 out.carried.append(f"{key}: {value}")
-        _frozen_without_critic(out)
+        drop_what_openrlhf_ignores(out)
         if out.raw["algo"]["advantage"]["estimator"] == "group_norm":  # OpenRLHF divides by std + 1e-9
             out.put("algo.advantage.std_eps", 1e-9)
             out.carried.append("algo.advantage.std_eps: 1e-09 (group_norm: std + 1e-9)")
     out.skipped = [(out.typed.get(flag, flag), why) for flag, why in out.skipped]
     out.partial = [(out.typed.get(flag, flag), how) for flag, how in out.partial]
     return out
-
-
-def _frozen_without_critic(out: Converted) -> None:
-    """``--freezing_actor_steps`` trains the critic alone for a while; without a critic (a group estimator)
-    OpenRLHF skips the actor's updates with nothing else training, which rlhf refuses: not converted."""
-    critic = out.raw.get("critic", {})
-    if critic.get("freezing_steps") and out.raw["algo"]["advantage"]["estimator"] != "gae":
-        del critic["freezing_steps"]
-        out.skipped.append(("--freezing_actor_steps", f"no critic to train alone under estimator "
-                                                      f"'{out.raw['algo']['advantage']['estimator']}' (OpenRLHF would "
-                                                      "skip the actor's updates with nothing training)"))
 
 
 def _reward_file(out: Converted) -> None:

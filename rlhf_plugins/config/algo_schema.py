@@ -128,6 +128,9 @@ class KLConfig:
     #: weight the KL loss term by the policy ratio pi/pi_old (differentiable): none | token | sequence
     #: (DeepSeek-V3.2's unbiased KL gradient; TRL's use_bias_correction_kl, its default)
     ratio: Literal["none", "token", "sequence"] = "none"
+    #: keep the estimator's value, take the reverse-KL gradient: pi/pi_old (capped at 10, held constant) x
+    #: log(pi/pi_ref) x grad log pi, the same for k1, k2 and k3 (OpenRLHF's --algo.kl.unbiased_gradient)
+    unbiased_gradient: bool = False
     #: every N steps move the reference model towards the policy (TR-DPO; TRL's sync_ref_model); 0: it
     #: stays the initial policy
     ref_sync_steps: int = setting(0, ge=0)

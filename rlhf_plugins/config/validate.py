@@ -249,10 +249,17 @@ def check_router_loss(c: Config) -> None:
 
 
 def check_kl_ratio(c: Config) -> None:
-    """--algo.kl.ratio weights the KL loss term, which KL in the reward does not have."""
-    _require(c.algo.kl.ratio == "none" or not c.algo.kl.in_reward,
-             f"algo.kl.ratio {c.algo.kl.ratio} weights the KL loss term, and algo.kl.in_reward puts KL in the "
+    """--algo.kl.ratio and --algo.kl.unbiased_gradient shape the KL loss term, which KL in the reward does
+    not have; both weigh its gradient by the policy ratio."""
+    k = c.algo.kl
+    _require(k.ratio == "none" or not k.in_reward,
+             f"algo.kl.ratio {k.ratio} weights the KL loss term, and algo.kl.in_reward puts KL in the "
              "reward instead; drop one of them")
+    _require(not k.unbiased_gradient or not k.in_reward,
+             "algo.kl.unbiased_gradient shapes the KL loss term's gradient, and algo.kl.in_reward puts KL in the "
+             "reward instead; drop one of them")
+    _require(not k.unbiased_gradient or k.ratio == "none",
+             f"algo.kl.unbiased_gradient weighs the KL gradient by pi/pi_old itself; drop --algo.kl.ratio {k.ratio}")
 
 
 def check_reference_sync(c: Config, plan: Plan) -> None:

@@ -80,6 +80,7 @@ def build_algorithm(trainer: Trainer) -> None:
         kl_estimator=trainer.kl_estimator if trainer.reference is not None else None,
         norm_length=c.algo.policy_loss.norm_length,
         kl_ratio=c.algo.kl.ratio,
+        kl_unbiased=c.algo.kl.unbiased_gradient,
     )
     trainer.value_objective = ValueObjective(c.critic.value_clip)
     trainer.shaper = RewardShaper(c.reward, c.generation.max_new_tokens)
