@@ -571,3 +571,12 @@ def test_openrlhfs_flash_reinforce_recipe_converts_to_ours():
         "aggregation": "seq-mean-token-mean"}
     assert algo["kl"]["coef"] == 0 and conv.raw["generation"]["n_samples_per_prompt"] == 1
     assert not conv.skipped
+
+
+def test_openrlhfs_checkpoint_count_is_carried_and_its_flag_overrides_it():
+    """OpenRLHF keeps its 3 newest checkpoints (--ckpt.max_num, 0.9's --max_ckpt_num); ours keeps 2 by default."""
+    assert convert(["--pretrain", "m", "--save_steps", "10"]).raw["train"]["keep_checkpoints"] == 3
+    assert convert(["--pretrain", "m", "--ckpt.max_num", "5"]).raw["train"]["keep_checkpoints"] == 5
+    from rlhf_plugins.config.loading import build_config
+
+    assert build_config({}).train.keep_checkpoints == 2  # so the carried default is a change

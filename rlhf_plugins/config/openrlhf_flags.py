@@ -48,6 +48,7 @@ PPO_DEFAULTS: dict[str, Any] = {
     "eval.temperature": 0.6,
     "eval.n_samples": 4,
     "vllm.gpu_memory_utilization": 0.95,
+    "train.keep_checkpoints": 3,  # --ckpt.max_num's (with --save_steps)
 }
 COMMANDS = {"train_ppo_ray": "ppo", "train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "serve_rm": "serve_rm"}
 #: our command for each of theirs
