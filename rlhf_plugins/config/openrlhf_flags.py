@@ -158,10 +158,11 @@ difference or could not convert, with the reason. An OpenRLHF flag given to `rlh
 line naming our equivalent (`--actor_learning_rate is OpenRLHF's; here it is --learner.lr`). OpenRLHF's other
 scripts (`train_kto`, `train_prm`, `train_kd`, ... -- OpenRLHF 0.8's, gone from 0.9) have no equivalent: converting
 one is one line saying so and naming the stage nearest to it (`rlhf kto`; for `train_kd`, which distils on a dataset's
-answers, `rlhf distill`, TRL's on-policy distillation on the student's own). So is 0.11's `train_opd`: its
-sampled-token mode has a counterpart in `rlhf train`, the teacher as `--model.reference_path` and its KL as
-the only reward (docs/algorithms.md), its top-k mode is nearest to `rlhf distill`; and `train_ppo`, PPO without
-Ray, whose command converts with `openrlhf.cli.train_ppo_ray` in its place.
+answers, `rlhf distill`, TRL's on-policy distillation on the student's own). So is `train_opd` (on OpenRLHF's
+main branch, in no release up to 0.11.2): its sampled-token mode has a counterpart in `rlhf train`, the teacher
+as `--model.reference_path` and its KL as the only reward (docs/algorithms.md), its top-k mode is nearest to
+`rlhf distill`; and `train_ppo`, PPO without Ray, whose command converts with `openrlhf.cli.train_ppo_ray` in its
+place.
 
 ## Where the semantics differ
 
