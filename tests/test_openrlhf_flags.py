@@ -580,3 +580,17 @@ def test_openrlhfs_checkpoint_count_is_carried_and_its_flag_overrides_it():
     from rlhf_plugins.config.loading import build_config
 
     assert build_config({}).train.keep_checkpoints == 2  # so the carried default is a change
+
+
+@pytest.mark.parametrize("stage, lr, epochs, max_len", [("sft", 5e-6, 2, 2048), ("rm", 9e-6, 1, 512),
+                                                         ("dpo", 1e-5, 1, 512)])
+def test_a_stage_command_without_lr_epochs_or_length_trains_with_openrlhfs(stage, lr, epochs, max_len):
+    """Each OpenRLHF stage script's own learning rate, epochs and --max_len (TRL's differ: 2e-5 / 1e-4 / 1e-6,
+    3 epochs, and the stage's 256-token bound would cut an SFT sample of 2048): carried where not given."""
+    bare = convert(f"python -m openrlhf.cli.train_{stage} --pretrain M --dataset D".split())
+    trl = bare.raw["trl"]
+    assert (trl["learning_rate"], trl["num_train_epochs"], trl["max_length"]) == (lr, epochs, max_len)
+    assert {f"--max_epochs {epochs}", f"--max_len {max_len}", f"--learning_rate {lr:g}"} <= set(bare.carried)
+    given = convert(f"python -m openrlhf.cli.train_{stage} --pretrain M --dataset D --max_len 64 --max_epochs 3 "
+                    "--learning_rate 1e-4".split()).raw["trl"]
+    assert (given["learning_rate"], given["num_train_epochs"], given["max_length"]) == (1e-4, 3, 64)

@@ -1,7 +1,8 @@
 """OpenRLHF's stage commands (``train_sft``, ``train_rm``, ``train_dpo``) as TRL fields: the flags that
 become several of TRL's fields at once, and the optimizer settings OpenRLHF's stage trainers run with
 by default where TRL's differ (a global batch of 128, cosine decay to a tenth of the learning rate
-after a 3% warm-up, Adam betas (0.9, 0.95)) -- carried, so that a converted run trains as OpenRLHF's."""
+after a 3% warm-up, Adam betas (0.9, 0.95), and each stage's learning rate, epochs and sequence length) --
+carried, so that a converted run trains as OpenRLHF's."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,11 @@ DEFAULTS: dict[str, list[str]] = {
     "--lr_warmup_ratio": ["0.03"],
     "--adam_betas": ["0.9", "0.95"],
 }
+#: OpenRLHF's per-stage defaults (0.9-0.11) of flags that TRL's fields take as they are, where TRL's (and the
+#: stages' own 256-token bound) differ: (flag, TRL field) -> value per stage
+PER_STAGE = {("--learning_rate", "trl.learning_rate"): {"sft": 5e-6, "rm": 9e-6, "dpo": 1e-5},
+             ("--max_epochs", "trl.num_train_epochs"): {"sft": 2, "rm": 1, "dpo": 1},
+             ("--max_len", "trl.max_length"): {"sft": 2048, "rm": 512, "dpo": 512}}
 #: flags converted here (their first spelling in the flag table), with the defaults above
 BY_HAND = (*DEFAULTS, "--nll_loss_coef")
 SCHEDULERS = {"cosine_with_min_lr": "cosine_with_min_lr", "cosine": "cosine", "linear": "linear",
@@ -42,6 +48,10 @@ def convert_stage(out: Any, given: dict[str, list[str]]) -> None:
     beta1, beta2 = (float(v) for v in values["--adam_betas"][:2])
     out.put("trl.adam_beta1", beta1)
     out.put("trl.adam_beta2", beta2)
+    for (flag, key), value in PER_STAGE.items():
+        if key not in out.set_keys:
+            out.put(key, value[out.command])
+            out.carried.append(f"{flag} {value[out.command]:g}")
     nll = float(given.get("--nll_loss_coef", ["0"])[0])
     if nll and out.command == "dpo":  # RPO: the preference loss plus the chosen answers' NLL
         loss = out.raw.get("trl", {}).get("loss_type", "sigmoid")

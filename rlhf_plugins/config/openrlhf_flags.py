@@ -183,7 +183,9 @@ place.
   TRL's trainers: the global `--train_batch_size` (128 by default) is TRL's per-device batch
   (`--micro_train_batch_size`) times `gradient_accumulation_steps` on one process (divide that by N under
   `accelerate launch` with N processes); OpenRLHF's cosine decay to a tenth after a 3% warm-up and Adam betas
-  (0.9, 0.95) are carried as TRL's `lr_scheduler_type` / `warmup_steps` / `adam_beta1` / `adam_beta2`;
+  (0.9, 0.95) are carried as TRL's `lr_scheduler_type` / `warmup_steps` / `adam_beta1` / `adam_beta2`, and
+  each script's learning rate (SFT 5e-6, RM 9e-6, DPO 1e-5), epochs (2, 1, 1) and `--max_len` (2048, 512, 512)
+  as TRL's `learning_rate`, `num_train_epochs` and `max_length` where the command gives none;
   DPO's `--nll_loss_coef` is TRL's loss list `[sigmoid, sft]` weighted `[1, coef]`.
 - **Reward normalization.** A reward model's stored mean/std (OpenRLHF's `normalize_reward` config)
   is applied when the run asks for it with `--reward.model_normalize` (OpenRLHF: `--normalize_reward`);
