@@ -158,11 +158,13 @@ class CriticConfig:
     # the critic's own optimizer settings (OpenRLHF 0.11's --critic.optim, --critic.adam.betas, ...)
     #: the critic's optimizer; empty: learner.optimizer
     optimizer: Literal["adamw", "adam", "sgd", "muon", "adafactor"] | None = None
-    #: the critic's Muon learning rate, momentum, Nesterov switch and Newton-Schulz steps (OpenRLHF 0.11's
-    #: --critic.muon.*); empty: learner.muon_*
+    #: the critic's Muon learning rate (OpenRLHF 0.11's --critic.muon.lr); empty: learner.muon_lr
     muon_lr: float | None = setting(None, gt=0)
+    #: the critic's Muon momentum (OpenRLHF 0.11's --critic.muon.momentum); empty: learner.muon_momentum
     muon_momentum: float | None = setting(None, ge=0, lt=1)
+    #: the critic's Muon Nesterov momentum; empty: learner.muon_nesterov
     muon_nesterov: bool | None = None
+    #: the critic's Newton-Schulz iterations per Muon step; empty: learner.muon_ns_steps
     muon_ns_steps: int | None = setting(None, ge=1)
     #: the critic's Adam(W) beta1 and beta2; empty: learner.betas
     betas: list[float] | None = None
