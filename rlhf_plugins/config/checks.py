@@ -207,7 +207,7 @@ def _check_optimizer(c: Config) -> None:
         _require(backend != "deepspeed" or not learner.weight_decay or learner.weight_decay_all,
                  "DeepSpeed's Muon decays every parameter, biases and normalisation weights too: add "
                  f"--learner.weight_decay_all true to accept that, or use --{decay}.weight_decay 0 or another backend")
-        own = owner == "critic" and {c.critic.muon_ns_steps, c.critic.muon_nesterov} != {None}
+        own = owner == "critic" and (c.critic.muon_ns_steps is not None or c.critic.muon_nesterov is not None)
         muon = "critic" if own else "learner"
         _require(backend != "deepspeed" or (learner.muon_ns_steps == 5 and learner.muon_nesterov),
                  f"DeepSpeed's Muon runs 5 Newton-Schulz steps with Nesterov momentum; leave {muon}.muon_ns_steps and "
