@@ -79,6 +79,9 @@ def test_activation_estimate_matches_what_a_real_forward_saves_for_backward(dtyp
         pytest.skip("torch.compile on a CPU needs a C++ compiler")
     for name, hidden, layers in (("qwen2.5-0.5b", 896, 2), ("qwen2.5-0.5b", 256, 3), ("qwen3-30b-a3b", 256, 2)):
         config = shape_config(name, layers=layers, hidden=hidden)
+        # the vocabulary sizes the embedding and head, not what a layer keeps: with 512 tokens the bytes
+        # measured are the real vocabulary's to the byte, in a tenth of the time (initialising 151,936 rows)
+        config.vocab_size = 512
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         if compiled:
