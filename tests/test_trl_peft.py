@@ -1222,6 +1222,46 @@ def test_a_model_the_script_changed_after_loading_is_the_one_trained(tmp_path, t
         trainer(frozen, "frozen")
 
 
+def test_a_model_the_script_loaded_from_pickled_weights_trains_from_a_safetensors_copy(tmp_path, tiny_model,
+                                                                                       monkeypatch):
+    """transformers loads a folder of pickled weights (pytorch_model.bin), which a run does not unpickle: the
+    model the script loaded is saved as <output_dir>/initial_model in safetensors, with the folder's tokenizer,
+    and the run trains it (it stopped on the folder's pickled weights); the folder's path alone is one line."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from rlhf_plugins.integrations.trl import GRPOTrainer
+    from rlhf_plugins.models.tiny_model import task_rows
+
+    monkeypatch.chdir(tmp_path)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_model, pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    torch.save(weights, pickled / "pytorch_model.bin")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, use_cpu=True, bf16=False, report_to=[])
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(pickled), args=args,
+                          train_dataset=task_rows("train")[:8],
+                          reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match",
+                          rlhf={"eval": {"enabled": False}, "train": {"progress": False}})
+    initial = tmp_path / "out" / "initial_model"
+    assert trainer.raw["model"]["path"] == str(initial)
+    assert any("loaded from pickled weights (pytorch_model.bin)" in note for note in trainer.notes), trainer.notes
+    saved = load_file(initial / "model.safetensors")
+    assert saved.keys() <= weights.keys() and all(torch.equal(saved[k], weights[k]) for k in saved)
+    assert (initial / "tokenizer.json").is_file() and not list(initial.glob("*.bin"))
+    trainer.train()
+    assert [r["step"] for r in metrics_of(trainer.run_dir)] == [0]
+    with pytest.raises(ConfigError, match=r"holds pickled weights \(pytorch_model.bin\), which rlhf-plugins does not "
+                                          r"load"):
+        GRPOTrainer(model=str(pickled), args=args, train_dataset=task_rows("train")[:8],
+                    reward_funcs="rlhf_plugins.builtin_plugins.rewards.exact_match").train()
+
+
 def test_a_reward_model_among_trls_reward_funcs_scores_the_run(tmp_path, tiny_model, monkeypatch):
     """TRL loads a reward_funcs entry naming a model as a sequence classifier: a folder (or a model loaded
     from one) becomes reward.models, reward_weights follow it into our order (functions, then models), and

@@ -114,7 +114,7 @@ class GRPOTrainer(AfterTraining):
         if changed is not None:  # written last, as below: the model as the script left it, as TRL trains it
             model = save_initial_model(loaded, processing_class, model, out)
             _set(raw, "model.path", model)
-            self.notes.append(f"model: {changed} (changed after loading): saved as {model} and trained from there")
+            self.notes.append(f"model: {changed}: saved as {model} and trained from there")
         if peft_config is not None or peft_model is not None:  # written last: a refused trainer leaves nothing
             raw = merge(raw, {"lora": save_adapter(peft_model, out) if peft_model is not None
                               else peft_to_lora(peft_config, out)})

@@ -115,18 +115,24 @@ def model_folder(model: Any) -> str:
 
 
 def changed_in_memory(model: Any, folder: str, processing_class: Any) -> str | None:
-    """What of a loaded ``model`` and the tokenizer beside it the script changed after loading them from
-    ``folder`` -- a tensor changed or resized (resize_token_embeddings after adding tokens), tokens added --
-    or None when the folder holds them as they are (tensors its checkpoint names otherwise are not compared)."""
+    """Why a loaded ``model`` cannot train from ``folder`` as it is, or None when it can: the script changed the
+    model or the tokenizer beside it after loading them -- a tensor changed or resized (resize_token_embeddings
+    after adding tokens), tokens added -- or the folder's weights are pickled, which the script loaded and runs
+    do not (tensors its checkpoint names otherwise are not compared)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
+    from ..models.folder import pickled_weights
+
+    pickled = pickled_weights(Path(folder))
+    if pickled:
+        return f"loaded from pickled weights ({pickled[0]}), which runs do not load from a folder"
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if tokenizer is not None:
         saved_tokens = len(AutoTokenizer.from_pretrained(folder))
         if len(tokenizer) != saved_tokens:
-            return f"its tokenizer has {len(tokenizer)} tokens, the folder's {saved_tokens}"
+            return f"its tokenizer has {len(tokenizer)} tokens, the folder's {saved_tokens} (changed after loading)"
     state = model.state_dict()
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), "pt") as saved:
@@ -136,7 +142,7 @@ def changed_in_memory(model: Any, folder: str, processing_class: Any) -> str | N
                     continue
                 disk = saved.get_tensor(name)
                 if disk.shape != tensor.shape or not torch.equal(disk.to(tensor.dtype), tensor.detach().cpu()):
-                    return f"{name} is not the folder's"
+                    return f"{name} is not the folder's (changed after loading)"
     return None
 
 

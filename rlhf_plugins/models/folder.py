@@ -15,6 +15,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 PICKLED = ("pytorch_model.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
+def pickled_weights(folder: Path) -> list[str]:
+    """The pickled weight files of a folder that holds no safetensors weights (which runs do not load)."""
+    if any(folder.glob("*.safetensors")):
+        return []
+    return [p.name for pattern in PICKLED for p in sorted(folder.glob(pattern))]
+
+
 def not_a_model_folder(where: str, folder: Path) -> str:
     """The line for a folder without config.json: a LoRA adapter alone (a LoRA run's ``final/``) names
     what to give instead -- the run's merged model when it wrote one, else the adapter's base."""
@@ -66,7 +73,7 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
                           "the model (tokenizer.save_pretrained)")
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
-        pickled = [p.name for pattern in PICKLED for p in folder.glob(pattern)]
+        pickled = pickled_weights(folder)
         if pickled:
             raise ConfigError(f"{where} holds pickled weights ({pickled[0]}), which rlhf-plugins does not load "
                               "(unpickling can run code); convert them to safetensors "
