@@ -241,6 +241,8 @@ FLAGS = [
 EVAL_FLAGS = [
     ("eval-model-missing", ["--model", "nowhere"],
      "--model 'nowhere' is not a folder; give a run directory or a save_pretrained folder"),
+    ("eval-model-not-a-model", ["--model", "."],
+     "--model '.' is neither a run directory (config.yaml) nor a save_pretrained folder (config.json); give one"),
     ("eval-without-data", ["--data.path", "builtin:addition-test"],  # data with no held-out split of its own
      "no held-out prompts: give --data PATH (or --eval.path, or --eval.split to hold out part of --data.path)"),
     ("eval-output-nowhere", ["--output", "no/such/folder/r.json"],

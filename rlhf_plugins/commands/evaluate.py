@@ -46,6 +46,12 @@ def model_and_config(model: str | None) -> tuple[str | None, str | None, dict[st
     path = Path(model).expanduser()
     if not path.is_dir():
         raise UsageError(f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
+    if not any((path / name).is_file() for name in ("config.yaml", "config.json", "adapter_config.json")):
+        runs = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file())
+        inside = f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): give one" \
+            if runs else "; give one"
+        raise UsageError(f"--model '{model}' is neither a run directory (config.yaml) nor a save_pretrained folder "
+                         f"(config.json){inside}")
     if (path / "config.yaml").is_file():
         final = path / "final"
         if not final.is_dir():
