@@ -224,6 +224,10 @@ FLAGS = [
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
     ("resume-nowhere", ["--resume", "nowhere"], "--resume 'nowhere' does not exist; give a run directory or a checkpoint folder"),
+    ("resume-not-a-run", ["--resume", "."],
+     "--resume '.' is neither a run directory (config.yaml) nor a checkpoint folder; give one"),
+    ("plugin-not-a-module-name", ["--plugin", "."], "unknown plugin '.': it is not an entry point of group "
+     "'rlhf_plugins', an importable module or a .py file; check the name or pip install the plugin"),
     ("best-metric-unknown", ["--train.best_metric", "eval/pass@3"],
      "train.best_metric 'eval/pass@3' is not an evaluation metric; choose one of: eval/pass@1, eval/pass@8, eval/mean@8, "
      "eval/maj@8, eval/greedy"),
@@ -315,6 +319,28 @@ def _files() -> list:
     @case("yaml-missing")
     def _(t):
         return ["--config", str(t / "none.yaml")], f"config file '{t}/none.yaml' does not exist"
+
+    @case("yaml-a-folder")
+    def _(t):
+        return ["--config", str(t)], f"config file '{t}' is a folder; give a YAML file"
+
+    @case("yaml-a-run-directory")
+    def _(t):
+        write(t / "r" / "config.yaml", "train:\n  steps: 2\n")
+        return ["--config", str(t / "r")], \
+            f"config file '{t}/r' is a folder; give a YAML file (a run's is its config.yaml: '{t}/r/config.yaml')"
+
+    @case("resume-before-the-first-checkpoint")
+    def _(t):
+        write(t / "r" / "config.yaml", "train:\n  steps: 2\n")
+        return ["--resume", str(t / "r")], f"run directory '{t}/r' has no complete checkpoint to resume from (nothing " \
+            f"under {t}/r/checkpoints); it stopped before its first checkpoint"
+
+    @case("resume-a-folder-of-runs")
+    def _(t):
+        write(t / "runs" / "a" / "config.yaml", "train:\n  steps: 2\n")
+        return ["--resume", str(t / "runs")], f"--resume '{t}/runs' is neither a run directory (config.yaml) nor a " \
+            "checkpoint folder; it holds run directories (a); give one"
 
     @case("data-not-utf8")
     def _(t):
@@ -507,6 +533,11 @@ def _files() -> list:
         write(t / "broken.py", "import no_such_module_zz\n")
         return ["--plugin", str(t / "broken.py")], \
             f"plugin '{t}/broken.py' failed to import: ModuleNotFoundError: No module named 'no_such_module_zz'"
+
+    @case("plugin-a-folder")
+    def _(t):
+        return ["--plugin", str(t)], f"plugin '{t}' is a folder; give a .py file, or a package by its module name " \
+            "(from the folder that holds it) or its entry point"
 
     @case("plugin-unknown")
     def _(t):

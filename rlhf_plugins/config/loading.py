@@ -16,6 +16,9 @@ from .schema import Config
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        inside = f" (a run's is its config.yaml: '{p / 'config.yaml'}')" if (p / "config.yaml").is_file() else ""
+        raise ConfigError(f"config file '{path}' is a folder; give a YAML file{inside}")
     if not p.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:

@@ -112,6 +112,9 @@ class PluginLoading:
             return
         if self.load_entrypoints(only=arg):
             return
+        if not all(part.isidentifier() for part in arg.split(".")):  # ".", "my-plugin": no module is named so
+            raise PluginError(f"unknown plugin '{arg}': it is not an entry point of group '{ENTRY_POINT_GROUP}', "
+                              "an importable module or a .py file; check the name or pip install the plugin")
         cwd = os.getcwd()
         if cwd not in sys.path:
             sys.path.append(cwd)
@@ -136,6 +139,9 @@ class PluginLoading:
 
     def _import_file(self, arg: str) -> None:
         path = Path(arg).expanduser()
+        if path.is_dir():
+            raise PluginError(f"plugin '{arg}' is a folder; give a .py file, or a package by its module name (from "
+                              "the folder that holds it) or its entry point")
         if not path.is_file():
             raise PluginError(f"plugin file '{arg}' does not exist; give a path to a .py file")
         location = str(path.resolve())
