@@ -283,6 +283,35 @@ def test_data_without_the_needed_column_names_column_and_file(rlhf, tmp_path):
     assert code == 0, err
 
 
+def test_sft_trains_on_trls_messages_and_text_rows_and_matches_a_conversations_last_answer(rlhf, tmp_path,
+                                                                                          monkeypatch):
+    """TRL's conversational rows (``messages``) and language-modelling rows (``text``) are SFT data as for TRL's
+    SFTTrainer (the first failed after training, at its held-out figure; the second asked for a prompt column): a
+    held-out conversation's last assistant turn is the answer matched after the turns before it; plain text has
+    no answer, and no figure is made up for it."""
+    import rlhf_plugins.stages.heldout as heldout
+
+    evaluated = []
+    real = heldout.evaluate_model
+    monkeypatch.setattr(heldout, "evaluate_model", lambda path, rows, **kw: evaluated.append(rows) or real(path, rows, **kw))
+    chats = [[{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+1="},
+              {"role": "assistant", "content": str(a + 1)}] for a in range(8)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": f"{a}+1={a + 1}"}) + "\n" for a in range(8)))
+    short = ("--trl.max_steps", "2", "--train.progress", "false", "--data.eval_split", "0.25")
+    code, out, err = rlhf("sft", "--data.path", str(tmp_path / "chats.jsonl"), "--train.run_name", "chats", *short)
+    assert code == 0, err
+    held = [m for m in chats if {"prompt": m[:-1], "label": m[-1]["content"]} in evaluated[0]]
+    assert len(evaluated) == 1 and len(held) == len(evaluated[0]) == 2, evaluated
+    s = summary_of(Path("runs/chats"))
+    assert s["training_rows"] == 6 and s["steps"] == 2 and 0 <= s["exact_match_accuracy"] <= 1
+    code, out, err = rlhf("sft", "--data.path", str(tmp_path / "text.jsonl"), "--train.run_name", "text", *short)
+    assert code == 0, err
+    s = summary_of(Path("runs/text"))
+    assert s["training_rows"] == 6 and s["steps"] == 2 and s["train_loss"] > 0 and "exact_match_accuracy" not in s
+    assert len(evaluated) == 1 and "held-out no figure" in out
+
+
 def test_pairs_whose_chosen_equals_rejected_are_counted_not_fatal(rlhf, tmp_path):
     path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(8)]

@@ -65,7 +65,7 @@ def _flag(key: str) -> str:
 
 
 def _columns(stage: str, rows: list[dict[str, Any]], d: Any, path: str) -> dict[str, str]:
-    """TRL's column -> the file's, for the stage: SFT's demonstrations (or ``messages`` rows), preference
+    """TRL's column -> the file's, for the stage: SFT's demonstrations (or ``messages`` or ``text`` rows), preference
     pairs, for KTO pairs or unpaired rows (a completion and whether it is desirable), distillation's prompts."""
     if stage == "distill":  # the student writes the answers: any other column is left unread
         _require(rows, [d.prompt_key], path)
@@ -73,6 +73,8 @@ def _columns(stage: str, rows: list[dict[str, Any]], d: Any, path: str) -> dict[
     if stage == "sft":
         if rows and "messages" in rows[0]:
             return {"messages": "messages"}
+        if rows and "text" in rows[0] and d.prompt_key not in rows[0]:  # TRL's language-modelling rows
+            return {"text": "text"}
         _require(rows, [d.prompt_key, d.completion_key], path)
         return {"prompt": d.prompt_key, "completion": d.completion_key}
     if stage == "kto" and rows and not (d.chosen_key in rows[0] and d.rejected_key in rows[0]):

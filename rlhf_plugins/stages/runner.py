@@ -137,8 +137,8 @@ def _heldout(stage: str, trainer: Any, final: Path, held: list[dict[str, Any]], 
     if not held:
         return {}
     if stage == "sft":
-        return _exact_match(final, [{"prompt": r["prompt"], "label": _text(r["completion"])} for r in held
-                                    if "prompt" in r])
+        answered = [a for a in map(_prompt_and_answer, held) if a is not None]
+        return _exact_match(final, answered) if answered else {}
     if stage == "rm":
         from ..models.reward_model import RewardModelScorer
 
@@ -209,6 +209,17 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else value[-1]["content"]
 
 
+def _prompt_and_answer(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A held-out SFT row as a prompt and the answer to match: a demonstration's completion, a conversation's
+    last assistant turn after the turns before it; None for plain text, which has no answer of its own."""
+    if "prompt" in row:
+        return {"prompt": row["prompt"], "label": _text(row["completion"])}
+    turns = row.get("messages") or []
+    if len(turns) > 1 and turns[-1].get("role") == "assistant":
+        return {"prompt": turns[:-1], "label": turns[-1]["content"]}
+    return None
+
+
 def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
     from transformers import AutoTokenizer
 
@@ -244,9 +255,9 @@ def run_stage(stage: str, cfg: StageConfig, console: Console) -> Path:
         keys = ("exact_match_accuracy", "greedy_accuracy", "teacher_exact_match_accuracy", "pairwise_accuracy",
                 "preference_accuracy", "reward_margin", "kl", "divergence")
         shown = {k: v for k, v in summary.items() if k in keys}
-        console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out "
-                      + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items())
-                      + f"; model saved to {final}")
+        figures_line = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in shown.items()) or "no figure"
+        console.print(f"{stage}: {len(train)} rows, {summary['steps']} steps; held-out {figures_line}; "
+                      f"model saved to {final}")
         return run_dir
     except BaseException:
         if callback is not None:
