@@ -312,6 +312,37 @@ def test_sft_trains_on_trls_messages_and_text_rows_and_matches_a_conversations_l
     assert len(evaluated) == 1 and "held-out no figure" in out
 
 
+@pytest.mark.parametrize("conversational", [True, False], ids=["conversations", "texts"])
+def test_preference_rows_without_a_prompt_take_what_both_answers_start_with(rlhf, tmp_path, conversational):
+    """Preference rows of whole conversations (or texts) and no prompt column -- TRL's implicit prompt, OpenRLHF's
+    data without --prompt_key -- were refused for the missing column: the turns (text) both answers start with
+    are the prompt, the rest each answer, as TRL's trainers split them; a reward model and DPO train on them."""
+    from rlhf_plugins.stages.config import StageConfig
+    from rlhf_plugins.stages.data import load
+
+    def said(role, text):
+        return [{"role": role, "content": text}] if conversational else text
+
+    def whole(a, answer):
+        return [*said("user", f"{a}+1="), *said("assistant", str(answer))] if conversational else f"{a}+1={answer}"
+
+    rows = [{"chosen": whole(a, a + 1), "rejected": whole(a, a + 2)} for a in range(8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = StageConfig()
+    cfg.data.path, cfg.data.eval_split = str(path), 0.0
+    train, _, _ = load("dpo", cfg)
+    assert train == [{"prompt": said("user", f"{a}+1="), "chosen": said("assistant", str(a + 1)),
+                      "rejected": said("assistant", str(a + 2))} for a in range(8)]
+    for stage in ("rm", "dpo"):
+        code, _, err = rlhf(stage, "--data.path", str(path), "--trl.max_steps", "1", "--train.progress", "false",
+                            "--train.run_name", stage)
+        assert code == 0, err
+        assert summary_of(Path("runs", stage))["heldout_rows"] == 1
+    code, _, err = rlhf("rm", "--data.path", str(path), "--data.prompt_key", "question")  # a column asked for
+    assert code == 2 and "has no 'question' column (columns: chosen, rejected)" in err
+
+
 def test_pairs_whose_chosen_equals_rejected_are_counted_not_fatal(rlhf, tmp_path):
     path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(8)]

@@ -80,6 +80,9 @@ def _columns(stage: str, rows: list[dict[str, Any]], d: Any, path: str) -> dict[
     if stage == "kto" and rows and not (d.chosen_key in rows[0] and d.rejected_key in rows[0]):
         _require(rows, [d.prompt_key, d.completion_key, d.label_key], path)
         return {"prompt": d.prompt_key, "completion": d.completion_key, "label": d.label_key}
+    if rows and d.prompt_key == "prompt" and d.prompt_key not in rows[0]:  # the prompt implicit in both answers
+        _require(rows, [d.chosen_key, d.rejected_key], path)
+        return {"chosen": d.chosen_key, "rejected": d.rejected_key}
     _require(rows, [d.prompt_key, d.chosen_key, d.rejected_key], path)
     return {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
 
@@ -95,8 +98,14 @@ def _desirable(value: Any, path: str) -> bool:
 
 
 def _pick(rows: list[dict[str, Any]], keys: dict[str, str], template: str | None, path: str) -> list[dict[str, Any]]:
-    """The rows in TRL's column names (a KTO label as a bool), their prompts templated."""
+    """The rows in TRL's column names (a KTO label as a bool), their prompts templated. Preference rows without
+    a prompt column (whole conversations, or texts, that start alike) get the turns or text both answers start
+    with as their prompt, as TRL's trainers take them (OpenRLHF's, without --prompt_key, train on the whole)."""
     picked = [{ours: r[theirs] for ours, theirs in keys.items()} for r in rows]
+    if "chosen" in keys and "prompt" not in keys:
+        from trl.data_utils import extract_prompt
+
+        picked = [extract_prompt(r) for r in picked]
     if "label" in keys:
         picked = [{**r, "label": _desirable(r["label"], path)} for r in picked]
     return templated(picked, template, path)
