@@ -22,6 +22,20 @@ def innermost(exc: BaseException) -> str:
     return summary(causes(exc)[-1])
 
 
+def hub_download(path: object, what: str = "model") -> str | None:
+    """How to fetch ``path`` when it is not here and reads as a Hugging Face Hub id (``owner/name``, as OpenRLHF's
+    and TRL's commands name models and datasets): runs read local folders only. None for anything else."""
+    from pathlib import Path
+
+    text = str(path)
+    parts = text.split("/")
+    data_file = text.lower().endswith((".jsonl", ".json", ".csv", ".parquet", ".arrow"))
+    if len(parts) != 2 or not all(parts) or text.startswith((".", "~")) or data_file or Path(text).exists():
+        return None
+    kind = " --repo-type dataset" if what == "dataset" else ""
+    return f"if it names a Hugging Face Hub {what}, download it (hf download{kind} {text} --local-dir DIR)"
+
+
 class UsageError(Exception):
     """A mistake in what the user asked for (config, plugin, data, reward)."""
 

@@ -220,6 +220,15 @@ FLAGS = [
      "order"),
     ("one-of-several-datasets-missing", ["--data.path", "builtin:addition-train,nowhere.jsonl"],
      "dataset 'nowhere.jsonl' does not exist; set --data.path to a .jsonl, .json, .csv, .parquet or .arrow file or folder"),
+    ("model-a-hub-name", ["--model.path", "Qwen/Qwen2.5-0.5B"],
+     "model.path 'Qwen/Qwen2.5-0.5B' does not exist here; if it names a Hugging Face Hub model, download it "
+     "(hf download Qwen/Qwen2.5-0.5B --local-dir DIR) and give DIR"),
+    ("reward-model-a-hub-name", ["--reward.models", "OpenRLHF/Llama-3-8b-rm-mixture"],
+     "reward model 'OpenRLHF/Llama-3-8b-rm-mixture' does not exist here; if it names a Hugging Face Hub model, download "
+     "it (hf download OpenRLHF/Llama-3-8b-rm-mixture --local-dir DIR) and give DIR"),
+    ("data-a-hub-name", ["--data.path", "trl-lib/Capybara"],
+     "dataset 'trl-lib/Capybara' does not exist here; if it names a Hugging Face Hub dataset, download it "
+     "(hf download --repo-type dataset trl-lib/Capybara --local-dir DIR) and set --data.path DIR"),
     ("max-samples-negative", ["--data.max_samples", "-1"], "config key 'data.max_samples' must be >= 0; got -1"),
     ("unknown-key", ["--train.stepz", "3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("flag-without-value", ["--train.steps"], "flag '--train.steps' needs a value, e.g. --train.steps VALUE"),
@@ -245,6 +254,9 @@ FLAGS = [
 EVAL_FLAGS = [
     ("eval-model-missing", ["--model", "nowhere"],
      "--model 'nowhere' is not a folder; give a run directory or a save_pretrained folder"),
+    ("eval-model-a-hub-name", ["--model", "Qwen/Qwen2.5-0.5B"],
+     "--model 'Qwen/Qwen2.5-0.5B' does not exist here; if it names a Hugging Face Hub model, download it "
+     "(hf download Qwen/Qwen2.5-0.5B --local-dir DIR) and give DIR"),
     ("eval-model-not-a-model", ["--model", "."],
      "--model '.' is neither a run directory (config.yaml) nor a save_pretrained folder (config.json); give one"),
     ("eval-without-data", ["--data.path", "builtin:addition-test"],  # data with no held-out split of its own
@@ -798,3 +810,17 @@ def test_a_user_plugin_named_like_a_builtin_one_is_used(rlhf, spelling):
     assert code == 0, err
     rows = metrics_of(the_run())
     assert rows and all(row["reward/mean"] == 0.25 for row in rows)  # the builtin rewards never give 0.25 everywhere
+
+
+def test_only_an_owner_and_name_that_is_not_here_reads_as_a_hub_id(tmp_path, monkeypatch):
+    """The download hint is for `owner/name` (dots in the name, as Qwen2.5-0.5B's) that is not a path here; a data
+    file's name, a deeper or explicitly relative path and an existing folder get the plain line."""
+    from rlhf_plugins.errors import hub_download
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local" / "model").mkdir(parents=True)
+    assert hub_download("Qwen/Qwen2.5-0.5B") == ("if it names a Hugging Face Hub model, download it "
+                                                 "(hf download Qwen/Qwen2.5-0.5B --local-dir DIR)")
+    assert "--repo-type dataset trl-lib/tldr " in hub_download("trl-lib/tldr", "dataset")
+    for path in ("data/train.jsonl", "a/b/c", "./a/b", "~/a", "local/model", "nowhere", "/abs", "a/"):
+        assert hub_download(path) is None, path

@@ -257,6 +257,10 @@ def test_lora_sft_saves_a_whole_model_and_the_adapter_and_goes_on_from_it(rlhf):
     (["dpo", "--model.reference_path", "nowhere"], "model.reference_path 'nowhere' is not a save_pretrained folder"),
     (["sft", "--trl.use_vllm", "true"], "'use_vllm' is not a field of trl.SFTConfig"),
     (["sft", "--lora.adapter", "nowhere"], "lora.adapter 'nowhere' is not a trained LoRA adapter's folder"),
+    # the policy's folder is checked before transformers loads it (a traceback about the Hub before)
+    (["dpo", "--model.path", "nowhere"], "model.path 'nowhere' does not exist or is not a folder"),
+    (["sft", "--model.path", "Qwen/Qwen2.5-0.5B"], "model.path 'Qwen/Qwen2.5-0.5B' does not exist here; if it names a "
+     "Hugging Face Hub model, download it (hf download Qwen/Qwen2.5-0.5B --local-dir DIR) and give DIR"),
 ])
 def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
     code, _, err = rlhf(*args)

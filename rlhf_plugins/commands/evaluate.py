@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import UsageError
+from ..errors import UsageError, hub_download
 
 
 def add_parser(sub: Any, plugin_args: Any) -> None:
@@ -45,7 +45,9 @@ def model_and_config(model: str | None) -> tuple[str | None, str | None, dict[st
         return None, None, {}
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise UsageError(f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
+        hub = hub_download(model)
+        raise UsageError(f"--model '{model}' does not exist here; {hub} and give DIR" if hub else
+                         f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
     if not any((path / name).is_file() for name in ("config.yaml", "config.json", "adapter_config.json")):
         runs = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file())
         inside = f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): give one" \

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DataError, innermost
+from ..errors import ConfigError, DataError, hub_download, innermost
 
 logger = logging.getLogger("rlhf_plugins")
 
@@ -47,6 +47,9 @@ def data_files(path: Path, key: str = "data.path") -> tuple[str, list[str]]:
         if len(kinds) > 1:
             raise DataError(f"dataset folder '{path}' mixes file types ({', '.join(sorted(kinds))}); keep one kind")
         return kinds.pop(), [str(p) for p in files]
+    hub = hub_download(path, "dataset")
+    if hub:
+        raise DataError(f"dataset '{path}' does not exist here; {hub} and set --{key} DIR")
     raise DataError(f"dataset '{path}' does not exist; set --{key} to a {TYPES} file or folder")
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, hub_download
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 PICKLED = ("pytorch_model.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
@@ -24,7 +24,11 @@ def pickled_weights(folder: Path) -> list[str]:
 
 def not_a_model_folder(where: str, folder: Path) -> str:
     """The line for a folder without config.json: a LoRA adapter alone (a LoRA run's ``final/``) names
-    what to give instead -- the run's merged model when it wrote one, else the adapter's base."""
+    what to give instead -- the run's merged model when it wrote one, else the adapter's base; a Hub id names
+    how to fetch it."""
+    hub = hub_download(folder)
+    if hub:
+        return f"{where} does not exist here; {hub} and give DIR"
     if not (folder / "adapter_config.json").is_file():
         return f"{where} is not a save_pretrained folder (no config.json); give a local model folder or leave it empty"
     merged = folder.parent / f"{folder.name}-merged"
@@ -49,7 +53,9 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
     folder = Path(path).expanduser()
     where = f"{key} '{path}'"
     if not folder.is_dir():
-        raise ConfigError(f"{where} does not exist or is not a folder; give a local save_pretrained folder")
+        hub = hub_download(path)
+        raise ConfigError(f"{where} does not exist here; {hub} and give DIR" if hub else
+                          f"{where} does not exist or is not a folder; give a local save_pretrained folder")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(not_a_model_folder(where, folder))
