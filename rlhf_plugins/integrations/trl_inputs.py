@@ -75,7 +75,7 @@ def reward_models(funcs: list[Any], raw: dict[str, Any]) -> list[Any]:
                 return str(Path(f).resolve())
             if "/" in f:  # a hub name, as TRL would download: never a 'module.function'
                 raise ConfigError(f"reward_funcs entry '{f}' is not a local folder; download the reward model "
-                                  "(huggingface-cli download) and pass its folder")
+                                  f"(hf download {f} --local-dir DIR) and pass DIR")
             return None
         if not hasattr(f, "config"):  # a callable
             return None
