@@ -250,7 +250,7 @@ def test_rlhf_eval_reproduces_the_runs_last_evaluation(rlhf):
     assert again["model"] == "runs/r/final" and again["settings"]["n_samples"] == 2
     code, _, err = rlhf("eval", "runs")  # the folder of runs, not a run: named, with what it holds
     assert code == 2 and err.strip() == ("rlhf: error: --model 'runs' is neither a run directory (config.yaml) nor a "
-                                         "save_pretrained folder (config.json); it holds run directories (r): give one")
+                                         "save_pretrained folder (config.json); it holds run directories (r); give one")
 
 
 def test_rlhf_eval_on_ray_reads_the_policy_whatever_sync_the_run_saved(local_ray, rlhf):

@@ -49,11 +49,10 @@ def model_and_config(model: str | None) -> tuple[str | None, str | None, dict[st
         raise UsageError(f"--model '{model}' does not exist here; {hub} and give DIR" if hub else
                          f"--model '{model}' is not a folder; give a run directory or a save_pretrained folder")
     if not any((path / name).is_file() for name in ("config.yaml", "config.json", "adapter_config.json")):
-        runs = sorted(p.name for p in path.iterdir() if (p / "config.yaml").is_file())
-        inside = f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): give one" \
-            if runs else "; give one"
+        from ..training.runlog import runs_inside
+
         raise UsageError(f"--model '{model}' is neither a run directory (config.yaml) nor a save_pretrained folder "
-                         f"(config.json){inside}")
+                         f"(config.json){runs_inside(path)}; give one")
     if (path / "config.yaml").is_file():
         final = path / "final"
         if not final.is_dir():

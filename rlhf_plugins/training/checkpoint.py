@@ -162,10 +162,10 @@ def find(target: Path) -> tuple[Path, Path]:
         return target.parent.parent, target
     found = complete(target)
     if not found and not (target / "config.yaml").is_file() and not (target / DIRNAME).is_dir():
-        runs = sorted(p.name for p in target.iterdir() if (p / "config.yaml").is_file()) if target.is_dir() else []
-        inside = f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''})" if runs else ""
+        from .runlog import runs_inside
+
         raise CheckpointError(f"--resume '{target}' is neither a run directory (config.yaml) nor a checkpoint "
-                              f"folder{inside}; give one")
+                              f"folder{runs_inside(target)}; give one")
     if not found:
         raise CheckpointError(f"run directory '{target}' has no complete checkpoint to resume from "
                               f"(nothing under {target / DIRNAME}); it stopped before its first checkpoint")

@@ -236,6 +236,12 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def runs_inside(folder: Path) -> str:
+    """``; it holds run directories (a, b, c, ...)`` for a folder of runs given where one run is expected."""
+    runs = sorted(p.name for p in folder.iterdir() if (p / "config.yaml").is_file()) if folder.is_dir() else []
+    return f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''})" if runs else ""
+
+
 def make_run_dir(output_dir: str, run_name: str | None, prefix: str) -> Path:
     """``output_dir/run_name``, or ``output_dir/<prefix>-<date>-<time>`` (suffixed when taken)."""
     base = Path(output_dir).expanduser()
