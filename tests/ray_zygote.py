@@ -108,8 +108,13 @@ def serve(path: str, ready: int) -> tuple[dict, list[int], socket.socket]:
         if listener not in ready:
             continue
         conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        if not message or len(fds) != 3:  # a worker that went away before it asked
+        conn.settimeout(10)  # a worker stalled between connecting and asking holds up no other's reaping for long
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        except OSError:
+            message, fds = b"", []
+        conn.settimeout(None)
+        if not message or len(fds) != 3:  # a worker that went away (or stalled) before it asked
             for fd in fds:
                 os.close(fd)
             conn.close()

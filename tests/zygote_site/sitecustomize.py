@@ -4,11 +4,17 @@ Every other process, and a worker when the server cannot be reached, starts as u
 import os
 import sys
 
+#: what a stand-in forwards to its child (held back from the hand-over until it knows the child)
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
 
 def _hand_over(path: str) -> None:
     import json
+    import signal
     import socket
 
+    forwarded = {getattr(signal, name) for name in FORWARDED}
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)  # a signal sent before the child is known waits for it
     request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path, "pid": os.getpid()}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -17,17 +23,19 @@ def _hand_over(path: str) -> None:
         child = int(sock.recv(64))
     except (OSError, ValueError):
         sock.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
         return  # no server (or it ended): start as a fresh worker
-    _stand_in(sock, child)
+    _stand_in(sock, child, forwarded)
 
 
-def _stand_in(sock, child: int) -> None:
+def _stand_in(sock, child: int, forwarded: set) -> None:
     """Forward signals to the child until it ends, then end as it did; never return."""
     import signal
 
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in forwarded:
             signal.signal(sig, lambda s, _frame: os.kill(child, s))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)  # those sent meanwhile reach the child now
         answer = sock.recv(64)
         code = int(answer) if answer else -signal.SIGKILL  # the server ended: so did the child (it watches us)
     except BaseException:
