@@ -270,6 +270,20 @@ def test_bad_stage_input_is_one_line_and_leaves_nothing(rlhf, args, expected):
     assert not Path("runs").exists()
 
 
+def test_a_model_needing_its_own_code_is_one_line_naming_why_the_stages_do_not_run_it(rlhf, tmp_path, tiny_model):
+    """The stages have no --model.trust_remote_code (TRL's trainers load what transformers defines): the line
+    says so instead of pointing at a flag they lack."""
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
+    code, _, err = rlhf("sft", "--model.path", str(folder))
+    assert code == 2 and err.strip() == (
+        f"rlhf: error: model.path '{folder}' needs its own Python code to load (auto_map in config.json), which is "
+        "not run by the stages (TRL's trainers here load what transformers itself defines): give such a model")
+    assert not Path("runs").exists()
+
+
 def test_dry_run_checks_the_trl_fields_and_starts_nothing(rlhf):
     code, out, err = rlhf("dpo", "--trl.beta", "0.2", "--dry-run")
     assert code == 0, err

@@ -47,9 +47,10 @@ def not_a_model_folder(where: str, folder: Path) -> str:
             f"{go_on}")
 
 
-def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remote_code: bool = False,
+def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remote_code: bool | None = False,
                        tokenizer: bool = True) -> None:
-    """Raise one line when ``path`` is not a loadable ``save_pretrained`` folder."""
+    """Raise one line when ``path`` is not a loadable ``save_pretrained`` folder (``trust_remote_code`` None: a
+    command that never runs a model's own code)."""
     folder = Path(path).expanduser()
     where = f"{key} '{path}'"
     if not folder.is_dir():
@@ -72,8 +73,10 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, trust_remot
     if not isinstance(config, dict) or "model_type" not in config:
         raise ConfigError(f"{where}: config.json names no model_type; it is not a transformers model folder")
     if config.get("auto_map") and not trust_remote_code:
+        how = ("unless you trust it: pass --model.trust_remote_code true" if trust_remote_code is False else
+               "by the stages (TRL's trainers here load what transformers itself defines): give such a model")
         raise ConfigError(f"{where} needs its own Python code to load (auto_map in config.json), which is not run "
-                          "unless you trust it: pass --model.trust_remote_code true")
+                          f"{how}")
     if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"{where} has no tokenizer ({' / '.join(TOKENIZER_FILES[:2])}); save the tokenizer beside "
                           "the model (tokenizer.save_pretrained)")

@@ -156,7 +156,7 @@ def check(cfg: StageConfig, stage: str) -> None:
     if cfg.model.path is not None:  # before anything loads it (transformers would look for it on the Hub)
         from ..models.folder import check_model_folder
 
-        check_model_folder(cfg.model.path)
+        check_model_folder(cfg.model.path, trust_remote_code=None)  # None: no way to trust it here
     check_datasets(cfg.data.path, cfg.data.probs, "data")
     check_input_template(cfg.data.input_template)
     if cfg.lora.adapter:
