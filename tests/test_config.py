@@ -69,6 +69,9 @@ def test_flag_mappings_and_lists_stay_values_elsewhere_and_save_as_plain_yaml():
         ({"generation": {"n": 4}}, "unknown config key 'generation.n'; did you mean 'generation.n_samples_per_prompt'?"),
         ({"generation": {"temp": 1}}, "unknown config key 'generation.temp'; did you mean 'generation.temperature'?"),
         ({"train": {"zzz": 1}}, "unknown config key 'train.zzz'"),
+        # a bare name: the keys it ends, all of them when there are a few
+        ({"steps": 3}, "unknown config key 'steps'; did you mean 'train.steps'?"),
+        ({"lr": 1e-5}, "unknown config key 'lr'; did you mean one of 'critic.lr', 'learner.lr'?"),
         ({"train": {"steps": "many"}}, "config key 'train.steps' expects an integer, got 'many'"),
         ({"train": {"steps": 2.5}}, "config key 'train.steps' expects an integer, got 2.5"),
         ({"data": {"shuffle": "yes please"}}, "config key 'data.shuffle' expects true or false, got 'yes please'"),

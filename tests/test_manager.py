@@ -38,6 +38,25 @@ def test_unknown_component_lists_choices(rlhf_pm):
     )
 
 
+def test_another_frameworks_name_for_a_builtin_names_ours(rlhf_pm):
+    """verl's estimator and loss names, and torch's or vLLM's words for a backend or a sync, point at the
+    builtin that is theirs here -- each one a registered name of its area; a name of nothing gets no pointer."""
+    from rlhf_plugins.core.registry import ELSEWHERE
+    from rlhf_plugins.types import AREAS
+
+    by_area = {cls.area: cls for cls in AREAS.values()}
+    assert ("advantage estimator", "grpo") in ELSEWHERE
+    for (area, theirs), (ours, what) in ELSEWHERE.items():
+        cls = by_area[area]
+        assert ours in rlhf_pm.components.names(cls), (area, ours)
+        with pytest.raises(ConfigError) as exc:
+            rlhf_pm.components.get(cls, theirs.upper())  # as a user may spell it
+        assert str(exc.value).startswith(f"unknown {area} '{theirs.upper()}' ({what} is '{ours}' here); choose one of: ")
+    with pytest.raises(ConfigError) as exc:
+        rlhf_pm.components.get(AdvantageEstimator, "grpo_passk")
+    assert str(exc.value).startswith("unknown advantage estimator 'grpo_passk'; choose one of: ")
+
+
 class Clash:
     @hookimpl
     def rlhf_advantage_estimators(self):

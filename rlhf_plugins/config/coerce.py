@@ -66,6 +66,12 @@ def _unknown(key: str, known: list[str]) -> str:
     if theirs:
         return f"unknown config key '{key}': {theirs}"
     section, _, leaf = key.rpartition(".")
+    if not section:  # a bare name ('lr', 'seed'): the keys it ends, every one ('learner.lr' or 'critic.lr')
+        ends = [k for k in known if k.rsplit(".", 1)[-1] == key and "." in k]
+        if 1 < len(ends) <= 4:
+            return f"unknown config key '{key}'; did you mean one of " + ", ".join(f"'{k}'" for k in ends) + "?"
+        if ends:
+            return f"unknown config key '{key}'; did you mean '{ends[0]}'?"
     close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if section else []
     if not close and section:  # within its section: the one key the leaf begins ('generation.n'), else a spelling
         mine = [k for k in known if k.rpartition(".")[0] == section]

@@ -8,6 +8,20 @@ from typing import Any
 from ..errors import ConfigError, PluginError
 from ..types import AREAS, Component
 
+#: what other frameworks call a builtin component: (area, their name) -> (ours, what theirs is), for the line
+#: an unknown name gets (verl's estimator and loss names, torch's and vLLM's words for a backend or a sync)
+ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
+    ("advantage estimator", "grpo"): ("group_norm", "verl's GRPO advantage"),
+    ("advantage estimator", "reinforce_plus_plus"): ("reinforce", "verl's REINFORCE++ advantage"),
+    ("advantage estimator", "reinforce_plus_plus_baseline"): ("reinforce_baseline",
+                                                              "verl's REINFORCE++ with a group baseline"),
+    ("policy loss", "vanilla"): ("ppo", "verl's vanilla clipped loss"),
+    ("learner backend", "fsdp2"): ("fsdp", "torch's FSDP2"),
+    ("generation backend", "hf"): ("transformers", "generation with transformers"),
+    ("weight sync method", "nccl"): ("broadcast", "a NCCL broadcast"),
+    ("weight sync method", "cuda_ipc"): ("ipc", "CUDA IPC"),
+}
+
 
 @dataclass
 class ComponentRow:
@@ -47,7 +61,9 @@ class ComponentRegistry:
         rows = self._rows[cls]
         if name not in rows:
             choices = ", ".join(sorted(rows)) or "(none registered)"
-            raise ConfigError(f"unknown {cls.area} '{name}'; choose one of: {choices}")
+            ours, theirs = ELSEWHERE.get((cls.area, str(name).lower()), ("", ""))
+            here = f" ({theirs} is '{ours}' here)" if ours in rows else ""
+            raise ConfigError(f"unknown {cls.area} '{name}'{here}; choose one of: {choices}")
         return rows[name]
 
     def get(self, cls: type[Component], name: str, *, require_available: bool = True) -> Any:
