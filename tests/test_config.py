@@ -69,6 +69,14 @@ def test_flag_mappings_and_lists_stay_values_elsewhere_and_save_as_plain_yaml():
         ({"generation": {"n": 4}}, "unknown config key 'generation.n'; did you mean 'generation.n_samples_per_prompt'?"),
         ({"generation": {"temp": 1}}, "unknown config key 'generation.temp'; did you mean 'generation.temperature'?"),
         ({"train": {"zzz": 1}}, "unknown config key 'train.zzz'"),
+        # a fixed set of choices: another case, a dtype's short name, a close spelling with the same digits
+        ({"model": {"dtype": "bf16"}},
+         "config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'; got 'bf16'; did you mean 'bfloat16'?"),
+        ({"learner": {"optimizer": "AdamW"}}, "config key 'learner.optimizer' must be one of 'adamw' | 'adam' | 'sgd' | "
+         "'muon' | 'adafactor'; got 'AdamW'; did you mean 'adamw'?"),
+        ({"learner": {"lr_scheduler": "cosin"}},
+         "config key 'learner.lr_scheduler' must be one of 'constant' | 'linear' | 'cosine'; got 'cosin'; did you mean 'cosine'?"),
+        ({"model": {"dtype": "float64"}}, "config key 'model.dtype' must be one of 'float32' | 'bfloat16' | 'float16'; got 'float64'"),
         # a bare name: the keys it ends, all of them when there are a few
         ({"steps": 3}, "unknown config key 'steps'; did you mean 'train.steps'?"),
         ({"lr": 1e-5}, "unknown config key 'lr'; did you mean one of 'critic.lr', 'learner.lr'?"),

@@ -117,6 +117,27 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+#: the short spellings of a dtype other tools take (accelerate's mixed_precision, OpenRLHF's --bf16)
+_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _close_choice(value: Any, choices: tuple[Any, ...]) -> Any:
+    """The choice a string given for a fixed set of them most likely meant: the same letters in another case,
+    a dtype's short name, else a close spelling with the same digits; None when none is."""
+    if not isinstance(value, str):
+        return None
+    names = [c for c in choices if isinstance(c, str)]
+    lowered = {c.lower(): c for c in names}
+    key = value.strip().lower()
+    for guess in (lowered.get(key), lowered.get(_SHORT_DTYPES.get(key, ""))):
+        if guess is not None:
+            return guess
+    digits = "".join(filter(str.isdigit, value))  # float64 is no misspelt float16
+    alike = [c for c in names if not digits or "".join(filter(str.isdigit, c)) == digits]
+    close = difflib.get_close_matches(value, alike, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
     """``value`` as the type ``tp`` of the config key ``path`` (``known``: every key, for hints)."""
     if isinstance(value, (FlagMapping, FlagList)):
@@ -130,7 +151,9 @@ def _coerce(value: Any, tp: Any, path: str, known: list[str]) -> Any:
         return _coerce_union(value, tp, path, known)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{path}' must be one of {_type_name(tp)}; got {value!r}")
+            close = _close_choice(value, typing.get_args(tp))
+            hint = f"; did you mean {close!r}?" if close is not None else ""
+            raise ConfigError(f"config key '{path}' must be one of {_type_name(tp)}; got {value!r}{hint}")
         return value
     if origin is list:
         (arg,) = typing.get_args(tp) or (Any,)
