@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.ray_zygote import SOCKET_ENV, STAND_IN_ENV
+from tests.ray_zygote import SITE, SOCKET_ENV, STAND_IN_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
@@ -53,11 +53,14 @@ def worker(tmp_path):
     (tmp_path / "default_worker.py").write_text(WORKER)
     (tmp_path / "lib").mkdir()
 
-    def start(then: str, zygote_on: bool = True) -> subprocess.Popen:
+    def start(then: str, zygote_on: bool = True, socket_path: str | None = None) -> subprocess.Popen:
         env = {**os.environ, "PROBE_VALUE": "given", "PYTHONPATH": os.pathsep.join(
             [os.environ.get("PYTHONPATH", ""), str(tmp_path / "lib")])}
         if not zygote_on:
             env.pop(SOCKET_ENV)
+        if socket_path is not None:  # a server of the test's own, the hand-over on the path as the tests set it
+            env[SOCKET_ENV] = socket_path
+            env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])
         return subprocess.Popen([sys.executable, str(tmp_path / "default_worker.py"), then], cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -95,6 +98,56 @@ def test_the_stand_in_forwards_signals_to_the_forked_worker(zygote, worker):
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=60)
     assert "got SIGUSR1" in out and proc.returncode == 0
+
+
+def test_a_signal_sent_before_the_stand_in_knows_its_child_reaches_the_child(worker, tmp_path):
+    """The window between the hand-over and the zygote's answer, held open: a server of the zygote's protocol
+    answers only after the test has signalled the stand-in (which then holds the signal pending, not
+    delivered) and started the child; the child gets the signal and the stand-in ends with its status. Were
+    the signal not held back, its default action would end the stand-in alone (status -SIGUSR1)."""
+    import json
+    import socket
+
+    path = str(tmp_path / "zygote.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(60)
+    child = None
+    try:
+        proc = worker("wait", socket_path=path)
+        conn, _ = server.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        for fd in fds:
+            os.close(fd)
+        assert json.loads(message)["pid"] == proc.pid
+        proc.send_signal(signal.SIGUSR1)
+        assert _pending(proc.pid) & (1 << (signal.SIGUSR1 - 1))  # held back, the stand-in alive
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        assert proc.poll() is None, f"the stand-in ended at the signal (status {proc.returncode})"
+        conn.send(str(child.pid).encode())
+        assert child.wait(timeout=60) == 0 and child.stdout.read().strip() == "got SIGUSR1"
+        conn.send(b"0")
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        server.close()
+        if child is not None and child.poll() is None:
+            child.kill()
+
+
+#: the child the test's server starts for the stand-in: says when its handler is in place
+CHILD = ("import signal, sys, time\n"
+         "signal.signal(signal.SIGUSR1, lambda *_: (print('got SIGUSR1', flush=True), sys.exit(0)))\n"
+         "print('ready', flush=True)\ntime.sleep(60)\n")
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for a process (its ShdPnd mask in /proc)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("ShdPnd:"):
+            return int(line.split()[1], 16)
+    return 0
 
 
 def test_a_killed_stand_in_takes_its_forked_worker_with_it(zygote, worker):
