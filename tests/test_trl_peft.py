@@ -326,6 +326,43 @@ def test_rlhf_convert_trl_writes_the_config_trl_config_runs(rlhf, tmp_path):
     assert code == 0, err
 
 
+def test_rlhf_convert_trl_reads_trls_flags_over_its_config_file_or_alone(rlhf, tmp_path):
+    """TRL's own command line, ``trl grpo [--config FILE] --field value ...``: each flag typed by TRL's parser (a
+    bare boolean flag true, a list the words after it, a dict as JSON) and over the file's field, as TrlParser
+    lets it -- the config written is the one of a YAML holding the same fields; a flag TRL lacks or a value of
+    the wrong type is one line, and no file is written."""
+    from rlhf_plugins.config.loading import load_yaml
+    from rlhf_plugins.integrations.trl_config import from_trl_yaml
+
+    base = {"reward_funcs": ["my_rewards.correct"], "learning_rate": 1e-3, "num_generations": 4,
+            "per_device_train_batch_size": 16, "max_completion_length": 6}
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(base))
+    flags = ["--learning_rate", "2e-3", "--use_vllm", "--reward_funcs", "my_rewards.correct", "my_rewards.short",
+             "--model_init_kwargs", '{"dtype": "bfloat16"}', "--gradient_checkpointing", "false"]
+    given = {"learning_rate": 2e-3, "use_vllm": True, "reward_funcs": ["my_rewards.correct", "my_rewards.short"],
+             "model_init_kwargs": {"dtype": "bfloat16"}, "gradient_checkpointing": False}
+    for name, fields in (("over", {**base, **given}), ("alone", given)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(fields))
+        config = ["--config", "grpo.yaml"] if name == "over" else []
+        code, _, err = rlhf("convert", "trl", "-o", f"ours-{name}.yaml", "--", "trl", "grpo", *config, *flags)
+        assert code == 0, err
+        text = (tmp_path / f"ours-{name}.yaml").read_text()
+        assert text.startswith("# rlhf train --config this.yaml   (converted from the TRL GRPO command line (trl grpo"
+                               + (" --config grpo.yaml" if config else "") + " and 5 flags)")
+        raw, _, plugins = from_trl_yaml(tmp_path / f"{name}.yaml")
+        assert load_yaml(tmp_path / f"ours-{name}.yaml") == {**raw, "plugins": plugins}
+        assert raw["learner"]["lr"] == 2e-3 and raw["generation"]["backend"] == "vllm"
+        assert raw["model"]["dtype"] == "bfloat16" and raw["learner"]["gradient_checkpointing"] is False
+        assert raw["reward"]["functions"] == ["correct", "short"]
+    assert load_yaml(tmp_path / "ours-over.yaml")["generation"]["n_samples_per_prompt"] == 4  # the file's
+    for bad, line in ((["--learning_rate", "fast"], "trl grpo: argument --learning_rate/--learning-rate: invalid "
+                                                    "float value: 'fast'"),
+                      (["--learnig_rate", "1e-6"], "trl grpo takes no --learnig_rate 1e-6 (not a field of its script"),
+                      (["--config"], "trl's --config needs a file name")):
+        check_one_line_error(*rlhf("convert", "trl", "-o", "bad.yaml", "--", "trl", "grpo", *bad)[::2], line)
+        assert not (tmp_path / "bad.yaml").exists()
+
+
 def test_trl_field_with_no_equivalent_is_one_line(rlhf, tmp_path):
     cfg = tmp_path / "grpo.yaml"
     cfg.write_text("neftune_noise_alpha: 5.0\n")

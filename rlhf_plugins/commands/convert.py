@@ -274,8 +274,8 @@ def run(args: argparse.Namespace, rest: list[str], console: Any) -> int:
     if args.source == "trl":
         from .convert_trl import arguments, render_trl
 
-        source, args.output, trainer = arguments([*args.argv, *rest], args.output)
-        text = render_trl(source, trainer)
+        source, flags, args.output, trainer = arguments([*args.argv, *rest], args.output)
+        text = render_trl(source, trainer, flags)
     else:
         argv, args.output = _own_output([*args.argv, *rest], args.output)
         if not argv:

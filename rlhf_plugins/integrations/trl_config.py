@@ -259,15 +259,16 @@ def _leftovers(f: dict[str, Any], changed: set[str]) -> list[str]:
     return notes
 
 
-def from_trl_yaml(path: str | Path, trainer: str = "grpo") -> tuple[dict[str, Any], list[str], list[str]]:
-    """A ``trl grpo --config`` (or ``trl rloo --config``, with ``trainer`` rloo) style YAML -> (raw config, notes,
-    plugins for its reward_funcs)."""
+def from_trl_yaml(path: str | Path | None, trainer: str = "grpo",
+                  fields: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str], list[str]]:
+    """A ``trl grpo --config`` (``trl rloo --config``: ``trainer`` rloo) YAML, ``fields`` (TRL's flags) over it
+    (or alone) -> (raw config, notes, plugins for its reward_funcs)."""
     from ..config.loading import load_yaml, merge
     from .trl_open_r1 import open_r1_fields
     from .trl_script import script_rewards
     from .trl_stage_yaml import IGNORED, model_fields
 
-    data = dict(load_yaml(path))
+    data = {**(dict(load_yaml(path)) if path is not None else {}), **(fields or {})}
     model: dict[str, Any] = {}
     model_notes: list[str] = []
     model_fields(data, model, model_notes, "model.trust_remote_code")  # ModelConfig's: dtype, use_peft + lora_*
@@ -275,11 +276,9 @@ def from_trl_yaml(path: str | Path, trainer: str = "grpo") -> tuple[dict[str, An
         if key in data:
             data.pop(key)
             model_notes.append(f"TRL field '{key}' is ignored: {IGNORED[key]}")
-    script: dict[str, Any] = {}
-    for key in ("model_name_or_path", "dataset_name", "reward_funcs", "reward_model_name_or_path",
-                "dataset_train_split", "dataset_config"):
-        if key in data:
-            script[key] = data.pop(key)
+    script = {key: data.pop(key) for key in ("model_name_or_path", "dataset_name", "reward_funcs",
+                                             "reward_model_name_or_path", "dataset_train_split", "dataset_config")
+              if key in data}
     open_r1: dict[str, Any] = {}
     open_r1_fields(data, open_r1, model_notes)
     raw, notes = from_trl_fields(data, trainer)
