@@ -15,7 +15,11 @@ from ..errors import UsageError
 
 def command_fields(flags: list[str], trainer: str) -> dict[str, Any]:
     """The fields ``flags`` (``trl <trainer>``'s arguments but ``--config FILE``) set, typed by TRL's parser."""
-    parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
+    try:
+        parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
+    except (ImportError, AttributeError) as exc:  # a TRL release without the script
+        raise UsageError(f"this TRL has no `trl {trainer}` script to read its flags ({exc}); put the fields in a "
+                         f"YAML file: rlhf convert trl {trainer} FILE.yaml") from None
     for action in parser._actions:  # only what the command line gives: no defaults, nothing required
         if action.dest != "help":
             action.default = argparse.SUPPRESS
