@@ -72,10 +72,9 @@ def render_trl(source: Path | None, trainer: str = "grpo", flags: list[str] | No
     fields = command_fields(flags, trainer) if flags else None
     raw, notes, plugins = from_trl_yaml(source, trainer, fields)
     config: dict[str, Any] = {**raw, **({"plugins": plugins} if plugins else {})}
-    what = f"config {source.name}" if source is not None else ""
-    if fields:
-        what = f"command line (trl {trainer}{f' --config {source.name}' if source is not None else ''} " \
-               f"and {len(fields)} flag{'s' if len(fields) > 1 else ''})"
+    given = f" --config {source.name}" if source is not None else ""
+    what = (f"command line (trl {trainer}{given} and {len(fields)} flag{'s' * (len(fields) > 1)})" if fields
+            else f"config {source.name}")  # arguments() gives a file where it gives no flags
     lines = [f"# rlhf train --config this.yaml   (converted from the TRL {trainer.upper()} {what} by "
              "`rlhf convert trl`)", *(f"# note: {note}" for note in notes)]
     return "\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False)

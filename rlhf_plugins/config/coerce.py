@@ -66,13 +66,10 @@ def _unknown(key: str, known: list[str]) -> str:
     if theirs:
         return f"unknown config key '{key}': {theirs}"
     section, _, leaf = key.rpartition(".")
-    if not section:  # a bare name ('lr', 'seed'): the keys it ends, every one ('learner.lr' or 'critic.lr')
-        ends = [k for k in known if k.rsplit(".", 1)[-1] == key and "." in k]
-        if 1 < len(ends) <= 4:
-            return f"unknown config key '{key}'; did you mean one of " + ", ".join(f"'{k}'" for k in ends) + "?"
-        if ends:
-            return f"unknown config key '{key}'; did you mean '{ends[0]}'?"
-    close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] if section else []
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    if not section and 1 < len(same_leaf) <= 4:  # a bare name ('lr'): every key it ends ('critic.lr', 'learner.lr')
+        return f"unknown config key '{key}'; did you mean one of " + ", ".join(f"'{k}'" for k in same_leaf) + "?"
+    close = same_leaf[:1] if section or len(same_leaf) == 1 else []
     if not close and section:  # within its section: the one key the leaf begins ('generation.n'), else a spelling
         mine = [k for k in known if k.rpartition(".")[0] == section]
         begun = [k for k in mine if k.rpartition(".")[2].startswith(leaf)]
