@@ -332,6 +332,12 @@ def _files() -> list:
     def _(t):
         return ["--config", str(t / "none.yaml")], f"config file '{t}/none.yaml' does not exist"
 
+    @case("yaml-a-python-file")
+    def _(t):
+        write(t / "reward.py", "def reward(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+        return ["--config", str(t / "reward.py")], f"config file '{t}/reward.py' is Python, not YAML; a reward or " \
+            f"other plugin in a .py file is loaded with --plugin {t}/reward.py"
+
     @case("yaml-a-folder")
     def _(t):
         return ["--config", str(t)], f"config file '{t}' is a folder; give a YAML file"

@@ -21,6 +21,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is a folder; give a YAML file{inside}")
     if not p.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
+    if p.suffix == ".py":
+        raise ConfigError(f"config file '{path}' is Python, not YAML; a reward or other plugin in a .py file is "
+                          f"loaded with --plugin {path}")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
