@@ -687,6 +687,41 @@ def test_the_kv_cache_and_checkpointing_names_follow_the_models_own_forward():
     assert not checkpointing(SimpleNamespace())
 
 
+def test_checkpointing_is_turned_on_under_the_name_the_models_transformers_has(tiny_model):
+    """transformers 5.25 renamed ``gradient_checkpointing_enable`` ``activation_checkpointing_enable`` (the
+    old name warns): a model that has the new name is asked by it, one that has only the old by that, both
+    non-reentrant; a real policy and critic end up checkpointing with no deprecation warning of the name."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_plugins.models.hf_names import checkpointing, enable_checkpointing
+    from rlhf_plugins.models.value_model import ValueModel
+
+    calls = []
+
+    class Older:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(("old", gradient_checkpointing_kwargs))
+
+    class Newer(Older):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            calls.append(("new", activation_checkpointing_kwargs))
+
+    enable_checkpointing(Older())
+    enable_checkpointing(Newer())
+    assert calls == [("old", {"use_reentrant": False}), ("new", {"use_reentrant": False})]
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    critic = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_model).model)
+    assert not checkpointing(policy) and not critic.is_activation_checkpointing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_checkpointing(policy)
+        critic.gradient_checkpointing_enable()
+    assert checkpointing(policy) and critic.is_activation_checkpointing
+    assert [str(w.message) for w in caught if "checkpointing" in str(w.message)] == []
+
+
 def test_our_forwards_and_sampling_use_the_installed_transformers_names(model, tiny_model):
     """The shared-prompt forward (a KV cache passed and read back), a critic's forward with gradient
     checkpointing asked, and the engine's prefill and decode steps raise none of transformers'

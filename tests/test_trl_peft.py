@@ -90,13 +90,32 @@ def test_trl_checkpoint_and_evaluation_cadence_counts_updates(fields, ours, note
     assert cadence == ([note] if note else [])
 
 
+def test_transformers_new_checkpointing_names_convert_as_the_old_ones():
+    """transformers 5.25 renamed gradient_checkpointing[_kwargs] activation_checkpointing[_kwargs], the old names
+    kept as aliases that mirror the new: a config holding the new name (a YAML, or a GRPOConfig whose fields
+    both names mirror) converts as the old one, the new name winning where both are set, as transformers reads
+    them; TRL's default (checkpointing on) stands where neither is set."""
+    def checkpointing(fields):
+        return from_grpo_fields(fields)[0]["learner"]["gradient_checkpointing"]
+
+    assert checkpointing({}) is True  # GRPOConfig's default
+    assert checkpointing({"activation_checkpointing": False}) is False
+    assert checkpointing({"activation_checkpointing": None, "gradient_checkpointing": False}) is False
+    assert checkpointing({"gradient_checkpointing": True, "activation_checkpointing": False}) is False
+    assert checkpointing({"gradient_checkpointing": True, "activation_checkpointing": True}) is True
+    raw, notes = from_grpo_fields({"activation_checkpointing_kwargs": {"every_n_layers": 2}})
+    assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant, "
+                     "every decoder layer, its saved tensors on the device (--learner.gradient_checkpointing)"]
+
+
 def test_trl_defaults_keep_trls_linear_decay_and_warmup():
     raw, notes = from_grpo_fields({"warmup_steps": 0.1, "optim": "sgd", "adam_beta1": 0.8})
     assert raw["learner"]["lr_scheduler"] == "linear" and raw["learner"]["warmup_ratio"] == 0.1
     assert raw["learner"]["optimizer"] == "sgd" and raw["learner"]["betas"][0] == 0.8
     raw, notes = from_grpo_fields({"gradient_checkpointing_kwargs": {"use_reentrant": True}, "pad_to_multiple_of": 8,
                                    "label_smoothing_factor": 0.1})
-    assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant",
+    assert notes == ["TRL field 'gradient_checkpointing_kwargs' is ignored: checkpointing always runs non-reentrant, "
+                     "every decoder layer, its saved tensors on the device (--learner.gradient_checkpointing)",
                      "TRL field 'label_smoothing_factor' is ignored: it smooths the Trainer's language-modelling "
                      "loss, which TRL's GRPO loss replaces"]
     assert raw["learner"]["pad_to_multiple_of"] == 8  # TRL pads prompts and completions to it, as we do

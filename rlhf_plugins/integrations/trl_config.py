@@ -25,6 +25,7 @@ from .trl_fields import (
     INIT_IGNORED,
     LEGACY,
     expected,
+    fold_renamed,
     mapping,
 )
 from .trl_optimizer import optimizer
@@ -65,7 +66,7 @@ def from_trl_fields(fields: dict[str, Any], trainer: str) -> tuple[dict[str, Any
     """The fields of TRL's config for ``trainer`` (grpo or rloo; missing ones take TRL's defaults) -> (our raw
     config, notes). The two share every field but their algorithms' (:mod:`.trl_algorithm`)."""
     defaults = trl_defaults(trainer)
-    fields, legacy = {k: v for k, v in fields.items() if k not in LEGACY}, _legacy(fields)
+    fields, legacy = {k: v for k, v in fold_renamed(fields).items() if k not in LEGACY}, _legacy(fields)
     changed = _check_fields(fields, defaults, trainer)
     f = {**defaults, **fields}
     raw: dict[str, Any] = {}

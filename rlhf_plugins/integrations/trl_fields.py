@@ -10,7 +10,8 @@ from typing import Any
 #: fields that change nothing in training here, and why (one note lists those a config sets)
 IGNORED_WHY = {
     "vllm_mode": "vLLM runs as our generation engine (local or a Ray actor)",
-    "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant",
+    "gradient_checkpointing_kwargs": "checkpointing always runs non-reentrant, every decoder layer, its saved "
+                                     "tensors on the device (--learner.gradient_checkpointing)",
     "use_cache": "the learner never caches; generation always does",
     "ds3_gather_for_generation": "weights reach the engine by weight sync",
     "use_liger_kernel": "the output head, log-softmax and gather already run as one fused, chunked function; "
@@ -79,6 +80,22 @@ def mapping(value: Any) -> dict[str, Any]:
     if value is not None and not isinstance(value, dict):
         raise TypeError(f"expected a mapping, got {type(value).__name__}")
     return dict(value or {})
+
+
+#: transformers 5.25's names of fields it renamed -> the names TRL's configs set (kept there as aliases that
+#: mirror the new ones); a new name set, not None, is read as the old
+RENAMED = {"activation_checkpointing": "gradient_checkpointing",
+           "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
+def fold_renamed(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each of :data:`RENAMED`'s new names in place of its old one (where set), so that a
+    config of either transformers release converts alike."""
+    out = {k: v for k, v in fields.items() if k not in RENAMED}
+    for new, old in RENAMED.items():
+        if fields.get(new) is not None:
+            out[old] = fields[new]
+    return out
 
 
 #: GRPOConfig field -> (our dotted key, converter)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from ..models.hf_names import enable_checkpointing
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
 from .decay import decayed_everything
@@ -141,7 +142,7 @@ class DeepSpeedLearner(Learner):
         if self.stage == 3:
             _refuse_expert_lora(model)
         if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         params, optimizer = [p for _, p in named], None
         if self.cfg.optimizer == "muon":  # DeepSpeed's own Muon: ZeRO gathers each matrix to orthogonalise it

@@ -24,6 +24,7 @@ import torch
 from ..models.compiled import decoder_layers
 from ..models.empty_init import Source, empty_weights, load_shards, source_of
 from ..models.float32_head import weights_dtype
+from ..models.hf_names import enable_checkpointing
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
 from .decay import decayed_everything
@@ -94,7 +95,7 @@ class FSDPLearner(Learner):
         frozen = ctx.role == "reference"  # the reference model: shards in its own dtype, no optimizer
         model = model.requires_grad_(False) if frozen else model.float()  # trained: float32 shards
         if self.cfg.gradient_checkpointing and not frozen:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if self.cfg.compile and not frozen:  # inside each FSDP unit: its gathered weights, compiled kernels
             from ..models.compiled import compile_blocks
 

@@ -17,6 +17,7 @@ import torch
 
 from ..models.compiled import keep_grads_allocated, replays_graphs
 from ..models.float32_head import weights_dtype
+from ..models.hf_names import enable_checkpointing
 from ..protocols import BackendContext
 from .base import Learner, make_scheduler
 from .decay import decayed_everything
@@ -37,7 +38,7 @@ class TorchLearner(Learner):
         self.model = model = model.to(self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if dtype is torch.float16 else None
         if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if self.cfg.compile:  # the decoder's norms and MLPs as fused kernels (models/compiled.py)
             from ..models.compiled import compile_blocks
 

@@ -3,8 +3,8 @@ model in hand rather than of a version number, so remote-code and plugin models 
 
 - the KV cache's argument and output field: ``past_key_values`` became ``cache`` (transformers 5.2x
   renames it with a FutureWarning; 5.40 drops the old name);
-- the activation checkpointing flag: ``is_gradient_checkpointing`` became ``is_activation_checkpointing``
-  (the old one goes in 6).
+- activation checkpointing: ``is_gradient_checkpointing`` became ``is_activation_checkpointing`` and
+  ``gradient_checkpointing_enable`` ``activation_checkpointing_enable`` (5.25; the old names warn, and go in 6).
 """
 from __future__ import annotations
 
@@ -43,3 +43,13 @@ def checkpointing(model: Any) -> bool:
     """Whether ``model`` recomputes activations in its backward pass (gradient checkpointing)."""
     flag = getattr(model, "is_activation_checkpointing", None)
     return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
+
+
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
+    """Recompute ``model``'s decoder layers in its backward pass (``torch.utils.checkpoint`` with ``kwargs``,
+    non-reentrant unless they say otherwise), under the name its transformers has."""
+    kwargs = {"use_reentrant": False} if kwargs is None else kwargs
+    if hasattr(model, "activation_checkpointing_enable"):  # a remote-code override of the old name is still called
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

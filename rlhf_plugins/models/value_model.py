@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .hf_names import cache_argument, checkpointing, output_cache
+from .hf_names import cache_argument, checkpointing, enable_checkpointing, output_cache
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -73,8 +73,8 @@ class ValueModel(torch.nn.Module):
 
     is_gradient_checkpointing = is_activation_checkpointing  # the name of transformers before 5.2x
 
-    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        self.backbone.gradient_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        enable_checkpointing(self.backbone, gradient_checkpointing_kwargs)
 
     def forward(
         self,
