@@ -45,7 +45,9 @@ def _checkpointed_run(path: str, batch: dict, checkpointing: bool) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from rlhf_plugins.models.hf_names import enable_checkpointing
+
+        enable_checkpointing(model)
     widths, attention_calls = [], []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
     attention = model.model.layers[1].self_attn

@@ -299,7 +299,9 @@ def test_shared_prompts_give_every_samples_own_logprobs_and_gradients_on_cuda(re
     def run(parts, checkpointed):
         model = AutoModelForCausalLM.from_pretrained(default_model_path()).to(DEVICE).train()
         if checkpointed:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from rlhf_plugins.models.hf_names import enable_checkpointing
+
+            enable_checkpointing(model)
         logprobs = torch.zeros(mask.shape, device=DEVICE)
         for part in parts(model):
             out = policy_forward(model, part)["logprobs"]
