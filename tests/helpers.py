@@ -106,6 +106,18 @@ def block_import(monkeypatch, module: str) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
 
 
+def needs_release_with(package: str, owner: Any, name: str) -> None:
+    """Skip where the installed ``package`` has no ``name`` on ``owner`` (a module, or a dataclass's field): a
+    feature of a later release than the floor setup.cfg declares (``scripts/compat_extras.sh`` runs there)."""
+    import dataclasses
+
+    import pytest
+
+    names = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set(dir(owner))
+    if name not in names:
+        pytest.skip(f"the installed {package} has no {name} (a later release's)")
+
+
 def no_run_dirs(path: Path = Path("runs")) -> bool:
     return not path.exists() or not any(path.iterdir())
 

@@ -134,3 +134,19 @@ def test_trl_and_openrlhf_configs_carry_it_over():
     converted = convert(["--aux_loss_coef", "0.01"])
     assert converted.raw["learner"]["router_aux_loss_coef"] == 0.01
     assert "--aux_loss_coef" in dict(converted.partial)
+
+
+def test_an_earlier_trls_numeric_default_converts_as_the_models_own(monkeypatch):
+    """TRL 1.7's GRPOConfig defaulted router_aux_loss_coef to 0.001 ("only has an effect when training a
+    Mixture-of-Experts model"), which, carried as a number, had every dense model's run refused: left at that
+    default it is the model's own coefficient, as in later releases; set explicitly, it is carried."""
+    from rlhf_plugins.integrations import trl_config
+    from rlhf_plugins.integrations.trl_fields import current_defaults
+
+    installed = trl_config.trl_defaults("grpo")
+    earlier = {**installed, "router_aux_loss_coef": 0.001}
+    assert current_defaults(earlier) == {**installed, "router_aux_loss_coef": None}
+    assert current_defaults({**installed, "router_aux_loss_coef": None}) == {**installed, "router_aux_loss_coef": None}
+    monkeypatch.setattr(trl_config, "trl_defaults", lambda trainer: dict(earlier))
+    assert trl_config.from_grpo_fields({})[0]["learner"]["router_aux_loss_coef"] is None
+    assert trl_config.from_grpo_fields({"router_aux_loss_coef": 0.001})[0]["learner"]["router_aux_loss_coef"] == 0.001

@@ -15,6 +15,7 @@ from tests.helpers import (
     check_one_line_error,
     clean_env,
     metrics_of,
+    needs_release_with,
     no_run_dirs,
     samples_of,
     short_run,
@@ -25,7 +26,7 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from rlhf_plugins.errors import ConfigError  # noqa: E402
-from rlhf_plugins.integrations.trl import from_grpo_fields  # noqa: E402
+from rlhf_plugins.integrations.trl import from_grpo_fields, trl_defaults  # noqa: E402
 
 
 def test_grpo_fields_map_by_hand():
@@ -44,7 +45,9 @@ def test_grpo_fields_map_by_hand():
     assert raw["learner"]["mini_batch_size"] == 16 and raw["learner"]["micro_batch_size"] == 8
     # 10 optimizer steps, 2 iterations x (4 / 2) updates per rollout -> 3 rollouts
     assert raw["train"]["steps"] == 3
-    assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3", "ratio": "token"}  # use_bias_correction_kl
+    # TRL's use_bias_correction_kl, on by default in the releases CI runs (off in earlier ones): the KL times the ratio
+    ratio = {"ratio": "token"} if trl_defaults("grpo")["use_bias_correction_kl"] else {}
+    assert raw["algo"]["kl"] == {"coef": 0.04, "estimator": "k3", **ratio}
     assert raw["algo"]["policy_loss"]["clip_low"] == 0.2 and raw["algo"]["policy_loss"]["clip_high"] == 0.28
     assert raw["algo"]["policy_loss"]["aggregation"] == "seq-mean-token-sum-norm"
     assert raw["algo"]["policy_loss"]["mask_truncated"] is True
@@ -716,6 +719,8 @@ def test_a_lora_variant_that_does_not_merge_is_named():
     """PEFT's aLoRA (its adapter active only after invocation tokens) has no merged form: named in one line."""
     import torch
     from peft import LoraConfig, get_peft_model
+
+    needs_release_with("peft", LoraConfig, "alora_invocation_tokens")  # aLoRA came with PEFT 0.17
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_plugins.models.lora import adapted_layers
@@ -1145,6 +1150,8 @@ def test_a_lora_on_fused_expert_tensors_merges_as_peft_does(kind, lora):
     expert tensor) equals PEFT's own merge_and_unload, tensor for tensor."""
     import torch
     from peft import LoraConfig, get_peft_model
+
+    needs_release_with("peft", LoraConfig, "target_parameters")  # PEFT 0.17's LoRA on parameters
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_plugins.models.lora import param_wrappers

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from ..errors import ConfigError
 from .trl_algorithm import adaptive_entropy, algorithm, reference_sync, rloo_algorithm
@@ -24,6 +24,7 @@ from .trl_fields import (
     IGNORED_WHY,
     INIT_IGNORED,
     LEGACY,
+    current_defaults,
     expected,
     fold_renamed,
     mapping,
@@ -65,7 +66,7 @@ def from_grpo_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 def from_trl_fields(fields: dict[str, Any], trainer: str) -> tuple[dict[str, Any], list[str]]:
     """The fields of TRL's config for ``trainer`` (grpo or rloo; missing ones take TRL's defaults) -> (our raw
     config, notes). The two share every field but their algorithms' (:mod:`.trl_algorithm`)."""
-    defaults = trl_defaults(trainer)
+    defaults = current_defaults(trl_defaults(trainer))
     fields, legacy = {k: v for k, v in fold_renamed(fields).items() if k not in LEGACY}, _legacy(fields)
     changed = _check_fields(fields, defaults, trainer)
     f = {**defaults, **fields}
@@ -205,8 +206,6 @@ def _compile(f: dict[str, Any], raw: dict[str, Any], notes: list[str]) -> None:
     in the Trainer's mode)."""
     if f.get("torch_compile") or f.get("torch_compile_backend") or f.get("torch_compile_mode"):
         _set(raw, "learner.compile", True)
-    from typing import get_args
-
     from ..config.learner_schema import CompileMode
 
     mode = f.get("torch_compile_mode")

@@ -98,6 +98,17 @@ def fold_renamed(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def current_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """TRL's defaults with the meaning its newest releases give them: earlier 1.x releases (1.7 among them)
+    defaulted router_aux_loss_coef to 0.001, applied to a mixture of experts only, where later ones default
+    to None, the model config's own coefficient -- ours when it is left unset (a number set for a dense
+    model is refused here: it weights nothing)."""
+    out = dict(defaults)
+    if out.get("router_aux_loss_coef") is not None:
+        out["router_aux_loss_coef"] = None
+    return out
+
+
 #: GRPOConfig field -> (our dotted key, converter)
 DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "learning_rate": ("learner.lr", float),
