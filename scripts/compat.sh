@@ -14,16 +14,7 @@ cd "$(dirname "$0")/.."
 VENV="${COMPAT_VENV:-.venv-compat}"
 PY="${PYTHON:-python3}"
 RESOLUTION="${COMPAT_RESOLUTION:-lowest-direct}"
-export RLHF_CACHE_DIR="${RLHF_CACHE_DIR:-$PWD/.cache/rlhf-compat}"
-export RLHF_DISABLE_PLUGIN_AUTOLOAD=1
-
-UV="$(command -v uv || true)"
-if [ -z "$UV" ]; then
-  [ -x .cache/uv-venv/bin/uv ] || { "$PY" -m venv .cache/uv-venv && .cache/uv-venv/bin/pip install --quiet uv; }
-  UV=.cache/uv-venv/bin/uv
-fi
-rm -rf "$VENV"
-"$UV" venv --quiet -p "$PY" "$VENV"
+source scripts/compat_venv.sh
 EXTRAS=test,peft
 if [ "$RESOLUTION" = highest ]; then EXTRAS=test,peft,trl,math; fi
 "$UV" pip install --quiet -p "$VENV/bin/python" --resolution "$RESOLUTION" -e ".[$EXTRAS]"
