@@ -23,7 +23,7 @@ def quiet_peft_wrapping() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
         warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
-        warnings.filterwarnings("ignore", message="Model with `tie_word_embeddings=True`")  # PEFT 0.16's words
+        warnings.filterwarnings("ignore", message="Model with `tie_word_embeddings=True`")  # where it names them
         yield
 
 
